@@ -1,0 +1,144 @@
+"""A prompt and its n samples: the unit GRPO scores and the unit the buffer schedules."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from buffers.sample import Sample, SampleStatus
+
+
+class Lane(str, enum.Enum):
+    REGULAR = "regular"
+    LONG = "long"  # deferred by tail batching or predicted long by a ranker
+
+
+@dataclass(frozen=True, eq=False)
+class PromptRecord:
+    """A dataset row, tokenized. `source_index` is the row's position in the dataset."""
+
+    ids: tuple[int, ...]
+    text: str
+    label: Any = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    source_index: int = -1
+    epoch: int = 0
+
+    def to_state(self) -> dict[str, Any]:
+        return {
+            "ids": list(self.ids),
+            "text": self.text,
+            "label": self.label,
+            "metadata": self.metadata,
+            "source_index": self.source_index,
+            "epoch": self.epoch,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> "PromptRecord":
+        return cls(
+            ids=tuple(state["ids"]),
+            text=state["text"],
+            label=state["label"],
+            metadata=dict(state["metadata"]),
+            source_index=int(state["source_index"]),
+            epoch=int(state["epoch"]),
+        )
+
+
+@dataclass(eq=False)
+class Group:
+    group_id: int
+    prompt: PromptRecord
+    samples: list[Sample]
+    lane: Lane = Lane.REGULAR
+    predicted_length: float | None = None
+    birth_version: int = 0  # policy version when the group was first handed out
+    attempts: int = 0  # times handed to the manager (1 + resumptions)
+    stale_corrected: bool = False  # kept past max_staleness under the `correct` policy
+
+    @classmethod
+    def new(
+        cls, group_id: int, prompt: PromptRecord, n: int, first_index: int, version: int
+    ) -> "Group":
+        samples = [Sample(first_index + i, group_id, prompt.ids) for i in range(n)]
+        return cls(group_id, prompt, samples, birth_version=version)
+
+    @property
+    def n(self) -> int:
+        return len(self.samples)
+
+    # -- progress -----------------------------------------------------------------------
+    @property
+    def is_complete(self) -> bool:
+        """Every sample is terminal and rewarded (or failed)."""
+        return all(s.is_finished for s in self.samples)
+
+    @property
+    def failed(self) -> list[Sample]:
+        return [s for s in self.samples if s.status is SampleStatus.FAILED]
+
+    def to_generate(self) -> list[Sample]:
+        """Samples that still need (more) generation."""
+        return [s for s in self.samples if not s.status.terminal]
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(s.response_ids) for s in self.samples)
+
+    @property
+    def has_tokens(self) -> bool:
+        return any(s.response_ids for s in self.samples)
+
+    def oldest_version(self) -> int | None:
+        """The policy version of the oldest generated token (None before any token)."""
+        olds = [v for s in self.samples if (v := s.oldest_version()) is not None]
+        return min(olds) if olds else None
+
+    def version_span(self) -> tuple[int, int] | None:
+        # versions never decrease along a sample, so its ends are its extremes
+        vs = [v for s in self.samples for v in (s.versions[:1] + s.versions[-1:])]
+        return (min(vs), max(vs)) if vs else None
+
+    def rewards(self) -> list[float | None]:
+        return [s.reward for s in self.samples]
+
+    def regenerate(self, version: int) -> None:
+        """Throw the responses away and start again from the prompt."""
+        for s in self.samples:
+            s.reset()
+        self.birth_version = version
+        self.stale_corrected = False
+
+    def interrupt(self) -> None:
+        """An abort ended the group's in-flight requests: park non-terminal samples."""
+        for s in self.samples:
+            s.interrupt()
+
+    # -- persistence ----------------------------------------------------------------------
+    def to_state(self) -> dict[str, Any]:
+        return {
+            "group_id": self.group_id,
+            "prompt": self.prompt.to_state(),
+            "samples": [s.to_state() for s in self.samples],
+            "lane": self.lane.value,
+            "predicted_length": self.predicted_length,
+            "birth_version": self.birth_version,
+            "attempts": self.attempts,
+            "stale_corrected": self.stale_corrected,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> "Group":
+        prompt = PromptRecord.from_state(state["prompt"])
+        return cls(
+            group_id=int(state["group_id"]),
+            prompt=prompt,
+            samples=[Sample.from_state(s, prompt.ids) for s in state["samples"]],
+            lane=Lane(state["lane"]),
+            predicted_length=state["predicted_length"],
+            birth_version=int(state["birth_version"]),
+            attempts=int(state["attempts"]),
+            stale_corrected=bool(state["stale_corrected"]),
+        )

@@ -1,0 +1,227 @@
+"""One trajectory and the single mutator that keeps its per-token lists aligned.
+
+Everything generated for a sample goes through `Sample.append`: response token ids, the rollout
+log-probability of each token, the policy version that produced each token, and the loss mask.
+`append` checks that the lists stay equally long and that nothing is appended once the sample is
+terminal, so partial rollouts resumed across several policy versions cannot drift out of alignment
+(the class of bug slime#1440/#2207 fixed after the fact).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+
+class SampleStatus(str, enum.Enum):
+    PENDING = "pending"  # nothing generated yet
+    RUNNING = "running"  # a request is in flight
+    PARTIAL = "partial"  # aborted mid-generation; tokens kept, resumed later
+    DONE = "done"  # the engine stopped (EOS or a stop token)
+    TRUNCATED = "truncated"  # the response hit its token budget
+    FAILED = "failed"  # generation or reward failed; `error` says why
+
+    @property
+    def terminal(self) -> bool:
+        return self in _TERMINAL
+
+
+_TERMINAL = frozenset({SampleStatus.DONE, SampleStatus.TRUNCATED, SampleStatus.FAILED})
+
+# SGLang's meta_info.finish_reason.type -> the status it leaves a sample in.
+FINISH_REASON_STATUS = {
+    "stop": SampleStatus.DONE,
+    "length": SampleStatus.TRUNCATED,
+    "abort": SampleStatus.PARTIAL,
+}
+
+
+class SampleError(ValueError):
+    """A mutation that would break a sample's invariants."""
+
+
+@dataclass(eq=False)
+class Sample:
+    """One response to one prompt.
+
+    `prompt_ids` is shared with the group's prompt record (not copied). The per-token lists
+    `response_ids`, `logprobs`, `versions` and `loss_mask` always have the same length, and
+    `versions` never decreases along the response.
+    """
+
+    index: int  # unique per buffer, stable across save/load
+    group_id: int
+    prompt_ids: Sequence[int]
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    status: SampleStatus = SampleStatus.PENDING
+    finish_reason: str | None = None
+    reward: float | None = None
+    error: str | None = None
+    requests: int = 0  # generate calls that contributed tokens (1 + number of resumptions)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    # -- the one mutator ------------------------------------------------------------------
+    def append(
+        self,
+        token_ids: Sequence[int],
+        logprobs: Sequence[float],
+        version: int,
+        *,
+        finish_reason: str | None = None,
+        trainable: bool = True,
+    ) -> None:
+        """Append a generated span, then apply `finish_reason` (stop | length | abort) if given.
+
+        A span produced by one request carries one policy version (engines stamp it per
+        request). An empty span with a finish reason is valid: an aborted request may have
+        produced no token, and a stop can arrive in a final chunk without new tokens.
+        """
+        if self.status.terminal:
+            raise SampleError(
+                f"sample {self.index}: append after terminal status {self.status.value}"
+            )
+        if len(token_ids) != len(logprobs):
+            raise SampleError(
+                f"sample {self.index}: {len(token_ids)} tokens but {len(logprobs)} logprobs"
+            )
+        if not isinstance(version, int) or version < 0:
+            raise SampleError(f"sample {self.index}: version must be an int >= 0, got {version!r}")
+        if self.versions and version < self.versions[-1]:
+            raise SampleError(
+                f"sample {self.index}: version {version} is older than the last token's "
+                f"({self.versions[-1]}); policy versions only move forward"
+            )
+        if finish_reason is not None and finish_reason not in FINISH_REASON_STATUS:
+            raise SampleError(
+                f"sample {self.index}: unknown finish reason {finish_reason!r}; "
+                f"expected one of {sorted(FINISH_REASON_STATUS)}"
+            )
+        n = len(token_ids)
+        self.response_ids.extend(int(t) for t in token_ids)
+        self.logprobs.extend(float(x) for x in logprobs)
+        self.versions.extend([version] * n)
+        self.loss_mask.extend([1 if trainable else 0] * n)
+        if finish_reason is not None:
+            self.finish_reason = finish_reason
+            self.status = FINISH_REASON_STATUS[finish_reason]
+        elif self.status is SampleStatus.PENDING or self.status is SampleStatus.PARTIAL:
+            self.status = SampleStatus.RUNNING
+
+    # -- status transitions around generation -----------------------------------------
+    def start_request(self) -> None:
+        """A request for this sample is about to be sent (fresh or resumed)."""
+        if self.status.terminal:
+            raise SampleError(f"sample {self.index}: cannot start a request, status {self.status.value}")
+        self.status = SampleStatus.RUNNING
+        self.requests += 1
+
+    def interrupt(self) -> None:
+        """The in-flight request ended without a finish reason (abort, lost connection)."""
+        if not self.status.terminal:
+            self.status = SampleStatus.PARTIAL if self.response_ids else SampleStatus.PENDING
+
+    def fail(self, error: str) -> None:
+        """Record a failure (engine or reward). The sample is terminal and keeps its tokens."""
+        self.status = SampleStatus.FAILED
+        self.error = error
+
+    def set_reward(self, reward: float) -> None:
+        if self.status not in (SampleStatus.DONE, SampleStatus.TRUNCATED):
+            raise SampleError(
+                f"sample {self.index}: reward for a sample with status {self.status.value}"
+            )
+        self.reward = float(reward)
+
+    def reset(self) -> None:
+        """Forget the response (regenerate from the prompt, e.g. when too stale)."""
+        self.response_ids = []
+        self.logprobs = []
+        self.versions = []
+        self.loss_mask = []
+        self.status = SampleStatus.PENDING
+        self.finish_reason = None
+        self.reward = None
+        self.error = None
+
+    # -- derived views ------------------------------------------------------------------
+    @property
+    def response_length(self) -> int:
+        return len(self.response_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        """Terminal and, unless failed, rewarded: nothing more will happen to it."""
+        return self.status is SampleStatus.FAILED or (
+            self.status.terminal and self.reward is not None
+        )
+
+    def input_ids(self) -> list[int]:
+        """What to send to resume: prompt + response ids (resumption is by tokens, never text)."""
+        return [*self.prompt_ids, *self.response_ids]
+
+    def remaining_tokens(self, max_new_tokens: int) -> int:
+        return max(0, max_new_tokens - len(self.response_ids))
+
+    def oldest_version(self) -> int | None:
+        return self.versions[0] if self.versions else None  # versions never decrease
+
+    def check(self) -> None:
+        """Raise SampleError if an invariant does not hold (used after load and in tests)."""
+        n = len(self.response_ids)
+        if not (len(self.logprobs) == len(self.versions) == len(self.loss_mask) == n):
+            raise SampleError(
+                f"sample {self.index}: per-token lists misaligned "
+                f"(ids {n}, logprobs {len(self.logprobs)}, versions {len(self.versions)}, "
+                f"mask {len(self.loss_mask)})"
+            )
+        if any(b < a for a, b in zip(self.versions, self.versions[1:])):
+            raise SampleError(f"sample {self.index}: versions decrease along the response")
+
+    # -- persistence ----------------------------------------------------------------------
+    def to_state(self) -> dict[str, Any]:
+        """Plain data (prompt ids are stored once, by the group)."""
+        return {
+            "index": self.index,
+            "group_id": self.group_id,
+            "response_ids": self.response_ids,
+            "logprobs": self.logprobs,
+            "versions": self.versions,
+            "loss_mask": self.loss_mask,
+            # A request in flight at save time is resumed later: RUNNING is saved as PARTIAL/PENDING.
+            "status": _at_rest(self).value,
+            "finish_reason": self.finish_reason,
+            "reward": self.reward,
+            "error": self.error,
+            "requests": self.requests,
+            "metadata": self.metadata,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], prompt_ids: Sequence[int]) -> "Sample":
+        s = cls(
+            index=int(state["index"]),
+            group_id=int(state["group_id"]),
+            prompt_ids=prompt_ids,
+            response_ids=list(state["response_ids"]),
+            logprobs=list(state["logprobs"]),
+            versions=list(state["versions"]),
+            loss_mask=list(state["loss_mask"]),
+            status=SampleStatus(state["status"]),
+            finish_reason=state["finish_reason"],
+            reward=state["reward"],
+            error=state["error"],
+            requests=int(state["requests"]),
+            metadata=dict(state["metadata"]),
+        )
+        s.check()
+        return s
+
+
+def _at_rest(sample: Sample) -> SampleStatus:
+    if sample.status is SampleStatus.RUNNING:
+        return SampleStatus.PARTIAL if sample.response_ids else SampleStatus.PENDING
+    return sample.status
