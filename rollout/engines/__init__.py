@@ -1,0 +1,1 @@
+"""Engine servers: the built-in HF server and the real SGLang launcher."""

@@ -1,0 +1,78 @@
+"""Recipe sections for the engine servers and the router (`rollout.engine`, `rollout.router`)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class EngineConfig(BaseModel):
+    """Engine servers that generate rollouts. All of them sit behind one sglang-router."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["hf", "sglang"] = Field(
+        "hf",
+        description="Engine server: 'hf' is rlkit's built-in server (transformers model, batched "
+        "KV-cache decoder; CPU or CUDA); 'sglang' launches real SGLang servers (GPU machines, "
+        "`pip install rlkit[gpu]`). Both speak the same HTTP protocol behind the router.",
+    )
+    num_engines: int = Field(2, ge=1, le=1024, description="Number of engine servers.")
+    host: str = Field("127.0.0.1", description="Interface the engine servers bind to.")
+    max_running_requests: int = Field(
+        64,
+        ge=1,
+        le=65536,
+        description="Requests one engine decodes together (continuous-batching slots); more wait "
+        "in its queue.",
+    )
+    max_total_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="KV-cache capacity of one engine in tokens (prompt + generated, all running "
+        "requests). None: bounded only by max_running_requests x (prompt + max_new_tokens).",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Device of the built-in engine; auto picks cuda when available."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights and activations dtype; auto is float32 on CPU, bfloat16 on CUDA."
+    )
+    startup_timeout_s: float = Field(
+        600.0, gt=0, description="Seconds to wait for an engine to answer /health after start."
+    )
+    gpus_per_engine: int = Field(
+        1, ge=1, description="GPUs per SGLang server (its tensor-parallel size); ignored by 'hf'."
+    )
+    sglang_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra SGLang server arguments passed through unchanged "
+        "(e.g. {mem_fraction_static: 0.8, chunked_prefill_size: 8192}).",
+    )
+
+
+class RouterConfig(BaseModel):
+    """The sglang-router process in front of the engines."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: Literal["round_robin", "random", "cache_aware", "power_of_two"] = Field(
+        "round_robin", description="Router load-balancing policy for /generate."
+    )
+    host: str = Field("127.0.0.1", description="Interface the router binds to.")
+    port: int = Field(0, ge=0, le=65535, description="Router port; 0 picks a free port.")
+    prometheus_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="Router metrics port; 0 picks a free port (the router's default 29000 "
+        "collides between jobs).",
+    )
+    request_timeout_s: float = Field(
+        3600.0, gt=0, description="Router-side timeout of one forwarded request."
+    )
+    extra_args: list[str] = Field(
+        default_factory=list,
+        description="Extra command-line arguments for the router binary, passed through.",
+    )
