@@ -3,15 +3,31 @@
 Pure Python: nothing here imports torch, Ray or an HTTP library.
 """
 
+from buffers.buffer import BufferClosed, BufferError, BufferStateError, Place, RolloutBuffer
 from buffers.group import Group, Lane, PromptRecord
+from buffers.persistence import load_buffer, save_buffer
 from buffers.sample import FINISH_REASON_STATUS, Sample, SampleError, SampleStatus
+from buffers.source import EpochOrder, ListPromptSource, PromptSource
+from buffers.staleness import StalenessPolicy, staleness
 
 __all__ = [
     "FINISH_REASON_STATUS",
+    "BufferClosed",
+    "BufferError",
+    "BufferStateError",
+    "EpochOrder",
     "Group",
     "Lane",
+    "ListPromptSource",
+    "Place",
     "PromptRecord",
+    "PromptSource",
+    "RolloutBuffer",
     "Sample",
     "SampleError",
     "SampleStatus",
+    "StalenessPolicy",
+    "load_buffer",
+    "save_buffer",
+    "staleness",
 ]

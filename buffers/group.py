@@ -47,7 +47,7 @@ class PromptRecord:
         )
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Group:
     group_id: int
     prompt: PromptRecord

@@ -41,7 +41,7 @@ class SampleError(ValueError):
     """A mutation that would break a sample's invariants."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Sample:
     """One response to one prompt.
 

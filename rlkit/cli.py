@@ -12,9 +12,10 @@ import sys
 
 # (command words, module, one-line help)
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
+    (("train",), "rlkit.commands.train", "run a training job from a recipe"),
     (("config", "show"), "rlkit.commands.config_show", "print the resolved recipe"),
     (("config", "docs"), "rlkit.commands.config_docs", "regenerate docs/recipe-reference.md"),
-    # (("bench", "buffer"), "rlkit.bench.buffer", "buffer group operations per second"),
+    (("bench", "buffer"), "rlkit.bench.buffer", "buffer group operations per second"),
 ]
 
 

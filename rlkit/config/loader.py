@@ -146,10 +146,12 @@ def _format_errors(err: ValidationError, origins: Origins, path: str | Path | No
 
 
 def _origin_of(loc: tuple[str, ...], origins: Origins) -> str | None:
+    """Who set this key: itself or its nearest parent, else whoever set something below it."""
     for n in range(len(loc), 0, -1):
         if loc[:n] in origins:
             return origins[loc[:n]]
-    return None
+    below = [origin for key, origin in origins.items() if key[: len(loc)] == loc]
+    return below[-1] if below else None
 
 
 def _suggest(loc: tuple[str, ...]) -> str:

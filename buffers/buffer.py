@@ -1,0 +1,503 @@
+"""RolloutBuffer: the one data plane every mode and policy schedules over.
+
+Queues (see DESIGN.md):
+
+    source   fresh prompts (a PromptSource: dataset order, epoch, shuffle)
+    partial  groups aborted mid-generation, with their tokens; handed out first, oldest first
+    long     groups deferred by tail batching or predicted long by a ranker
+    ready    complete, rewarded groups, in completion order, for the trainer
+
+Life of a group: `acquire`/`acquire_long` hand it to the producer (IN_FLIGHT); the producer
+then `complete`s it (-> ready), `requeue`s it (-> partial), `defer`s it (-> long) or `drop`s it
+with a reason. Consumers `take` (blocking) or `stream` (async) ready groups; a taken group is
+trained. Every group created is, at any moment, in exactly one place: in flight, queued
+(partial, long or ready), trained, or dropped with a reason; `stats()` shows the balance.
+
+The staleness rule lives here and nowhere else: when a group whose oldest token lags the
+consumer's version by more than `max_staleness` is about to be handed out (to the producer for
+resumption, or to the trainer), the configured StalenessPolicy applies, and is counted.
+
+Thread-safe: producers and consumers may run in different threads or event loops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import heapq
+import threading
+import time
+from collections import Counter, deque
+from typing import Any, AsyncIterator, Iterator
+
+from buffers.group import Group, Lane
+from buffers.source import PromptSource
+from buffers.staleness import StalenessPolicy, staleness
+
+STATE_FORMAT = "rlkit.buffer"
+STATE_VERSION = 1
+
+
+class BufferError(RuntimeError):
+    """A call that does not fit the group's place in the buffer (a bug in the caller)."""
+
+
+class BufferClosed(RuntimeError):
+    """The buffer was closed while a consumer waited."""
+
+
+class BufferStateError(ValueError):
+    """A saved buffer state that cannot be loaded (corrupt, or from a different run set-up)."""
+
+
+class Place(str, enum.Enum):
+    IN_FLIGHT = "in_flight"
+    PARTIAL = "partial"
+    LONG = "long"
+    READY = "ready"
+
+
+class _OldestFirst:
+    """Groups ordered by id (creation order = age), with O(log n) push/pop and lazy removal."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int]] = []  # (group_id, ticket)
+        self._live: dict[int, tuple[int, Group]] = {}  # group_id -> (ticket, group)
+        self._tickets = 0
+
+    def push(self, group: Group) -> None:
+        self._tickets += 1
+        self._live[group.group_id] = (self._tickets, group)
+        heapq.heappush(self._heap, (group.group_id, self._tickets))
+
+    def pop(self) -> Group | None:
+        while self._heap:
+            gid, ticket = heapq.heappop(self._heap)
+            live = self._live.get(gid)
+            if live is not None and live[0] == ticket:
+                del self._live[gid]
+                return live[1]
+        return None
+
+    def remove(self, group: Group) -> None:
+        self._live.pop(group.group_id, None)
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __iter__(self) -> Iterator[Group]:
+        return iter([g for _, g in sorted(self._live.values(), key=lambda tg: tg[1].group_id)])
+
+
+class RolloutBuffer:
+    def __init__(
+        self,
+        source: PromptSource | None,
+        *,
+        n_samples_per_prompt: int,
+        max_staleness: int = 4,
+        staleness_policy: StalenessPolicy | str = StalenessPolicy.DROP,
+    ) -> None:
+        if n_samples_per_prompt < 1:
+            raise ValueError("n_samples_per_prompt must be >= 1")
+        if max_staleness < 0:
+            raise ValueError("max_staleness must be >= 0")
+        self.source = source
+        self.n_samples_per_prompt = n_samples_per_prompt
+        self.max_staleness = max_staleness
+        self.staleness_policy = StalenessPolicy(staleness_policy)
+
+        self._lock = threading.Lock()
+        self._ready_cond = threading.Condition(self._lock)
+        self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._closed = False
+
+        self._version = 0
+        self._next_group_id = 0
+        self._next_sample_index = 0
+        self._place: dict[int, Place] = {}
+        self._in_flight: dict[int, Group] = {}
+        self._partial = _OldestFirst()
+        self._long = _OldestFirst()
+        self._ready: deque[Group] = deque()
+        self._counts: Counter[str] = Counter()
+        self._dropped: Counter[str] = Counter()
+
+    # -- version ------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        """The consumer's policy version (what the trainer's weights are at)."""
+        return self._version
+
+    def set_version(self, version: int) -> None:
+        with self._lock:
+            if version < self._version:
+                raise BufferError(f"version cannot go back from {self._version} to {version}")
+            if version != self._version:
+                self._version = version
+                self._sweep_ready()
+
+    # -- producer side ------------------------------------------------------------------
+    def acquire(self, k: int) -> list[Group]:
+        """Up to k groups to generate: partial groups first (oldest first), then fresh prompts.
+
+        Returns fewer than k only when there is no source and the partial queue runs dry.
+        """
+        out: list[Group] = []
+        with self._lock:
+            while len(out) < k:
+                group = self._partial.pop()
+                if group is None:
+                    break
+                if self._fit_to_resume(group):
+                    out.append(group)
+            while len(out) < k and self.source is not None:
+                out.append(self._new_group())
+            for g in out:
+                self._hand_out(g)
+        return out
+
+    def acquire_long(self, k: int) -> list[Group]:
+        """Up to k groups from the long queue, oldest first (a long round)."""
+        out: list[Group] = []
+        with self._lock:
+            while len(out) < k:
+                group = self._long.pop()
+                if group is None:
+                    break
+                if self._fit_to_resume(group):
+                    out.append(group)
+            for g in out:
+                self._hand_out(g)
+        return out
+
+    def complete(self, group: Group) -> None:
+        """A complete, rewarded group: to the ready queue (consumers are woken)."""
+        if not group.is_complete:
+            raise BufferError(f"group {group.group_id} is not complete")
+        if group.failed:
+            raise BufferError(
+                f"group {group.group_id} has failed samples ({group.failed[0].error!r}); "
+                "drop it with a reason instead"
+            )
+        with self._lock:
+            self._leave_flight(group, "complete")
+            self._counts["completed"] += 1
+            verdict = self._enforce_staleness(group)
+            if verdict == "regenerated":
+                self._to_partial(group)
+            elif verdict != "dropped":
+                self._ready.append(group)
+                self._place[group.group_id] = Place.READY
+                self._wake_consumers()
+
+    def requeue(self, group: Group) -> None:
+        """An in-flight group stopped early (abort): keep its tokens, resume it first later.
+
+        A group that happened to finish during the abort goes to the ready queue instead, so
+        completed work is never thrown away.
+        """
+        if group.is_complete and not group.failed:
+            self.complete(group)
+            return
+        group.interrupt()
+        with self._lock:
+            self._leave_flight(group, "requeue")
+            self._to_partial(group)
+            self._counts["requeued"] += 1
+
+    def defer(self, group: Group) -> None:
+        """Move an in-flight group to the long queue (tail batching, ranker)."""
+        group.interrupt()
+        with self._lock:
+            self._leave_flight(group, "defer")
+            group.lane = Lane.LONG
+            self._long.push(group)
+            self._place[group.group_id] = Place.LONG
+            self._counts["deferred"] += 1
+
+    def drop(self, group: Group, reason: str) -> None:
+        """End a group's life without training on it; counted under `reason`."""
+        if not reason:
+            raise BufferError("a drop needs a reason")
+        with self._lock:
+            place = self._place.get(group.group_id)
+            if place is None:
+                raise BufferError(f"group {group.group_id} is not in the buffer")
+            if place is Place.IN_FLIGHT:
+                del self._in_flight[group.group_id]
+            elif place is Place.PARTIAL:
+                self._partial.remove(group)
+            elif place is Place.LONG:
+                self._long.remove(group)
+            else:
+                self._ready.remove(group)
+            self._end(group, reason)
+
+    # -- consumer side ------------------------------------------------------------------
+    def take(self, n: int, timeout: float | None = None) -> list[Group]:
+        """Block until n ready groups are available, then take them (they count as trained).
+
+        Raises TimeoutError (taking nothing) after `timeout` seconds, BufferClosed on close().
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._ready_cond:
+            while True:
+                if len(self._ready) >= n:
+                    return [self._hand_to_trainer(self._ready.popleft()) for _ in range(n)]
+                if self._closed:
+                    raise BufferClosed("buffer closed while waiting in take()")
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"take({n}): {len(self._ready)} ready after {timeout} s")
+                self._ready_cond.wait(remaining)
+
+    def take_nowait(self, n: int) -> list[Group]:
+        """Up to n ready groups, without waiting."""
+        with self._lock:
+            k = min(n, len(self._ready))
+            return [self._hand_to_trainer(self._ready.popleft()) for _ in range(k)]
+
+    async def stream(self, n: int) -> AsyncIterator[Group]:
+        """Yield n groups, each as soon as it is ready. Several consumers may stream at once:
+        each group goes to exactly one of them."""
+        loop = asyncio.get_running_loop()
+        for _ in range(n):
+            while True:
+                with self._lock:
+                    if self._ready:
+                        group = self._hand_to_trainer(self._ready.popleft())
+                        break
+                    if self._closed:
+                        raise BufferClosed("buffer closed while streaming")
+                    waiter = loop.create_future()
+                    self._async_waiters.append((loop, waiter))
+                try:
+                    await waiter
+                finally:
+                    with self._lock:
+                        if (loop, waiter) in self._async_waiters:
+                            self._async_waiters.remove((loop, waiter))
+            yield group
+
+    def close(self) -> None:
+        """Wake every waiting consumer with BufferClosed (shutdown)."""
+        with self._lock:
+            self._closed = True
+            self._wake_consumers()
+
+    # -- accounting -----------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            c = self._counts
+            out = {
+                "version": self._version,
+                "created": c["created"],
+                "in_flight": len(self._in_flight),
+                "partial": len(self._partial),
+                "long": len(self._long),
+                "ready": len(self._ready),
+                "trained": c["trained"],
+                "dropped": sum(self._dropped.values()),
+                "dropped_by_reason": dict(self._dropped),
+                "completed": c["completed"],
+                "requeued": c["requeued"],
+                "deferred": c["deferred"],
+                "stale_regenerated": c["stale_regenerated"],
+                "stale_corrected": c["stale_corrected"],
+            }
+        out["balanced"] = out["created"] == (
+            out["in_flight"] + out["partial"] + out["long"] + out["ready"]
+            + out["trained"] + out["dropped"]
+        )
+        return out
+
+    def queued(self, place: Place) -> list[Group]:
+        """A snapshot of one queue, in hand-out order (read-only use: metrics, rankers)."""
+        with self._lock:
+            if place is Place.PARTIAL:
+                return list(self._partial)
+            if place is Place.LONG:
+                return list(self._long)
+            if place is Place.READY:
+                return list(self._ready)
+            return list(self._in_flight.values())
+
+    def place_of(self, group: Group) -> Place | None:
+        """Where a group is (None once trained or dropped)."""
+        return self._place.get(group.group_id)
+
+    # -- persistence ----------------------------------------------------------------------
+    def fingerprint(self) -> dict[str, Any]:
+        return {
+            "n_samples_per_prompt": self.n_samples_per_prompt,
+            "source": self.source.fingerprint() if self.source is not None else None,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every queue, the source position, the version and the counters.
+
+        Groups in flight are saved as partial groups (with the tokens they have), so a run
+        restored from a save taken mid-step loses nothing; complete ones without failures are
+        saved as ready (the staleness rule applies to them on load).
+        """
+        with self._lock:
+            flight = sorted(self._in_flight.values(), key=lambda g: g.group_id)
+            flight_done = [g for g in flight if g.is_complete and not g.failed]
+            flight_parked = [g for g in flight if not (g.is_complete and not g.failed)]
+            return {
+                "format": STATE_FORMAT,
+                "format_version": STATE_VERSION,
+                "fingerprint": self.fingerprint(),
+                "version": self._version,
+                "next_group_id": self._next_group_id,
+                "next_sample_index": self._next_sample_index,
+                "partial": [g.to_state() for g in (*self._partial, *flight_parked)],
+                "long": [g.to_state() for g in self._long],
+                "ready": [g.to_state() for g in (*self._ready, *flight_done)],
+                "counts": dict(self._counts),
+                "dropped": dict(self._dropped),
+                "source": self.source.state_dict() if self.source is not None else None,
+            }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a state saved by `state_dict` (onto an empty buffer of the same set-up)."""
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise BufferStateError("not an rlkit buffer state")
+        if state.get("format_version") != STATE_VERSION:
+            raise BufferStateError(
+                f"buffer state format version {state.get('format_version')!r}; "
+                f"this rlkit reads version {STATE_VERSION}"
+            )
+        mine, theirs = self.fingerprint(), state.get("fingerprint")
+        if mine != theirs:
+            diffs = _diff(theirs, mine)
+            raise BufferStateError(
+                "buffer state is from a different set-up: " + "; ".join(diffs)
+            )
+        try:
+            partial = [Group.from_state(g) for g in state["partial"]]
+            long = [Group.from_state(g) for g in state["long"]]
+            ready = [Group.from_state(g) for g in state["ready"]]
+            for g in (*partial, *long, *ready):
+                if g.n != self.n_samples_per_prompt:
+                    raise BufferStateError(
+                        f"group {g.group_id} has {g.n} samples, expected {self.n_samples_per_prompt}"
+                    )
+            if self.source is not None:
+                self.source.load_state_dict(state["source"])
+        except BufferStateError:
+            raise
+        except (KeyError, TypeError, ValueError) as e:
+            raise BufferStateError(f"buffer state is malformed: {type(e).__name__}: {e}") from None
+        with self._lock:
+            if self._place or self._counts["created"]:
+                raise BufferError("load_state_dict needs a fresh buffer")
+            self._version = int(state["version"])
+            self._next_group_id = int(state["next_group_id"])
+            self._next_sample_index = int(state["next_sample_index"])
+            self._counts = Counter(state["counts"])
+            self._dropped = Counter(state["dropped"])
+            for g in partial:
+                self._to_partial(g)
+            for g in long:
+                self._long.push(g)
+                self._place[g.group_id] = Place.LONG
+            for g in ready:
+                self._ready.append(g)
+                self._place[g.group_id] = Place.READY
+            self._sweep_ready()  # groups saved in flight never met the staleness rule
+
+    # -- internals (lock held) ----------------------------------------------------------
+    def _new_group(self) -> Group:
+        prompt = self.source.next_prompt()  # type: ignore[union-attr]
+        group = Group.new(
+            self._next_group_id, prompt, self.n_samples_per_prompt,
+            self._next_sample_index, self._version,
+        )
+        self._next_group_id += 1
+        self._next_sample_index += self.n_samples_per_prompt
+        self._counts["created"] += 1
+        return group
+
+    def _hand_out(self, group: Group) -> None:
+        group.attempts += 1
+        self._in_flight[group.group_id] = group
+        self._place[group.group_id] = Place.IN_FLIGHT
+
+    def _leave_flight(self, group: Group, what: str) -> None:
+        if self._in_flight.pop(group.group_id, None) is None:
+            place = self._place.get(group.group_id)
+            where = place.value if place else "not in the buffer (trained or dropped)"
+            raise BufferError(f"{what}: group {group.group_id} is not in flight: {where}")
+
+    def _end(self, group: Group, reason: str) -> None:
+        self._place.pop(group.group_id, None)
+        self._dropped[reason] += 1
+
+    def _hand_to_trainer(self, group: Group) -> Group:
+        del self._place[group.group_id]
+        self._counts["trained"] += 1
+        return group
+
+    def _enforce_staleness(self, group: Group) -> str:
+        """The staleness rule, for a group about to be handed out or queued as ready.
+
+        Returns 'fit' (within the bound), 'corrected' (kept, flagged for off-policy
+        correction), 'regenerated' (responses discarded; generate again) or 'dropped'.
+        """
+        if staleness(group.oldest_version(), self._version) <= self.max_staleness:
+            return "fit"
+        policy = self.staleness_policy
+        if policy is StalenessPolicy.CORRECT:
+            if not group.stale_corrected:
+                group.stale_corrected = True
+                self._counts["stale_corrected"] += 1
+            return "corrected"
+        if policy is StalenessPolicy.REGENERATE:
+            group.regenerate(self._version)
+            self._counts["stale_regenerated"] += 1
+            return "regenerated"
+        self._end(group, "stale")
+        return "dropped"
+
+    def _fit_to_resume(self, group: Group) -> bool:
+        """Staleness rule for a group just popped from the partial or long queue."""
+        return self._enforce_staleness(group) != "dropped"
+
+    def _to_partial(self, group: Group) -> None:
+        self._partial.push(group)
+        self._place[group.group_id] = Place.PARTIAL
+
+    def _sweep_ready(self) -> None:
+        """After a version bump: apply the staleness rule to every ready group."""
+        kept: deque[Group] = deque()
+        for group in self._ready:
+            verdict = self._enforce_staleness(group)
+            if verdict in ("fit", "corrected"):
+                kept.append(group)
+            elif verdict == "regenerated":
+                self._to_partial(group)
+        self._ready = kept
+
+    def _wake_consumers(self) -> None:
+        self._ready_cond.notify_all()
+        waiters, self._async_waiters = self._async_waiters, []
+        for loop, fut in waiters:
+            loop.call_soon_threadsafe(_resolve, fut)
+
+
+def _resolve(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _diff(saved: Any, current: Any, path: str = "") -> list[str]:
+    if isinstance(saved, dict) and isinstance(current, dict):
+        out = []
+        for key in sorted(set(saved) | set(current)):
+            out += _diff(saved.get(key), current.get(key), f"{path}{key}.")
+        return out
+    if saved != current:
+        return [f"{path.rstrip('.')}: saved {saved!r}, now {current!r}"]
+    return []

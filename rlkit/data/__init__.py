@@ -1,0 +1,1 @@
+"""Prompt data: loading, validation, tokenization and the dataset-backed prompt source."""
