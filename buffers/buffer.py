@@ -31,6 +31,7 @@ from collections import Counter, deque
 from typing import Any, AsyncIterator, Iterator
 
 from buffers.group import Group, Lane
+from buffers.sample import Sample, SampleStatus
 from buffers.source import PromptSource
 from buffers.staleness import StalenessPolicy, staleness
 
@@ -171,17 +172,36 @@ class RolloutBuffer:
                 self._hand_out(g)
         return out
 
-    def complete(self, group: Group) -> None:
-        """A complete, rewarded group: to the ready queue (consumers are woken)."""
+    def extend(self, group: Group, k: int) -> list[Sample]:
+        """Add k speculative samples to an in-flight group (it still keeps target_n: the first
+        to finish, see Group.settle)."""
+        with self._lock:
+            if self._place.get(group.group_id) is not Place.IN_FLIGHT:
+                raise BufferError(f"extend: group {group.group_id} is not in flight")
+            new = [
+                Sample(self._next_sample_index + i, group.group_id, group.prompt.ids)
+                for i in range(k)
+            ]
+            self._next_sample_index += k
+            group.samples.extend(new)
+            return new
+
+    def complete(self, group: Group) -> list[Sample]:
+        """A complete, rewarded group: settle it to its first target_n finished samples and
+        put it in the ready queue (consumers are woken). Returns the surplus samples removed
+        (speculative responses still running: the caller cancels them)."""
         if not group.is_complete:
             raise BufferError(f"group {group.group_id} is not complete")
-        if group.failed:
+        if not group.trainable:
+            failed = [s for s in group.first_finished() if s.status is SampleStatus.FAILED]
             raise BufferError(
-                f"group {group.group_id} has failed samples ({group.failed[0].error!r}); "
+                f"group {group.group_id} has failed samples ({failed[0].error!r}); "
                 "drop it with a reason instead"
             )
         with self._lock:
             self._leave_flight(group, "complete")
+            surplus = group.settle()
+            self._counts["discarded_tokens"] += sum(len(s.response_ids) for s in surplus)
             self._counts["completed"] += 1
             verdict = self._enforce_staleness(group)
             if verdict == "regenerated":
@@ -190,19 +210,21 @@ class RolloutBuffer:
                 self._ready.append(group)
                 self._place[group.group_id] = Place.READY
                 self._wake_consumers()
+        return surplus
 
     def requeue(self, group: Group) -> None:
         """An in-flight group stopped early (abort): keep its tokens, resume it first later.
 
         A group that happened to finish during the abort goes to the ready queue instead, so
-        completed work is never thrown away.
+        completed work is never thrown away. Speculative extras are trimmed (see Group.trim).
         """
-        if group.is_complete and not group.failed:
+        if group.trainable:
             self.complete(group)
             return
         group.interrupt()
         with self._lock:
             self._leave_flight(group, "requeue")
+            self._discard(group.trim())
             self._to_partial(group)
             self._counts["requeued"] += 1
 
@@ -211,6 +233,7 @@ class RolloutBuffer:
         group.interrupt()
         with self._lock:
             self._leave_flight(group, "defer")
+            self._discard(group.trim())
             group.lane = Lane.LONG
             self._long.push(group)
             self._place[group.group_id] = Place.LONG
@@ -233,6 +256,7 @@ class RolloutBuffer:
             else:
                 self._ready.remove(group)
             self._end(group, reason)
+            self._counts["discarded_tokens"] += group.tokens
 
     # -- consumer side ------------------------------------------------------------------
     def take(self, n: int, timeout: float | None = None) -> list[Group]:
@@ -305,6 +329,7 @@ class RolloutBuffer:
                 "deferred": c["deferred"],
                 "stale_regenerated": c["stale_regenerated"],
                 "stale_corrected": c["stale_corrected"],
+                "discarded_tokens": c["discarded_tokens"],
             }
         out["balanced"] = out["created"] == (
             out["in_flight"] + out["partial"] + out["long"] + out["ready"]
@@ -343,8 +368,8 @@ class RolloutBuffer:
         """
         with self._lock:
             flight = sorted(self._in_flight.values(), key=lambda g: g.group_id)
-            flight_done = [g for g in flight if g.is_complete and not g.failed]
-            flight_parked = [g for g in flight if not (g.is_complete and not g.failed)]
+            flight_done = [g for g in flight if g.trainable]
+            flight_parked = [g for g in flight if not g.trainable]
             return {
                 "format": STATE_FORMAT,
                 "format_version": STATE_VERSION,
@@ -379,6 +404,10 @@ class RolloutBuffer:
             partial = [Group.from_state(g) for g in state["partial"]]
             long = [Group.from_state(g) for g in state["long"]]
             ready = [Group.from_state(g) for g in state["ready"]]
+            for g in ready:
+                g.settle()  # groups saved in flight may still carry speculative extras
+            for g in (*partial, *long):
+                g.trim()
             for g in (*partial, *long, *ready):
                 if g.n != self.n_samples_per_prompt:
                     raise BufferStateError(
@@ -455,15 +484,20 @@ class RolloutBuffer:
                 self._counts["stale_corrected"] += 1
             return "corrected"
         if policy is StalenessPolicy.REGENERATE:
+            self._counts["discarded_tokens"] += group.tokens
             group.regenerate(self._version)
             self._counts["stale_regenerated"] += 1
             return "regenerated"
         self._end(group, "stale")
+        self._counts["discarded_tokens"] += group.tokens
         return "dropped"
 
     def _fit_to_resume(self, group: Group) -> bool:
         """Staleness rule for a group just popped from the partial or long queue."""
         return self._enforce_staleness(group) != "dropped"
+
+    def _discard(self, samples: list[Sample]) -> None:
+        self._counts["discarded_tokens"] += sum(len(s.response_ids) for s in samples)
 
     def _to_partial(self, group: Group) -> None:
         self._partial.push(group)

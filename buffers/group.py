@@ -49,9 +49,14 @@ class PromptRecord:
 
 @dataclass(eq=False, slots=True)
 class Group:
+    """A prompt and its samples. The group needs `target_n` finished samples; a policy may
+    launch more (speculative responses, tail batching), and `settle` keeps the first
+    `target_n` to finish."""
+
     group_id: int
     prompt: PromptRecord
     samples: list[Sample]
+    target_n: int
     lane: Lane = Lane.REGULAR
     predicted_length: float | None = None
     birth_version: int = 0  # policy version when the group was first handed out
@@ -63,17 +68,20 @@ class Group:
         cls, group_id: int, prompt: PromptRecord, n: int, first_index: int, version: int
     ) -> "Group":
         samples = [Sample(first_index + i, group_id, prompt.ids) for i in range(n)]
-        return cls(group_id, prompt, samples, birth_version=version)
+        return cls(group_id, prompt, samples, target_n=n, birth_version=version)
 
     @property
     def n(self) -> int:
-        return len(self.samples)
+        return self.target_n
 
     # -- progress -----------------------------------------------------------------------
+    def finished(self) -> list[Sample]:
+        return [s for s in self.samples if s.is_finished]
+
     @property
     def is_complete(self) -> bool:
-        """Every sample is terminal and rewarded (or failed)."""
-        return all(s.is_finished for s in self.samples)
+        """At least target_n samples are terminal and rewarded (or failed)."""
+        return sum(1 for s in self.samples if s.is_finished) >= self.target_n
 
     @property
     def failed(self) -> list[Sample]:
@@ -104,8 +112,46 @@ class Group:
     def rewards(self) -> list[float | None]:
         return [s.reward for s in self.samples]
 
+    # -- shaping --------------------------------------------------------------------------
+    def first_finished(self) -> list[Sample]:
+        """The (up to) target_n samples that finished first: the ones a settled group keeps."""
+        done = [s for s in self.samples if s.is_finished]
+        if len(done) > self.target_n:
+            done.sort(key=lambda s: (s.finished_at is None, s.finished_at or 0.0, s.index))
+        return done[: self.target_n]
+
+    @property
+    def trainable(self) -> bool:
+        """Complete, and none of the samples it would keep failed."""
+        kept = self.first_finished()
+        return len(kept) == self.target_n and all(
+            s.status is not SampleStatus.FAILED for s in kept
+        )
+
+    def settle(self) -> list[Sample]:
+        """Keep exactly target_n samples: the first to finish. Returns the surplus removed."""
+        if len(self.samples) == self.target_n:
+            return []
+        return self._keep(set(map(id, self.first_finished())))
+
+    def trim(self) -> list[Sample]:
+        """Keep target_n samples, the furthest along (finished, then most tokens): used when an
+        unfinished group is parked, so it resumes without speculative extras."""
+        if len(self.samples) <= self.target_n:
+            return []
+        ranked = sorted(
+            self.samples, key=lambda s: (not s.is_finished, -len(s.response_ids), s.index)
+        )
+        return self._keep(set(map(id, ranked[: self.target_n])))
+
+    def _keep(self, keep: set[int]) -> list[Sample]:
+        surplus = [s for s in self.samples if id(s) not in keep]
+        self.samples = [s for s in self.samples if id(s) in keep]
+        return surplus
+
     def regenerate(self, version: int) -> None:
         """Throw the responses away and start again from the prompt."""
+        self.trim()
         for s in self.samples:
             s.reset()
         self.birth_version = version
@@ -122,6 +168,7 @@ class Group:
             "group_id": self.group_id,
             "prompt": self.prompt.to_state(),
             "samples": [s.to_state() for s in self.samples],
+            "target_n": self.target_n,
             "lane": self.lane.value,
             "predicted_length": self.predicted_length,
             "birth_version": self.birth_version,
@@ -136,6 +183,7 @@ class Group:
             group_id=int(state["group_id"]),
             prompt=prompt,
             samples=[Sample.from_state(s, prompt.ids) for s in state["samples"]],
+            target_n=int(state["target_n"]),
             lane=Lane(state["lane"]),
             predicted_length=state["predicted_length"],
             birth_version=int(state["birth_version"]),

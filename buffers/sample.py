@@ -62,6 +62,7 @@ class Sample:
     reward: float | None = None
     error: str | None = None
     requests: int = 0  # generate calls that contributed tokens (1 + number of resumptions)
+    finished_at: float | None = None  # clock time it became finished (first-n selection)
     metadata: dict[str, Any] = field(default_factory=dict)
 
     # -- the one mutator ------------------------------------------------------------------
@@ -146,6 +147,7 @@ class Sample:
         self.finish_reason = None
         self.reward = None
         self.error = None
+        self.finished_at = None
 
     # -- derived views ------------------------------------------------------------------
     @property
@@ -197,6 +199,7 @@ class Sample:
             "reward": self.reward,
             "error": self.error,
             "requests": self.requests,
+            "finished_at": self.finished_at,
             "metadata": self.metadata,
         }
 
@@ -215,6 +218,7 @@ class Sample:
             reward=state["reward"],
             error=state["error"],
             requests=int(state["requests"]),
+            finished_at=state["finished_at"],
             metadata=dict(state["metadata"]),
         )
         s.check()

@@ -307,3 +307,47 @@ def test_load_needs_a_fresh_buffer():
     used.acquire(1)
     with pytest.raises(BufferError, match="fresh buffer"):
         used.load_state_dict(state)
+
+
+def test_speculative_samples_first_to_finish_are_kept_and_the_rest_returned():
+    buf = make_buffer(n=2)
+    (g,) = buf.acquire(1)
+    extra = buf.extend(g, 2)  # eta_R: 4 responses launched for a group of 2
+    assert [s.index for s in g.samples] == [0, 1, *[s.index for s in extra]]
+    assert len({s.index for s in g.samples}) == 4
+    for s, t, length in zip(g.samples, (3.0, 1.0, 2.0, None), (4, 5, 6, 7)):
+        s.start_request()
+        s.append([1] * length, [-0.1] * length, 0, finish_reason="stop" if t else None)
+        if t:
+            s.set_reward(1.0)
+            s.finished_at = t
+    surplus = buf.complete(g)
+    assert [s.index for s in g.samples] == [1, 2]  # finished at t=1 and t=2
+    assert sorted(s.index for s in surplus) == [0, 3]
+    assert buf.stats()["discarded_tokens"] == 4 + 7
+
+
+def test_parked_groups_shed_speculative_extras_keeping_the_furthest_along():
+    buf = make_buffer(n=2)
+    (g,) = buf.acquire(1)
+    buf.extend(g, 2)
+    for s, length in zip(g.samples, (1, 5, 3, 0)):
+        s.start_request()
+        s.append([1] * length, [-0.1] * length, 0)
+    buf.requeue(g)
+    assert [len(s.response_ids) for s in g.samples] == [5, 3]
+    assert buf.stats()["discarded_tokens"] == 1
+    (again,) = buf.acquire(1)
+    assert again is g and g.n == 2
+
+
+def test_dropped_tokens_are_counted_and_partial_keeps_them():
+    buf = make_buffer(n=1)
+    a, b = buf.acquire(2)
+    for g in (a, b):
+        g.samples[0].start_request()
+        g.samples[0].append([1, 2, 3], [-0.1] * 3, 0)
+    buf.requeue(a)  # kept: nothing thrown away
+    assert buf.stats()["discarded_tokens"] == 0
+    buf.drop(b, "filtered")
+    assert buf.stats()["discarded_tokens"] == 3

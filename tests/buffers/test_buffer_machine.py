@@ -71,6 +71,16 @@ class BufferMachine(RuleBasedStateMachine):
         s.append([3] * tokens, [-0.1] * tokens, self.buf.version, finish_reason=reason)
         if s.status in (SampleStatus.DONE, SampleStatus.TRUNCATED):
             s.set_reward(float(tokens))
+            s.finished_at = float(len(self.trained) + tokens)
+
+    @precondition(lambda self: self.flying)
+    @rule(data=st.data(), k=st.integers(1, 2))
+    def extend(self, data, k):
+        gid = data.draw(st.sampled_from(sorted(self.flying)))
+        g = self.flying[gid]
+        before = len(g.samples)
+        self.buf.extend(g, k)
+        assert len(g.samples) == before + k
 
     @precondition(lambda self: self.flying)
     @rule(data=st.data())
@@ -78,12 +88,14 @@ class BufferMachine(RuleBasedStateMachine):
         gid = data.draw(st.sampled_from(sorted(self.flying)))
         self.flying[gid].samples[0].fail("reward raised ValueError")
 
-    @precondition(lambda self: any(g.is_complete and not g.failed for g in self.flying.values()))
+    @precondition(lambda self: any(g.trainable for g in self.flying.values()))
     @rule(data=st.data())
     def complete(self, data):
-        done = sorted(gid for gid, g in self.flying.items() if g.is_complete and not g.failed)
+        done = sorted(gid for gid, g in self.flying.items() if g.trainable)
         g = self.flying.pop(data.draw(st.sampled_from(done)))
-        self.buf.complete(g)
+        total = len(g.samples)
+        surplus = self.buf.complete(g)
+        assert len(g.samples) == self.n and len(surplus) == total - self.n
         assert self.buf.place_of(g) in (Place.READY, Place.PARTIAL, None)
 
     @precondition(lambda self: self.flying)
@@ -95,6 +107,7 @@ class BufferMachine(RuleBasedStateMachine):
             return
         self.buf.requeue(g)
         assert all(s.status is not SampleStatus.RUNNING for s in g.samples)
+        assert len(g.samples) == self.n  # speculative extras shed
 
     @precondition(lambda self: self.flying)
     @rule(data=st.data())
@@ -117,7 +130,7 @@ class BufferMachine(RuleBasedStateMachine):
     @rule(k=st.integers(0, 3))
     def take(self, k):
         for g in self.buf.take_nowait(k):
-            assert g.is_complete and not g.failed
+            assert g.trainable and len(g.samples) == self.n
             assert g.group_id not in self.trained
             self._check_handed_out(g)
             self.trained.add(g.group_id)
