@@ -178,8 +178,10 @@ class RolloutBuffer:
         with self._lock:
             if self._place.get(group.group_id) is not Place.IN_FLIGHT:
                 raise BufferError(f"extend: group {group.group_id} is not in flight")
+            first_slot = max(s.slot for s in group.samples) + 1
             new = [
-                Sample(self._next_sample_index + i, group.group_id, group.prompt.ids)
+                Sample(self._next_sample_index + i, group.group_id, group.prompt.ids,
+                       slot=first_slot + i)
                 for i in range(k)
             ]
             self._next_sample_index += k

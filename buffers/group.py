@@ -67,7 +67,7 @@ class Group:
     def new(
         cls, group_id: int, prompt: PromptRecord, n: int, first_index: int, version: int
     ) -> "Group":
-        samples = [Sample(first_index + i, group_id, prompt.ids) for i in range(n)]
+        samples = [Sample(first_index + i, group_id, prompt.ids, slot=i) for i in range(n)]
         return cls(group_id, prompt, samples, target_n=n, birth_version=version)
 
     @property

@@ -53,6 +53,7 @@ class Sample:
     index: int  # unique per buffer, stable across save/load
     group_id: int
     prompt_ids: Sequence[int]
+    slot: int = 0  # position in its group at creation: the k-th response to this prompt
     response_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -189,6 +190,7 @@ class Sample:
         return {
             "index": self.index,
             "group_id": self.group_id,
+            "slot": self.slot,
             "response_ids": self.response_ids,
             "logprobs": self.logprobs,
             "versions": self.versions,
@@ -209,6 +211,7 @@ class Sample:
             index=int(state["index"]),
             group_id=int(state["group_id"]),
             prompt_ids=prompt_ids,
+            slot=int(state["slot"]),
             response_ids=list(state["response_ids"]),
             logprobs=list(state["logprobs"]),
             versions=list(state["versions"]),

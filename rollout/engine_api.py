@@ -31,8 +31,10 @@ class Engines(Protocol):
         max_new_tokens: int,
         version: int,
         worker: str | None = None,
-    ) -> None:
+    ) -> str | None:
         """Generate (or resume) `sample` for at most `max_new_tokens` more tokens.
+
+        Returns the id of the worker that served the request, when known (timelines).
 
         Sends prompt + response ids so far, with a fresh request id. Appends each span to the
         sample with `Sample.append` as it arrives (streaming), stamped with the engine's
