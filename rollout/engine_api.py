@@ -36,12 +36,15 @@ class Engines(Protocol):
 
         Returns the id of the worker that served the request, when known (timelines).
 
-        Sends prompt + response ids so far, with a fresh request id. Appends each span to the
+        Calls `sample.start_request()` as the request is sent (the caller never does), then
+        sends prompt + response ids so far, with a fresh request id. Appends each span to the
         sample with `Sample.append` as it arrives (streaming), stamped with the engine's
         weight version (or `version` if the engine reports none), and applies the finish
-        reason at the end. If the request is aborted the sample keeps what it has and is left
-        PARTIAL (or PENDING if it got no token). `worker=None` lets the router choose.
-        Raises EngineError when the request fails; never re-submits an aborted request.
+        reason ('stop' or 'length') at the end. If the request is aborted (abort_all, or the
+        calling task is cancelled) the sample keeps what it has and is left PARTIAL (or
+        PENDING if it got no token; `Sample.interrupt()`). `worker=None` lets the router
+        choose. Raises EngineError when the request fails; never re-submits an aborted
+        request. `max_new_tokens` is always >= 1.
         """
         ...
 
