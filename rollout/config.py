@@ -9,6 +9,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from buffers.staleness import StalenessPolicy
 from rollout.engines.config import EngineConfig, RouterConfig
 
+# Scheduling policies that exist (rollout/policies); the schema names the planned ones too.
+AVAILABLE_POLICIES = ("sync", "partial")
+
 
 class SamplingConfig(BaseModel):
     """Sampling parameters sent with every /generate request."""
@@ -134,6 +137,11 @@ class RolloutConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "RolloutConfig":
+        if self.policy not in AVAILABLE_POLICIES:
+            raise ValueError(
+                f"rollout.policy={self.policy!r} is planned but not available yet "
+                f"(available: {', '.join(AVAILABLE_POLICIES)})"
+            )
         if self.sampling.min_new_tokens > self.sampling.max_new_tokens:
             raise ValueError(
                 f"sampling.min_new_tokens ({self.sampling.min_new_tokens}) exceeds "

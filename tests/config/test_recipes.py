@@ -125,3 +125,8 @@ def test_config_show_prints_the_resolved_recipe(capsys):
     assert "batch_size: 5" in capsys.readouterr().out
     assert main(["config", "show", "rollout.bogus=1"]) == 2
     assert "rollout.bogus: unknown key" in capsys.readouterr().err
+
+
+def test_planned_policies_are_refused_clearly():
+    with pytest.raises(RecipeError, match="rollout.policy='tail_batching' is planned but not available"):
+        load_recipe(None, ["rollout.policy=tail_batching"])
