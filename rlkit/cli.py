@@ -16,6 +16,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("config", "show"), "rlkit.commands.config_show", "print the resolved recipe"),
     (("config", "docs"), "rlkit.commands.config_docs", "regenerate docs/recipe-reference.md"),
     (("bench", "buffer"), "rlkit.bench.buffer", "buffer group operations per second"),
+    (("check-reward",), "rlkit.commands.check_reward", "check a reward plugin against the contract"),
 ]
 
 

@@ -1,0 +1,87 @@
+"""`rlkit check-reward NAME_OR_PATH`: run a reward function on sample inputs and report every
+contract violation plainly (exit 1 if there is one)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+# (prompt, response, label, finish_reason): ordinary and awkward cases a reward must survive.
+SAMPLES: list[tuple[str, str, Any, str]] = [
+    ("What is 8 + 5?", "8 + 5 = 13, so the answer is \\boxed{13}.", "13", "stop"),
+    ("What is 8 + 5?", "The answer is \\boxed{12}.", "13", "stop"),
+    ("What is 8 + 5?", "13", "13", "stop"),
+    ("What is 8 + 5?", "", "13", "stop"),
+    ("What is 8 + 5?", "Let me think step by step about this" * 40, "13", "length"),
+    ("Combien font 2 + 2 ?", "Ça fait \\boxed{4} 🙂", "4", "stop"),
+    ("What is 1/2 + 1/4?", "$\\frac{3}{4}$", "\\frac{3}{4}", "stop"),
+    ("Name a color.", "\\boxed{blue", None, "stop"),
+]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("reward", help="built-in name, entry point name, or pkg.module:function")
+    parser.add_argument("--kwargs", default="{}", help="JSON object of keyword arguments")
+    parser.add_argument(
+        "--samples", help="jsonl of {prompt, response, label[, finish_reason]} to use instead"
+    )
+    parser.add_argument("--timeout", type=float, default=30.0, help="seconds per call")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rlkit.rewards import RewardInput, RewardNotFound, call_reward
+    from rlkit.rewards.scoring import load_reward
+    from rollout.rewards import check_reward_value
+
+    try:
+        kwargs = json.loads(args.kwargs)
+        if not isinstance(kwargs, dict):
+            raise ValueError("not an object")
+    except ValueError as e:
+        print(f"--kwargs must be a JSON object ({e})")
+        return 2
+    try:
+        fn = load_reward(args.reward)
+    except RewardNotFound as e:
+        print(f"FAIL  {e}")
+        return 1
+    cases = _load_samples(args.samples) if args.samples else SAMPLES
+    call = call_reward(fn)
+    kind = "async" if asyncio.iscoroutinefunction(fn) else "sync (run in a worker thread)"
+    print(f"reward {args.reward!r}: {getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}, {kind}")
+
+    problems = 0
+    for i, (prompt, response, label, finish) in enumerate(cases):
+        sample = RewardInput(prompt=prompt, response=response, label=label, finish_reason=finish,
+                             index=i)
+        t0 = time.perf_counter()
+        try:
+            value = asyncio.run(asyncio.wait_for(call(sample, kwargs), args.timeout))
+            problem = check_reward_value(value)
+        except asyncio.TimeoutError:
+            value, problem = None, f"took longer than {args.timeout} s"
+        except Exception as e:
+            value, problem = None, f"raised {type(e).__name__}: {e}"
+        ms = (time.perf_counter() - t0) * 1000
+        shown = response if len(response) <= 40 else response[:37] + "..."
+        status = "ok  " if problem is None else "FAIL"
+        print(f"{status}  #{i} {shown!r} label={label!r}: "
+              f"{value if problem is None else problem} ({ms:.1f} ms)")
+        problems += problem is not None
+    print(f"{len(cases) - problems} of {len(cases)} calls kept the contract "
+          "(a finite float, no exception, within the timeout)")
+    return 1 if problems else 0
+
+
+def _load_samples(path: str) -> list[tuple[str, str, Any, str]]:
+    out = []
+    for n, line in enumerate(Path(path).read_text().splitlines()):
+        if line.strip():
+            row = json.loads(line)
+            out.append((row.get("prompt", ""), row["response"], row.get("label"),
+                        row.get("finish_reason", "stop")))
+    return out

@@ -1,0 +1,45 @@
+"""Turn the recipe's reward section into the manager's ScoreFn (sample, group) -> float."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from buffers.group import Group
+from buffers.sample import Sample
+from rlkit.rewards import RewardInput, RewardNotFound, call_reward, resolve_reward, signature_problem
+from rollout.config import RewardConfig
+from rollout.rewards import ScoreFn
+
+Decode = Callable[[Sequence[int]], str]
+
+
+def load_reward(name: str) -> Callable[..., object]:
+    fn = resolve_reward(name)
+    problem = signature_problem(fn)
+    if problem:
+        raise RewardNotFound(f"reward {name!r} cannot be called as fn(sample, **kwargs): {problem}")
+    return fn
+
+
+def reward_input(sample: Sample, group: Group, decode: Decode) -> RewardInput:
+    return RewardInput(
+        prompt=group.prompt.text,
+        response=decode(sample.response_ids),
+        label=group.prompt.label,
+        metadata=dict(group.prompt.metadata),
+        finish_reason=sample.finish_reason,
+        prompt_ids=tuple(sample.prompt_ids),
+        response_ids=tuple(sample.response_ids),
+        index=sample.index,
+        group_id=group.group_id,
+    )
+
+
+def make_score_fn(cfg: RewardConfig, decode: Decode) -> ScoreFn:
+    call = call_reward(load_reward(cfg.name))
+
+    async def score(sample: Sample, group: Group) -> float:
+        kwargs = {**group.prompt.metadata, **cfg.kwargs}
+        return await call(reward_input(sample, group, decode), kwargs)  # type: ignore[return-value]
+
+    return score
