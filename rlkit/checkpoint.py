@@ -1,0 +1,109 @@
+"""Checkpoints of a run: trainer state, the rollout buffer (partial rollouts included), step
+and policy version, saved atomically; `run.resume: auto` continues from the newest.
+
+    <run_dir>/checkpoints/step_000012/
+        trainer/            written by the trainer (weights, optimizer, RNG)
+        buffer.json.gz      every queue of the buffer, the data position, the version
+        state.json          step, version; written last: a folder without it is incomplete
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from buffers import RolloutBuffer, load_buffer, save_buffer
+
+STATE = "state.json"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    step: int  # steps completed
+    version: int  # policy version of the saved weights
+
+    @property
+    def trainer_dir(self) -> Path:
+        return self.path / "trainer"
+
+    @property
+    def buffer_file(self) -> Path:
+        return self.path / "buffer.json.gz"
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
+
+
+def list_checkpoints(run_dir: Path) -> list[Checkpoint]:
+    """Complete checkpoints, oldest first."""
+    out = []
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return out
+    for d in sorted(root.glob("step_*")):
+        state_file = d / STATE
+        if not state_file.is_file():
+            continue  # interrupted while saving
+        try:
+            state = json.loads(state_file.read_text())
+            out.append(Checkpoint(d, int(state["step"]), int(state["version"])))
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(f"{state_file}: unreadable checkpoint state ({e})") from None
+    return sorted(out, key=lambda c: c.step)
+
+
+def latest_checkpoint(run_dir: Path) -> Checkpoint | None:
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    version: int,
+    buffer: RolloutBuffer | None,
+    save_trainer: Callable[[Path], None],
+    keep_last: int,
+) -> Checkpoint:
+    root = checkpoints_dir(run_dir)
+    final = root / f"step_{step:06d}"
+    tmp = root / f".step_{step:06d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "trainer").mkdir(parents=True)
+    save_trainer(tmp / "trainer")
+    if buffer is not None:
+        save_buffer(buffer, tmp / "buffer.json.gz")
+    (tmp / STATE).write_text(json.dumps({"step": step, "version": version}))
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    for old in list_checkpoints(run_dir)[:-keep_last]:
+        shutil.rmtree(old.path, ignore_errors=True)
+    return Checkpoint(final, step, version)
+
+
+def restore_buffer(ckpt: Checkpoint, buffer: RolloutBuffer) -> bool:
+    """Load the checkpoint's buffer into a fresh buffer; False if it saved none."""
+    if not ckpt.buffer_file.is_file():
+        return False
+    load_buffer(buffer, ckpt.buffer_file)
+    return True
+
+
+def resume_point(run_dir: Path, resume: str) -> Checkpoint | None:
+    """The checkpoint to continue from, per `run.resume`."""
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is not None and resume == "never":
+        raise CheckpointError(
+            f"{run_dir} already has checkpoints (newest: step {ckpt.step}); set run.resume=auto "
+            "to continue it, or choose another run.name"
+        )
+    return ckpt if resume == "auto" else None

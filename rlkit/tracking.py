@@ -1,0 +1,110 @@
+"""Run tracking: per-step metrics to JSONL and wandb (offline by default), a live console line
+per step, and the rollout timeline (one JSON line per request span) for `rlkit plot timeline`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+from rlkit.config.schema import TrackingConfig
+
+
+class Tracker:
+    def __init__(self, cfg: TrackingConfig, run_dir: Path, run_name: str, config: dict[str, Any]):
+        self.cfg = cfg
+        self.run_dir = run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._metrics = open(run_dir / "metrics.jsonl", "a") if cfg.jsonl else None
+        self._timeline = open(run_dir / "timeline.jsonl", "a")
+        self._wandb = None
+        if cfg.wandb != "disabled":
+            self._wandb = _start_wandb(cfg, run_dir, run_name, config)
+        self._console = None
+        if cfg.progress:
+            from rich.console import Console
+
+            self._console = Console(stderr=True)
+        self._t0 = time.monotonic()
+
+    # -- per step ---------------------------------------------------------------------
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        row = {"step": step, "time_s": round(time.monotonic() - self._t0, 3), **_plain(metrics)}
+        if self._metrics is not None:
+            self._metrics.write(json.dumps(row) + "\n")
+            self._metrics.flush()
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=step)
+        if self._console is not None:
+            self._console.print(_summary_line(step, metrics))
+
+    def log_timeline(self, step: int, spans: Iterable[dict[str, Any]]) -> None:
+        for span in spans:
+            self._timeline.write(json.dumps({"step": step, **span}) + "\n")
+        self._timeline.flush()
+
+    def progress(self, step: int, done: int, target: int, tokens: int, elapsed: float) -> None:
+        """A transient progress line while a rollout step runs."""
+        if self._console is not None:
+            rate = tokens / elapsed if elapsed > 0 else 0.0
+            self._console.print(
+                f"  step {step}: {done}/{target} groups, {tokens} tokens, {rate:,.0f} tok/s",
+                end="\r", highlight=False,
+            )
+
+    def close(self) -> None:
+        for f in (self._metrics, self._timeline):
+            if f is not None:
+                f.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def _start_wandb(cfg: TrackingConfig, run_dir: Path, run_name: str, config: dict[str, Any]) -> Any:
+    os.environ.setdefault("WANDB_SILENT", "true")
+    import wandb
+
+    # Offline needs no network and no key; `wandb sync <run_dir>/wandb/offline-run-*` uploads.
+    return wandb.init(
+        project=cfg.project, name=run_name, dir=str(run_dir), mode=cfg.wandb, config=config,
+        resume="allow", id=_wandb_id(run_dir),
+    )
+
+
+def _wandb_id(run_dir: Path) -> str:
+    """One wandb run per rlkit run folder, so a resumed run continues the same curves."""
+    path = run_dir / "wandb_id"
+    if path.exists():
+        return path.read_text().strip()
+    import uuid
+
+    rid = uuid.uuid4().hex[:12]
+    path.write_text(rid)
+    return rid
+
+
+def _plain(metrics: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for k, v in metrics.items():
+        if isinstance(v, float) and not math.isfinite(v):
+            v = None  # JSON has no NaN
+        out[k] = v
+    return out
+
+
+def _summary_line(step: int, m: dict[str, Any]) -> str:
+    def f(key: str, fmt: str) -> str:
+        v = m.get(key)
+        return format(v, fmt) if isinstance(v, (int, float)) and math.isfinite(v) else "-"
+
+    return (
+        f"step {step:>4} | reward {f('rollout/reward_mean', '.3f')} | "
+        f"rollout {f('rollout/seconds', '.1f')} s, {f('rollout/throughput_tok_s', ',.0f')} tok/s, "
+        f"resumed {f('rollout/resumed_token_share', '.0%')} | "
+        f"train {f('train/seconds', '.1f')} s, loss {f('train/loss', '.4f')}"
+    )
