@@ -73,6 +73,20 @@ class WeightSyncConfig(BaseModel):
         "through an HF safetensors folder on disk.",
     )
     bucket_mb: int = Field(256, ge=1, description="Bucket size of one broadcast round, in MiB.")
+    pause_mode: Literal["abort", "retract", "in_place"] = Field(
+        "abort",
+        description="Mode sent with /pause_generation before an update. 'abort' returns in-flight "
+        "requests with their partial tokens (each span keeps the version that produced it); "
+        "'retract'/'in_place' would continue them under the new weights with the old version stamp.",
+    )
+    disk_dir: str = Field(
+        "",
+        description="Folder for the HF safetensors written by method=disk (one subfolder per "
+        "version, the previous one deleted); empty means <run dir>/weights.",
+    )
+    timeout_s: float = Field(
+        600.0, gt=0, description="Seconds one engine control call or one broadcast may take."
+    )
 
 
 class TrainConfig(BaseModel):
@@ -98,6 +112,14 @@ class TrainConfig(BaseModel):
         "(batch_size x n_samples_per_prompt), i.e. one step per rollout.",
     )
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig, description="How new weights reach the engines after each step.")
+    pack_row_tokens: int = Field(
+        2048,
+        ge=0,
+        description="Samples of a micro-batch are packed into rows of at most this many tokens "
+        "(block-diagonal attention, no padding between samples); 0 gives one padded row per "
+        "sample. Attention cost grows with the square of the row length.",
+    )
+    seed: int = Field(1234, description="Seed of the trainer's torch/python RNGs.")
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":

@@ -1,0 +1,65 @@
+"""Tiny HF models made here (no hub) and batch helpers for the training tests."""
+
+from __future__ import annotations
+
+import torch
+
+TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-6,
+)
+
+
+def make_hf_model(kind: str, tie: bool, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    if kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**TINY, tie_word_embeddings=tie))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**TINY, rope_theta=100000.0, tie_word_embeddings=tie))
+    with torch.no_grad():  # HF zero-initialises biases; make every weight matter
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model.eval()
+
+
+def hf_response_logprobs(model, tokens: torch.Tensor, prompt_length: int, temperature: float = 1.0):
+    with torch.no_grad():
+        logits = model(tokens[None]).logits[0].float() / temperature
+    lp = torch.log_softmax(logits, dim=-1)[prompt_length - 1 : -1]
+    return lp.gather(-1, tokens[prompt_length:, None])[:, 0]
+
+
+def random_batch(n: int, *, seed: int = 0, vocab: int = 512, advantages=None, policy_version: int = 0):
+    """A TrainBatch of n samples with random tokens and varied prompt/response lengths."""
+    from train.batch import TrainBatch, TrainSample
+
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(n):
+        p = int(torch.randint(2, 9, (1,), generator=g))
+        r = int(torch.randint(1, 14, (1,), generator=g))
+        mask = (torch.rand(r, generator=g) > 0.15).float()
+        mask[0] = 1.0
+        samples.append(
+            TrainSample(
+                index=i,
+                group_id=i // 4,
+                tokens=torch.randint(0, vocab, (p + r,), generator=g),
+                prompt_length=p,
+                loss_mask=mask,
+                rollout_logprobs=-3.0 - torch.rand(r, generator=g),
+                advantage=float(advantages[i]) if advantages is not None else float(torch.randn(1, generator=g)),
+                reward=0.0,
+                min_version=policy_version,
+                max_version=policy_version,
+            )
+        )
+    return TrainBatch(samples, policy_version)

@@ -1,0 +1,41 @@
+"""Packing samples into rows with block-diagonal causal attention."""
+
+import pytest
+import torch
+
+from train.packing import assign_rows, pack_samples
+
+
+def test_first_fit_decreasing_rows():
+    assert assign_rows([5, 3, 4, 2], row_tokens=8) == [[0, 1], [2, 3]]
+    assert assign_rows([10, 3], row_tokens=8) == [[0], [1]]  # a long sample gets its own row
+    assert assign_rows([3, 3], row_tokens=0) == [[0], [1]]  # padding scheme: one row per sample
+
+
+def test_pack_indices_targets_and_mask():
+    a = torch.tensor([1, 2, 3, 4])  # prompt 2, response 3 4
+    b = torch.tensor([5, 6, 7])  # prompt 1, response 6 7
+    p = pack_samples([a, b], [2, 1], row_tokens=16)
+    assert p.input_ids.tolist() == [[1, 2, 3, 4, 5, 6, 7]]
+    assert p.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2]]
+    # logits at position q predict token q + 1
+    assert p.logit_index.tolist() == [1, 2, 4, 5]
+    assert p.target_ids.tolist() == [3, 4, 6, 7]
+    assert p.sample_ids.tolist() == [0, 0, 1, 1]
+    assert p.response_lengths == [2, 2]
+    allowed = ~p.attention_mask[0, 0]
+    assert allowed[3].tolist() == [True, True, True, True, False, False, False]
+    assert allowed[5].tolist() == [False, False, False, False, True, True, False]
+    assert (p.tokens, p.slots, p.padding_fraction) == (7, 7, 0.0)
+
+
+def test_padding_scheme_costs_slots():
+    p = pack_samples([torch.arange(6), torch.arange(2)], [1, 1], row_tokens=0)
+    assert p.input_ids.shape == (2, 6)
+    assert p.padding_fraction == pytest.approx(4 / 12)
+    assert p.logit_index.tolist() == [0, 1, 2, 3, 4, 6]
+
+
+def test_prompt_must_be_at_least_one_token():
+    with pytest.raises(ValueError, match="prompt length 0"):
+        pack_samples([torch.arange(3)], [0], row_tokens=8)

@@ -1,0 +1,10 @@
+"""Advantages and policy losses, in pure torch (no megatron import), so they test in milliseconds.
+
+DESIGN.md lists algorithms under rlkit/; they live here because `train` must not import `rlkit`
+(dependencies point rlkit -> train -> buffers) and the trainer is their only consumer.
+"""
+
+from train.algorithms.advantages import group_advantages
+from train.algorithms.losses import LossTerms, PolicyLossInput, kl_estimate, policy_loss
+
+__all__ = ["group_advantages", "policy_loss", "PolicyLossInput", "LossTerms", "kl_estimate"]

@@ -1,0 +1,180 @@
+"""Turn complete Groups into a TrainBatch: token tensors, masks, rollout logprobs, advantages.
+
+One `TrainSample` per trainable sample (terminal, rewarded, with at least one response token).
+Failed samples are left out of both the batch and their group's advantage statistics; samples
+with an empty response take part in the group statistics but carry no token to train on.
+
+Off-policy check: a token whose policy version differs from the trainer's `policy_version` was
+produced by other weights (a stale group, or a partial rollout resumed across a weight update).
+Such a batch needs an explicit `off_policy_correction` ('tis' or 'none'); with 'unset' building it
+raises `OffPolicyCorrectionRequired`, a configuration error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Iterable, Sequence
+
+import torch
+
+from buffers.group import Group
+from buffers.sample import SampleStatus
+from train.algorithms.advantages import group_advantages
+
+
+class OffPolicyCorrectionRequired(ValueError):
+    """The batch holds off-policy tokens but train.algorithm.off_policy_correction is 'unset'."""
+
+
+@dataclass
+class TrainSample:
+    index: int  # Sample.index
+    group_id: int
+    tokens: torch.Tensor  # int64 [prompt + response]
+    prompt_length: int
+    loss_mask: torch.Tensor  # float32 [response]
+    rollout_logprobs: torch.Tensor  # float32 [response]
+    advantage: float
+    reward: float
+    min_version: int
+    max_version: int
+    old_logprobs: torch.Tensor | None = None  # pi_old, set from Trainer.logprobs
+    ref_logprobs: torch.Tensor | None = None  # reference policy, set from Trainer.logprobs
+
+    @property
+    def response_length(self) -> int:
+        return int(self.tokens.numel()) - self.prompt_length
+
+    @property
+    def length(self) -> int:
+        return int(self.tokens.numel())
+
+    @property
+    def trainable_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+@dataclass
+class TrainBatch:
+    samples: list[TrainSample]
+    policy_version: int = 0
+    metadata: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.length for s in self.samples)
+
+    @property
+    def trainable_tokens(self) -> int:
+        return sum(s.trainable_tokens for s in self.samples)
+
+    def off_policy_samples(self) -> int:
+        v = self.policy_version
+        return sum(1 for s in self.samples if s.min_version != v or s.max_version != v)
+
+    def subset(self, indices: Sequence[int]) -> "TrainBatch":
+        return TrainBatch([self.samples[i] for i in indices], self.policy_version, dict(self.metadata))
+
+    def micro_batches(self, size: int) -> list["TrainBatch"]:
+        return [self.subset(range(i, min(i + size, len(self)))) for i in range(0, len(self), size)]
+
+    def with_logprobs(
+        self,
+        *,
+        old: Sequence[torch.Tensor] | None = None,
+        ref: Sequence[torch.Tensor] | None = None,
+    ) -> "TrainBatch":
+        """A copy with pi_old and/or reference logprobs attached (one tensor per sample)."""
+        for what, values in (("old", old), ("ref", ref)):
+            if values is not None and len(values) != len(self.samples):
+                raise ValueError(f"with_logprobs: {len(values)} {what} tensors for {len(self)} samples")
+        samples = []
+        for i, s in enumerate(self.samples):
+            changes = {}
+            if old is not None:
+                changes["old_logprobs"] = old[i]
+            if ref is not None:
+                changes["ref_logprobs"] = ref[i]
+            samples.append(replace(s, **changes))
+        return TrainBatch(samples, self.policy_version, dict(self.metadata))
+
+    @staticmethod
+    def concat(batches: Iterable["TrainBatch"]) -> "TrainBatch":
+        batches = list(batches)
+        versions = {b.policy_version for b in batches}
+        if len(versions) > 1:
+            raise ValueError(f"concat: batches built at different policy versions {sorted(versions)}")
+        return TrainBatch(
+            [s for b in batches for s in b.samples], versions.pop() if versions else 0, {}
+        )
+
+
+_TRAINABLE = (SampleStatus.DONE, SampleStatus.TRUNCATED)
+
+
+def build_batch(
+    groups: Iterable[Group],
+    *,
+    advantage: str,
+    off_policy_correction: str,
+    policy_version: int,
+) -> TrainBatch:
+    """A TrainBatch from complete groups (see the module docstring for what is kept)."""
+    samples: list[TrainSample] = []
+    for group in groups:
+        rewarded = [s for s in group.samples if s.status in _TRAINABLE]
+        for s in rewarded:
+            if s.reward is None:
+                raise ValueError(
+                    f"group {group.group_id} sample {s.index}: status {s.status.value} but no "
+                    "reward; only complete groups can be trained on"
+                )
+            s.check()
+        if not rewarded:
+            continue
+        advantages = group_advantages([s.reward for s in rewarded], advantage)  # type: ignore[arg-type]
+        for s, adv in zip(rewarded, advantages.tolist()):
+            if not s.response_ids:
+                continue
+            if max(s.versions) > policy_version:
+                raise ValueError(
+                    f"group {group.group_id} sample {s.index}: token version {max(s.versions)} is "
+                    f"newer than the trainer's policy version {policy_version}"
+                )
+            samples.append(
+                TrainSample(
+                    index=s.index,
+                    group_id=group.group_id,
+                    tokens=torch.tensor([*s.prompt_ids, *s.response_ids], dtype=torch.long),
+                    prompt_length=len(s.prompt_ids),
+                    loss_mask=torch.tensor(s.loss_mask, dtype=torch.float32),
+                    rollout_logprobs=torch.tensor(s.logprobs, dtype=torch.float32),
+                    advantage=float(adv),
+                    reward=float(s.reward),  # type: ignore[arg-type]
+                    min_version=min(s.versions),
+                    max_version=max(s.versions),
+                )
+            )
+    batch = TrainBatch(samples, policy_version)
+    off = batch.off_policy_samples()
+    if off and off_policy_correction == "unset":
+        raise OffPolicyCorrectionRequired(
+            f"{off} of {len(batch)} samples hold tokens from a policy version other than "
+            f"{policy_version} (stale or resumed partial rollouts): set "
+            "train.algorithm.off_policy_correction to 'tis' or 'none'"
+        )
+    batch.metadata["off_policy_samples"] = off
+    return batch
+
+
+def build_batch_from_config(groups: Iterable[Group], algorithm, policy_version: int) -> TrainBatch:
+    """`build_batch` with the knobs of a `train.config.AlgorithmConfig`."""
+    return build_batch(
+        groups,
+        advantage=algorithm.advantage,
+        off_policy_correction=algorithm.off_policy_correction,
+        policy_version=policy_version,
+    )

@@ -1,0 +1,78 @@
+"""Read and write HF model folders (config.json + safetensors), without transformers."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+# Files copied next to exported weights so the folder loads with from_pretrained and a tokenizer.
+SIDE_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def read_config(path: str | Path) -> dict:
+    config_path = Path(path) / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path}: not an HF model folder (no config.json)")
+    return json.loads(config_path.read_text())
+
+
+def load_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the model folder's *.safetensors files (sharded or not)."""
+    folder = Path(path)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no *.safetensors weights (convert .bin checkpoints first)")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for name in fh.keys():
+                out[name] = fh.get_tensor(name)
+    return out
+
+
+def save_hf_folder(
+    path: str | Path,
+    tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    config: dict,
+    *,
+    side_files_from: str | Path | None = None,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write config.json + model.safetensors (+ tokenizer files copied from `side_files_from`)."""
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    items = tensors.items() if isinstance(tensors, Mapping) else tensors
+    state = {}
+    for name, t in items:
+        t = t.detach().to("cpu")
+        state[name] = (t.to(dtype) if dtype is not None else t).contiguous()
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = dict(config)
+    some = next(iter(state.values()))
+    dtype_name = {v: k for k, v in _DTYPES.items()}.get(some.dtype, "float32")
+    config["dtype"] = dtype_name
+    config.pop("torch_dtype", None)
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    if side_files_from is not None:
+        for name in SIDE_FILES:
+            src = Path(side_files_from) / name
+            if src.is_file():
+                shutil.copy2(src, folder / name)
+    return folder

@@ -1,0 +1,1 @@
+"""The megatron-core backend. Import submodules directly; this package imports nothing heavy."""

@@ -1,0 +1,131 @@
+"""torch.distributed + megatron parallel state for one trainer process.
+
+Ranks are laid out TP-major, as megatron does: global rank = dp_rank * tp + tp_rank. On CPU the
+backend is gloo and the CPU shim is applied; on CUDA it is NCCL and megatron seeds its CUDA RNG
+tracker. A process holds one trainer world for its lifetime (megatron's parallel state is global).
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    world_size: int
+    tp_rank: int
+    tp_size: int
+    dp_rank: int
+    dp_size: int
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("train.device=cuda but torch sees no CUDA device in this process")
+    return torch.device(name)
+
+
+def init_parallel(
+    *,
+    rank: int,
+    world_size: int,
+    tp: int,
+    master_addr: str,
+    master_port: int,
+    device: torch.device,
+    seed: int,
+    timeout_s: float = 600.0,
+) -> RankInfo:
+    """Join the trainer world and build megatron's TP/DP groups (idempotent for the same shape)."""
+    from megatron.core import parallel_state
+
+    if world_size % tp:
+        raise ValueError(f"world size {world_size} is not a multiple of tensor parallel size {tp}")
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size or dist.get_rank() != rank:
+            raise RuntimeError(
+                f"this process already belongs to a trainer world of size {dist.get_world_size()} "
+                f"(rank {dist.get_rank()}); cannot join one of size {world_size} as rank {rank}"
+            )
+    else:
+        if device.type == "cuda":
+            torch.cuda.set_device(device.index if device.index is not None else 0)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    if device.type == "cpu":
+        from train.megatron.cpu_shim import apply_cpu_shim
+
+        apply_cpu_shim()
+    if parallel_state.model_parallel_is_initialized():
+        have = parallel_state.get_tensor_model_parallel_world_size()
+        if have != tp:
+            raise RuntimeError(f"megatron is already initialised with TP={have}, not TP={tp}")
+    else:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    if device.type == "cuda":
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(seed)
+    return current_rank_info()
+
+
+def init_single_process(device: torch.device, seed: int) -> RankInfo:
+    """A world of one (TP=1, DP=1) in this process: tests, benchmarks, export."""
+    if dist.is_initialized():
+        return init_parallel(
+            rank=0, world_size=1, tp=1, master_addr="", master_port=0, device=device, seed=seed
+        )
+    return init_parallel(
+        rank=0,
+        world_size=1,
+        tp=1,
+        master_addr="127.0.0.1",
+        master_port=free_port(),
+        device=device,
+        seed=seed,
+    )
+
+
+def current_rank_info() -> RankInfo:
+    from megatron.core import parallel_state as ps
+
+    return RankInfo(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        tp_size=ps.get_tensor_model_parallel_world_size(),
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+    )
+
+
+def shutdown_parallel() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,449 @@
+"""MegatronTrainer: the Trainer protocol for one rank of a megatron-core TP x DP world.
+
+Every rank of the world runs one MegatronTrainer; the TP ranks of one DP replica receive the
+same samples, different DP replicas different samples (`train.ray_group.TrainerGroup` splits
+batches and calls every rank). A world of one (`MegatronTrainer.single_process`) serves tests,
+benchmarks and the export command.
+
+Gradient normalisation (why streaming equals sync): `accumulate` backpropagates loss
+*numerators* (sums over tokens) and adds up the matching denominators. `step` all-reduces
+gradients and denominators over DP and divides by the global denominator
+(megatron's `finalize_model_grads(num_tokens=...)`, with `calculate_per_token_loss=True` so the DP
+reduction is a sum), then clips and steps. Any split of a global batch into micro-batches, in any
+order, therefore yields the same gradient up to float summation order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections import defaultdict
+from pathlib import Path
+from typing import Iterator, Literal, Sequence
+
+import torch
+
+from train.algorithms.losses import LossSettings, PolicyLossInput, policy_loss
+from train.batch import TrainBatch, TrainSample
+from train.config import TrainConfig
+from train.convert import hf_to_megatron, megatron_param_names, megatron_param_to_hf
+from train.hf_arch import ModelArch
+from train.hf_io import load_hf_state_dict, read_config
+from train.megatron.logprobs import vocab_parallel_logprobs
+from train.megatron.optimizer import build_optimizer, learning_rate
+from train.megatron.parallel import RankInfo, current_rank_info, init_single_process, resolve_device
+from train.packing import PackedRows, pack_samples
+
+Policy = Literal["current", "reference"]
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+class MegatronTrainer:
+    """One rank. torch.distributed and megatron's parallel state must already be initialised."""
+
+    def __init__(self, model_path: str | Path, config: TrainConfig, *, temperature: float = 1.0) -> None:
+        from megatron.core import parallel_state
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        from train.megatron.model import build_gpt_model
+
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        self.config = config
+        self.temperature = float(temperature)
+        self.loss_settings = LossSettings.from_config(config.algorithm)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.rank: RankInfo = current_rank_info()
+        if self.rank.tp_size != config.parallelism.tensor:
+            raise ValueError(
+                f"train.parallelism.tensor={config.parallelism.tensor} but megatron was initialised "
+                f"with TP={self.rank.tp_size}"
+            )
+        self.model_path = Path(model_path)
+        self.hf_config = read_config(self.model_path)
+        self.arch = ModelArch.from_hf_config(self.hf_config)
+        self.arch.check_tensor_parallel(self.rank.tp_size)
+        self._tp_group = (
+            parallel_state.get_tensor_model_parallel_group() if self.rank.tp_size > 1 else None
+        )
+        self._vocab_start = self.rank.tp_rank * (self.arch.vocab_size // self.rank.tp_size)
+
+        seed_everything(config.seed + self.rank.rank)
+        module = build_gpt_model(self.arch, params_dtype=self.dtype, device=self.device)
+        self._load_megatron_state(
+            hf_to_megatron(
+                load_hf_state_dict(self.model_path), self.arch, self.rank.tp_size, self.rank.tp_rank
+            ),
+            module,
+        )
+        self.model = DistributedDataParallel(
+            config=module.config,
+            ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+            ),
+            module=module,
+        )
+        self.optimizer = build_optimizer(self.model, config.optimizer, self.device, self.dtype)
+        self._reference: dict[str, torch.Tensor] | None = None
+        if config.algorithm.kl_coef > 0:
+            self._reference = {n: p.detach().clone() for n, p in self.module.named_parameters()}
+
+        self._sender = None  # WeightSender, on the rank that talks to engines
+        self.step_count = 0  # optimizer steps taken
+        self.version = 0  # policy version of these weights, as engines were told (see sync)
+        self._reset_accumulation()
+
+    @classmethod
+    def single_process(
+        cls, model_path: str | Path, config: TrainConfig, *, temperature: float = 1.0
+    ) -> "MegatronTrainer":
+        if config.parallelism.tensor != 1 or config.parallelism.data != 1:
+            raise ValueError("single_process runs TP=1, DP=1; use train.ray_group.TrainerGroup")
+        init_single_process(resolve_device(config.device), config.seed)
+        return cls(model_path, config, temperature=temperature)
+
+    # -- model access ------------------------------------------------------------------------
+    @property
+    def module(self) -> torch.nn.Module:
+        """The bare GPTModel (inside megatron's DDP wrapper)."""
+        return self.model.module
+
+    def megatron_state(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters, Megatron names (no DDP prefix, no _extra_state)."""
+        return {n: p.detach() for n, p in self.module.named_parameters()}
+
+    def _load_megatron_state(self, state: dict[str, torch.Tensor], module: torch.nn.Module | None = None) -> None:
+        module = module if module is not None else self.module
+        params = dict(module.named_parameters())
+        expected = set(megatron_param_names(self.arch))
+        if set(params) != expected:
+            raise RuntimeError(
+                "GPTModel parameters do not match the converter's names: "
+                f"model-only {sorted(set(params) - expected)}, converter-only "
+                f"{sorted(expected - set(params))}"
+            )
+        with torch.no_grad():
+            for name, p in params.items():
+                src = state[name]
+                if tuple(src.shape) != tuple(p.shape):
+                    raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != model {tuple(p.shape)}")
+                p.copy_(src.to(device=p.device, dtype=p.dtype))
+
+    # -- forward -----------------------------------------------------------------------------
+    def _pack(self, samples: Sequence[TrainSample]) -> PackedRows:
+        return pack_samples(
+            [s.tokens for s in samples],
+            [s.prompt_length for s in samples],
+            self.config.pack_row_tokens,
+        )
+
+    def _forward(self, packed: PackedRows, *, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        dev = self.device
+        logits = self.model(
+            input_ids=packed.input_ids.to(dev),
+            position_ids=packed.position_ids.to(dev),
+            attention_mask=packed.attention_mask.to(dev),
+        )  # [R, S, V / TP]
+        rows = logits.reshape(-1, logits.shape[-1]).index_select(0, packed.logit_index.to(dev))
+        if self.temperature != 1.0:
+            rows = rows.float() / self.temperature
+        return vocab_parallel_logprobs(
+            rows,
+            packed.target_ids.to(dev),
+            vocab_start=self._vocab_start,
+            group=self._tp_group,
+            with_entropy=with_entropy,
+        )
+
+    @contextlib.contextmanager
+    def _weights(self, policy: Policy) -> Iterator[None]:
+        if policy == "current":
+            yield
+            return
+        if self._reference is None:
+            raise ValueError("reference logprobs need train.algorithm.kl_coef > 0 (no reference kept)")
+        params = dict(self.module.named_parameters())
+        saved = {n: p.detach().clone() for n, p in params.items()}
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(self._reference[n])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for n, p in params.items():
+                    p.copy_(saved[n])
+
+    # -- Trainer protocol --------------------------------------------------------------------
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch, *, policy: Policy = "current") -> list[torch.Tensor]:
+        """Per-sample logprobs of the response tokens (fp32, CPU), micro-batch by micro-batch."""
+        out: list[torch.Tensor] = []
+        with self._weights(policy):
+            for mb in batch.micro_batches(self.config.micro_batch_size):
+                packed = self._pack(mb.samples)
+                lp, _ = self._forward(packed, with_entropy=False)
+                out.extend(lp.float().cpu().split(packed.response_lengths))
+        return out
+
+    def accumulate(self, batch: TrainBatch) -> dict[str, float]:
+        """Forward + backward of every micro-batch of `batch`; no optimizer step."""
+        with_entropy = self.loss_settings.entropy_coef > 0
+        stats = {"samples": 0.0, "tokens": 0.0, "denominator": 0.0}
+        self.model.train()
+        for mb in batch.micro_batches(self.config.micro_batch_size):
+            packed = self._pack(mb.samples)
+            lp, entropy = self._forward(packed, with_entropy=with_entropy)
+            terms = policy_loss(self._loss_input(mb.samples, packed, lp, entropy, with_entropy), self.loss_settings)
+            terms.numerator.backward()
+            self._denominator += terms.denominator
+            for k, v in terms.metric_sums.items():
+                self._metric_sums[k] += v
+            self._samples += len(mb)
+            self._tokens += packed.tokens
+            self._slots += packed.slots
+            stats["samples"] += len(mb)
+            stats["tokens"] += packed.tokens
+            stats["denominator"] += terms.denominator
+        return stats
+
+    def _loss_input(
+        self,
+        samples: Sequence[TrainSample],
+        packed: PackedRows,
+        lp: torch.Tensor,
+        entropy: torch.Tensor,
+        with_entropy: bool,
+    ) -> PolicyLossInput:
+        dev = lp.device
+
+        def cat(attr: str) -> torch.Tensor | None:
+            values = [getattr(s, attr) for s in samples]
+            have = [v is not None for v in values]
+            if not any(have):
+                return None
+            if not all(have):
+                raise ValueError(f"{attr}: set for some samples of a micro-batch and not others")
+            for s, v in zip(samples, values):
+                if v.numel() != s.response_length:
+                    raise ValueError(
+                        f"sample {s.index}: {attr} has {v.numel()} values for "
+                        f"{s.response_length} response tokens"
+                    )
+            return torch.cat(values).to(dev)
+
+        sample_ids = packed.sample_ids.to(dev)
+        advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32, device=dev)
+        return PolicyLossInput(
+            logprobs=lp,
+            advantages=advantages[sample_ids],
+            loss_mask=cat("loss_mask"),  # type: ignore[arg-type]
+            sample_ids=sample_ids,
+            num_samples=len(samples),
+            old_logprobs=cat("old_logprobs"),
+            rollout_logprobs=cat("rollout_logprobs"),
+            ref_logprobs=cat("ref_logprobs"),
+            entropy=entropy if with_entropy else None,
+        )
+
+    def step(self) -> dict[str, float]:
+        """Normalise the accumulated gradients by the global denominator, clip, step, zero."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+        from megatron.core.distributed import finalize_model_grads
+
+        denominator = torch.tensor([self._denominator], dtype=torch.float32, device=self.device)
+        finalize_model_grads([self.model], num_tokens=denominator)  # DP sum, then / denominator
+        present = [1.0 if k in self._metric_sums else 0.0 for k in self._metric_keys]
+        counters = torch.tensor(
+            [self._samples, self._tokens, self._slots, *self._metric_sums_vector(), *present],
+            dtype=torch.float64,
+        )
+        if self.rank.dp_size > 1:
+            dist.all_reduce(counters, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+        global_denominator = float(denominator)
+        lr = learning_rate(self.config.optimizer, self.step_count)
+        self.optimizer.set_lr(lr)
+        if global_denominator > 0:
+            applied, grad_norm = self.optimizer.step()
+        else:
+            applied, grad_norm = False, 0.0
+        self.model.zero_grad_buffer()
+        if applied:
+            self.step_count += 1
+        samples, tokens, slots = (float(x) for x in counters[:3])
+        n_keys = len(self._metric_keys)
+        sums, seen = counters[3 : 3 + n_keys], counters[3 + n_keys :]
+        metrics = {
+            f"train/{k}": float(v) / global_denominator if global_denominator > 0 else 0.0
+            for k, v, flag in zip(self._metric_keys, sums, seen)
+            if flag > 0
+        }
+        metrics.update(
+            {
+                "train/grad_norm": grad_norm,
+                "train/lr": lr,
+                "train/step_applied": float(applied),
+                "train/samples": samples,
+                "train/tokens": tokens,
+                "train/padding_fraction": 1.0 - tokens / slots if slots else 0.0,
+                "train/loss_denominator": global_denominator,
+                "train/step": float(self.step_count),
+            }
+        )
+        self._reset_accumulation()
+        return metrics
+
+    # Metric names in a fixed order so DP ranks all-reduce matching vectors.
+    _metric_keys = (
+        "loss",
+        "pg_loss",
+        "clip_frac",
+        "ratio",
+        "approx_kl_old",
+        "kl",
+        "entropy",
+        "tis_weight",
+        "tis_truncated_frac",
+        "train_rollout_logprob_abs_diff",
+    )
+
+    def _metric_sums_vector(self) -> list[float]:
+        unknown = set(self._metric_sums) - set(self._metric_keys)
+        if unknown:
+            raise RuntimeError(f"loss produced metrics {sorted(unknown)} missing from _metric_keys")
+        return [self._metric_sums.get(k, 0.0) for k in self._metric_keys]
+
+    def _reset_accumulation(self) -> None:
+        self._denominator = 0.0
+        self._metric_sums: dict[str, float] = defaultdict(float)
+        self._samples = 0
+        self._tokens = 0
+        self._slots = 0
+
+    @property
+    def pending_samples(self) -> int:
+        """Samples accumulated since the last step."""
+        return self._samples
+
+    def main_grads(self) -> dict[str, torch.Tensor]:
+        """Copies of the accumulated gradient buffers (tests)."""
+        return {n: p.main_grad.detach().clone() for n, p in self.module.named_parameters()}
+
+    def finalize_grads_for_test(self) -> dict[str, torch.Tensor]:
+        """Run the step's normalisation only and return the normalised gradients (tests)."""
+        from megatron.core.distributed import finalize_model_grads
+
+        denominator = torch.tensor([self._denominator], dtype=torch.float32, device=self.device)
+        finalize_model_grads([self.model], num_tokens=denominator)
+        return self.main_grads()
+
+    # -- weights for sync and export --------------------------------------------------------
+    def iter_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full HF tensors, in model order. Collective over the TP group: every TP rank of the
+        replica must iterate; only TP rank 0 receives tensors (the others get an empty stream)."""
+        import torch.distributed as dist
+
+        params = dict(self.module.named_parameters())
+        tp = self.rank.tp_size
+        for name in megatron_param_names(self.arch):
+            local = params[name].detach()
+            if tp > 1:
+                shards = [torch.empty_like(local) for _ in range(tp)]
+                dist.all_gather(shards, local.contiguous(), group=self._tp_group)
+            else:
+                shards = [local]
+            if self.rank.tp_rank == 0:
+                yield from megatron_param_to_hf(name, shards, self.arch)
+
+    def export_hf(self, path: str | Path) -> Path | None:
+        """Write an HF model folder (collective over TP; DP rank 0 / TP rank 0 writes it)."""
+        from train.hf_io import save_hf_folder
+
+        if self.rank.dp_rank != 0:
+            return None
+        weights = self.iter_hf_weights()
+        if self.rank.tp_rank != 0:
+            for _ in weights:
+                pass
+            return None
+        return save_hf_folder(path, weights, self.hf_config, side_files_from=self.model_path)
+
+    def sync_weights(
+        self,
+        engines: Sequence[str],
+        *,
+        version: int | None = None,
+        method: str | None = None,
+        folder: str | Path | None = None,
+    ):
+        """Push the current weights to `engines` (URLs of engine workers, not the router) and set
+        the policy version (default: current + 1). Collective: call it on every rank. Returns the
+        SyncReport on the rank that sent (global rank 0), None elsewhere."""
+        from train.hf_io import save_hf_folder
+        from train.weight_sync.sender import WeightSender
+
+        ws = self.config.weight_sync
+        method = method or ws.method
+        version = self.version + 1 if version is None else int(version)
+        if version <= self.version:
+            raise ValueError(f"sync_weights: version {version} must be newer than {self.version}")
+        if not engines:
+            raise ValueError("sync_weights: no engine URLs given")
+        if method not in ("disk", "distributed"):
+            raise ValueError(f"sync_weights: unknown method {method!r}")
+        if method == "disk" and folder is None and not ws.disk_dir:
+            raise ValueError("sync_weights(method='disk') needs a folder or train.weight_sync.disk_dir")
+        report = None
+        if self.rank.dp_rank == 0:
+            weights = self.iter_hf_weights()
+            if self.rank.tp_rank != 0:
+                for _ in weights:  # take part in the TP all-gathers
+                    pass
+            else:
+                if self._sender is None:
+                    self._sender = WeightSender(
+                        bucket_mb=ws.bucket_mb, pause_mode=ws.pause_mode, timeout_s=ws.timeout_s
+                    )
+                if method == "disk":
+                    root = Path(folder if folder is not None else ws.disk_dir)
+                    report = self._sender.sync_from_disk(
+                        engines,
+                        root / f"v{version:06d}",
+                        version,
+                        write=lambda p: save_hf_folder(
+                            p, weights, self.hf_config, side_files_from=self.model_path
+                        ),
+                    )
+                else:
+                    report = self._sender.sync_distributed(engines, weights, version)
+        self.version = version
+        return report
+
+    def close(self) -> None:
+        """Leave the engines' weight-update group, if any."""
+        if self._sender is not None:
+            self._sender.close()
+            self._sender = None
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def save(self, path: str | Path) -> None:
+        from train.megatron.checkpoint import save_checkpoint
+
+        save_checkpoint(self, Path(path))
+
+    def load(self, path: str | Path) -> None:
+        from train.megatron.checkpoint import load_checkpoint
+
+        load_checkpoint(self, Path(path))
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)

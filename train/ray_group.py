@@ -1,0 +1,256 @@
+"""TrainerGroup: TP x DP megatron trainer ranks as Ray actors, driven as one Trainer.
+
+Rank layout follows megatron (TP innermost): global rank g has tp_rank = g % TP and
+dp_rank = g // TP. The driver-side group
+
+- splits each batch over DP replicas (longest-processing-time by token count, so replicas get
+  similar work) and sends every TP rank of a replica the same samples;
+- gathers per-sample results from TP rank 0 of each replica and restores the batch order;
+- calls `step`, `sync_weights`, `save`, `load`, `export_hf` on every rank (they are collective).
+
+Normalisation is global (see train/megatron/trainer.py), so how samples are split across DP
+replicas does not change the gradient.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from train.batch import TrainBatch
+from train.config import TrainConfig
+
+
+def split_for_data_parallel(batch: TrainBatch, dp: int) -> list[list[int]]:
+    """Sample indices per DP replica: each sample, longest first, to the least-loaded replica."""
+    loads = [0] * dp
+    parts: list[list[int]] = [[] for _ in range(dp)]
+    for i in sorted(range(len(batch)), key=lambda i: (-batch.samples[i].length, i)):
+        r = min(range(dp), key=lambda r: (loads[r], r))
+        parts[r].append(i)
+        loads[r] += batch.samples[i].length
+    return [sorted(p) for p in parts]
+
+
+class TrainWorker:
+    """One trainer rank inside a Ray actor (wrapped with ray.remote by TrainerGroup)."""
+
+    def __init__(self, rank: int, world_size: int, tp: int, threads: int | None) -> None:
+        self.rank, self.world_size, self.tp = rank, world_size, tp
+        if threads:
+            torch.set_num_threads(threads)
+        self.trainer = None
+
+    def master_address(self) -> tuple[str, int]:
+        import ray
+
+        from train.megatron.parallel import free_port
+
+        ip = ray.util.get_node_ip_address()
+        return ip, free_port(ip)
+
+    def setup(self, master: tuple[str, int], model_path: str, config: dict, temperature: float) -> dict:
+        from train.megatron.parallel import init_parallel, resolve_device
+        from train.megatron.trainer import MegatronTrainer
+
+        cfg = TrainConfig.model_validate(config)
+        device = resolve_device(cfg.device)
+        init_parallel(
+            rank=self.rank,
+            world_size=self.world_size,
+            tp=self.tp,
+            master_addr=master[0],
+            master_port=master[1],
+            device=device,
+            seed=cfg.seed,
+            timeout_s=cfg.weight_sync.timeout_s,
+        )
+        self.trainer = MegatronTrainer(model_path, cfg, temperature=temperature)
+        r = self.trainer.rank
+        return {"rank": r.rank, "tp_rank": r.tp_rank, "dp_rank": r.dp_rank, "pid": os.getpid()}
+
+    def logprobs(self, batch: TrainBatch, policy: str) -> list[torch.Tensor] | None:
+        out = self.trainer.logprobs(batch, policy=policy)
+        return out if self.trainer.rank.tp_rank == 0 else None
+
+    def accumulate(self, batch: TrainBatch) -> dict[str, float]:
+        return self.trainer.accumulate(batch)
+
+    def step(self) -> dict[str, float]:
+        return self.trainer.step()
+
+    def sync_weights(self, engines: list[str], version: int | None, method: str | None, folder: str | None):
+        return self.trainer.sync_weights(engines, version=version, method=method, folder=folder)
+
+    def export_hf(self, path: str) -> str | None:
+        out = self.trainer.export_hf(path)
+        return str(out) if out is not None else None
+
+    def save(self, path: str) -> None:
+        self.trainer.save(path)
+
+    def load(self, path: str) -> None:
+        self.trainer.load(path)
+
+    def counters(self) -> dict[str, int]:
+        return {"step": self.trainer.step_count, "version": self.trainer.version}
+
+    def finalize_grads_for_test(self) -> dict[str, torch.Tensor]:
+        return self.trainer.finalize_grads_for_test()
+
+    def reset_grads_for_test(self) -> None:
+        self.trainer.model.zero_grad_buffer()
+        self.trainer._reset_accumulation()
+
+    def hf_weights(self) -> dict[str, torch.Tensor] | None:
+        weights = dict(self.trainer.iter_hf_weights())
+        return weights if self.trainer.rank.tp_rank == 0 and self.trainer.rank.dp_rank == 0 else None
+
+    def shutdown(self) -> None:
+        from train.megatron.parallel import shutdown_parallel
+
+        if self.trainer is not None:
+            self.trainer.close()
+        shutdown_parallel()
+
+
+class TrainerGroup:
+    """The Trainer protocol over TP x DP Ray actors. Ray must be initialised by the caller."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        config: TrainConfig,
+        *,
+        temperature: float = 1.0,
+        num_cpus_per_worker: float = 1.0,
+        num_gpus_per_worker: float | None = None,
+        threads_per_worker: int | None = None,
+        placement_group: Any = None,
+        first_bundle: int = 0,
+    ) -> None:
+        import ray
+
+        self.config = config
+        self.tp = config.parallelism.tensor
+        self.dp = config.parallelism.data
+        world = self.tp * self.dp
+        if num_gpus_per_worker is None:
+            wants_gpu = config.device == "cuda" or (
+                config.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0
+            )
+            num_gpus_per_worker = 1.0 if wants_gpu else 0.0
+        threads = threads_per_worker or max(1, int(num_cpus_per_worker))
+        actor_cls = ray.remote(TrainWorker)
+        self.workers = []
+        for rank in range(world):
+            options: dict[str, Any] = {"num_cpus": num_cpus_per_worker, "num_gpus": num_gpus_per_worker}
+            if placement_group is not None:
+                from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    placement_group=placement_group, placement_group_bundle_index=first_bundle + rank
+                )
+            self.workers.append(actor_cls.options(**options).remote(rank, world, self.tp, threads))
+        try:
+            master = ray.get(self.workers[0].master_address.remote())
+            self.ranks = ray.get(
+                [
+                    w.setup.remote(master, str(model_path), config.model_dump(), temperature)
+                    for w in self.workers
+                ]
+            )
+        except Exception:
+            self.shutdown()
+            raise
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _replica_heads(self) -> list[Any]:
+        return [self.workers[d * self.tp] for d in range(self.dp)]
+
+    def _scatter(self, batch: TrainBatch, method: str, *args: Any) -> tuple[list[list[int]], list[Any]]:
+        import ray
+
+        parts = split_for_data_parallel(batch, self.dp)
+        refs = []
+        for d, idx in enumerate(parts):
+            sub = ray.put(batch.subset(idx))
+            for t in range(self.tp):
+                refs.append(getattr(self.workers[d * self.tp + t], method).remote(sub, *args))
+        return parts, refs
+
+    def _all(self, method: str, *args: Any) -> list[Any]:
+        import ray
+
+        return ray.get([getattr(w, method).remote(*args) for w in self.workers])
+
+    # -- Trainer protocol ------------------------------------------------------------------------
+    def logprobs(self, batch: TrainBatch, *, policy: str = "current") -> list[torch.Tensor]:
+        import ray
+
+        parts, refs = self._scatter(batch, "logprobs", policy)
+        results = ray.get(refs)
+        out: list[torch.Tensor | None] = [None] * len(batch)
+        for d, idx in enumerate(parts):
+            for i, lp in zip(idx, results[d * self.tp]):
+                out[i] = lp
+        return out  # type: ignore[return-value]
+
+    def accumulate(self, batch: TrainBatch) -> dict[str, float]:
+        import ray
+
+        _, refs = self._scatter(batch, "accumulate")
+        results = ray.get(refs)
+        heads = results[:: self.tp]
+        return {k: sum(r[k] for r in heads) for k in heads[0]} if heads else {}
+
+    def step(self) -> dict[str, float]:
+        return self._all("step")[0]
+
+    def sync_weights(
+        self,
+        engines: Sequence[str],
+        *,
+        version: int | None = None,
+        method: str | None = None,
+        folder: str | Path | None = None,
+    ):
+        reports = self._all(
+            "sync_weights", list(engines), version, method, None if folder is None else str(folder)
+        )
+        return reports[0]
+
+    def export_hf(self, path: str | Path) -> Path:
+        return Path(self._all("export_hf", str(path))[0])
+
+    def save(self, path: str | Path) -> None:
+        self._all("save", str(path))
+
+    def load(self, path: str | Path) -> None:
+        self._all("load", str(path))
+
+    @property
+    def version(self) -> int:
+        import ray
+
+        return ray.get(self.workers[0].counters.remote())["version"]
+
+    @property
+    def step_count(self) -> int:
+        import ray
+
+        return ray.get(self.workers[0].counters.remote())["step"]
+
+    def shutdown(self) -> None:
+        import ray
+
+        for w in self.workers:
+            try:
+                ray.get(w.shutdown.remote(), timeout=60)
+            except Exception:  # noqa: BLE001 - the actor may be dead already
+                pass
+            ray.kill(w)
+        self.workers = []

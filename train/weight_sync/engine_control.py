@@ -1,0 +1,131 @@
+"""The engine control calls a weight update needs, over SGLang's HTTP protocol.
+
+Sent to each engine worker itself: the sglang-router forwards none of them (FACTS.md). stdlib
+HTTP only, so `train` depends on no rollout code; one call per method, no retries (a weight
+update that half-applied must not be retried blindly). Every body states the flags whose SGLang
+defaults would surprise: `mode` for pause, `abort_all_requests` and `flush_cache` for updates.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any, Protocol, Sequence
+
+
+class EngineControlError(RuntimeError):
+    """An engine refused or failed a control call."""
+
+
+class EngineControl(Protocol):
+    """One engine worker, as the weight sender sees it."""
+
+    url: str
+
+    def pause(self, mode: str) -> None: ...
+    def flush_cache(self) -> None: ...
+    def continue_generation(self) -> None: ...
+    def update_from_disk(self, model_path: str, version: int) -> None: ...
+    def init_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+        group_name: str, backend: str,
+    ) -> None: ...
+    def begin_update(self) -> None: ...
+    def update_from_distributed(
+        self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
+        group_name: str, version: int,
+    ) -> None: ...
+    def end_update(self) -> None: ...
+    def destroy_group(self, group_name: str) -> None: ...
+
+
+class HttpEngineControl:
+    def __init__(self, url: str, timeout_s: float = 600.0) -> None:
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        req = urllib.request.Request(
+            self.url + path,
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:500]
+            raise EngineControlError(f"POST {self.url}{path}: HTTP {e.code}: {detail}") from e
+        except (urllib.error.URLError, OSError) as e:
+            raise EngineControlError(f"POST {self.url}{path}: {e}") from e
+        try:
+            answer = json.loads(raw) if raw.strip() else {}
+        except json.JSONDecodeError:
+            answer = {"raw": raw.decode(errors="replace")}
+        if isinstance(answer, dict) and answer.get("success") is False:
+            raise EngineControlError(f"POST {self.url}{path}: {answer.get('message', answer)}")
+        return answer if isinstance(answer, dict) else {"answer": answer}
+
+    def pause(self, mode: str) -> None:
+        self._post("/pause_generation", {"mode": mode})
+
+    def flush_cache(self) -> None:
+        self._post("/flush_cache", {})
+
+    def continue_generation(self) -> None:
+        self._post("/continue_generation", {})
+
+    def update_from_disk(self, model_path: str, version: int) -> None:
+        self._post(
+            "/update_weights_from_disk",
+            {
+                "model_path": model_path,
+                "weight_version": str(version),
+                "abort_all_requests": False,
+                "flush_cache": True,
+            },
+        )
+
+    def init_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+        group_name: str, backend: str,
+    ) -> None:
+        self._post(
+            "/init_weights_update_group",
+            {
+                "master_address": master_address,
+                "master_port": master_port,
+                "rank_offset": rank_offset,
+                "world_size": world_size,
+                "group_name": group_name,
+                "backend": backend,
+            },
+        )
+
+    def begin_update(self) -> None:
+        self._post("/begin_weight_update", {})
+
+    def update_from_distributed(
+        self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
+        group_name: str, version: int,
+    ) -> None:
+        self._post(
+            "/update_weights_from_distributed",
+            {
+                "names": list(names),
+                "dtypes": list(dtypes),
+                "shapes": [list(s) for s in shapes],
+                "group_name": group_name,
+                "flush_cache": False,
+                "abort_all_requests": False,
+                "weight_version": str(version),
+            },
+        )
+
+    def end_update(self) -> None:
+        self._post("/end_weight_update", {})
+
+    def destroy_group(self, group_name: str) -> None:
+        self._post("/destroy_weights_update_group", {"group_name": group_name})

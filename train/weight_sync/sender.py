@@ -1,0 +1,274 @@
+"""WeightSender: the trainer side of a weight update (FACTS.md, slime.md 3.6).
+
+Sequence for every method: [stage weights] -> pause(mode) -> flush_cache -> update -> continue,
+with the new policy version sent along, so engines stamp it on every token generated afterwards.
+
+- disk: the HF weights are written as a safetensors folder (before pausing, so engines keep
+  generating meanwhile), then each engine loads it with /update_weights_from_disk.
+- distributed: a process group trainer(rank 0) + engines(ranks 1..N) is formed once per set of
+  engines (/init_weights_update_group, joined concurrently by the trainer). Each update is
+  /begin_weight_update, then per bucket one /update_weights_from_distributed per engine (names,
+  dtypes, shapes) while the trainer broadcasts the bucket's tensors one by one from rank 0, then
+  /end_weight_update. gloo on CPU, NCCL when the tensors are on a GPU.
+
+If an update fails half-way the engines are left paused (continuing would serve a mix of two
+weight versions) and WeightSyncError says which engine failed at which step.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from train.weight_sync.engine_control import EngineControl, EngineControlError, HttpEngineControl
+from train.weight_sync.group import join_weight_group, leave_weight_group
+
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
+
+
+class WeightSyncError(RuntimeError):
+    """A weight update did not complete; the message names the engine and the step."""
+
+
+@dataclass
+class SyncReport:
+    method: str
+    version: int
+    engines: int
+    tensors: int = 0
+    bytes: int = 0
+    buckets: int = 0
+    seconds_total: float = 0.0
+    seconds_paused: float = 0.0  # from pause to continue: what generation loses
+    seconds_stage: float = 0.0  # writing files (disk) or forming the group (distributed, first time)
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def seconds_per_gb(self) -> float:
+        return self.seconds_total / (self.bytes / 1e9) if self.bytes else 0.0
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def bucketize(tensors: NamedTensors, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive groups of tensors of at most `bucket_bytes` (a larger tensor is alone)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in tensors:
+        n = t.numel() * t.element_size()
+        if bucket and size + n > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += n
+    if bucket:
+        yield bucket
+
+
+class WeightSender:
+    """Pushes weights to a set of engines. One per trainer process (it holds the group)."""
+
+    def __init__(
+        self,
+        *,
+        bucket_mb: int = 256,
+        pause_mode: str = "abort",
+        timeout_s: float = 600.0,
+        master_address: str = "127.0.0.1",
+        control_factory: Callable[[str], EngineControl] | None = None,
+    ) -> None:
+        self.bucket_bytes = bucket_mb * 1024 * 1024
+        self.pause_mode = pause_mode
+        self.timeout_s = timeout_s
+        self.master_address = master_address
+        self._control_factory = control_factory or (lambda url: HttpEngineControl(url, timeout_s))
+        self._group: dist.ProcessGroup | None = None
+        self._group_name = ""
+        self._group_engines: tuple[str, ...] = ()
+        self._group_backend = ""
+        self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="weight-sync")
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _controls(self, engines: Sequence[str]) -> list[EngineControl]:
+        if not engines:
+            raise WeightSyncError("no engines to update")
+        return [self._control_factory(u) for u in engines]
+
+    def _on_all(self, controls: Sequence[EngineControl], step: str, call: Callable[[EngineControl], None]) -> None:
+        futures = [(c, self._pool.submit(call, c)) for c in controls]
+        errors = []
+        for c, f in futures:
+            try:
+                f.result(timeout=self.timeout_s)
+            except Exception as e:  # noqa: BLE001 - reported with the engine and step
+                errors.append(f"{c.url}: {e}")
+        if errors:
+            raise WeightSyncError(f"{step} failed on {len(errors)} engine(s): " + "; ".join(errors))
+
+    # -- disk ----------------------------------------------------------------------------------
+    def sync_from_disk(
+        self,
+        engines: Sequence[str],
+        folder: str | Path,
+        version: int,
+        *,
+        write: Callable[[Path], None],
+        keep_previous: bool = False,
+    ) -> SyncReport:
+        """`write(path)` writes the HF folder; engines then load it. The previous folder written
+        by this sender is deleted after a successful update unless `keep_previous`."""
+        controls = self._controls(engines)
+        t0 = time.perf_counter()
+        path = Path(folder)
+        if path.exists():
+            shutil.rmtree(path)
+        write(path)
+        nbytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        t_staged = time.perf_counter()
+        self._on_all(controls, "pause_generation", lambda c: c.pause(self.pause_mode))
+        t_paused = time.perf_counter()
+        self._on_all(controls, "flush_cache", lambda c: c.flush_cache())
+        self._on_all(
+            controls, "update_weights_from_disk", lambda c: c.update_from_disk(str(path.resolve()), version)
+        )
+        self._on_all(controls, "continue_generation", lambda c: c.continue_generation())
+        t_end = time.perf_counter()
+        previous = getattr(self, "_last_disk_folder", None)
+        if previous is not None and previous != path and not keep_previous and previous.exists():
+            shutil.rmtree(previous, ignore_errors=True)
+        self._last_disk_folder = path
+        return SyncReport(
+            method="disk",
+            version=version,
+            engines=len(controls),
+            bytes=nbytes,
+            seconds_total=t_end - t0,
+            seconds_paused=t_end - t_paused,
+            seconds_stage=t_staged - t0,
+        )
+
+    # -- distributed -------------------------------------------------------------------------
+    def connect(self, engines: Sequence[str], backend: str) -> float:
+        """Form the broadcast group with these engines (no-op if already formed). Seconds taken."""
+        key = tuple(engines)
+        if self._group is not None and self._group_engines == key and self._group_backend == backend:
+            return 0.0
+        self.disconnect()
+        from train.megatron.parallel import free_port
+
+        controls = self._controls(engines)
+        t0 = time.perf_counter()
+        port = free_port(self.master_address)
+        name = f"rlkit-weights-{uuid.uuid4().hex[:8]}"
+        world = 1 + len(controls)
+        futures = [
+            (c, self._pool.submit(c.init_group, self.master_address, port, 1 + i, world, name, backend))
+            for i, c in enumerate(controls)
+        ]
+        try:
+            group = join_weight_group(
+                backend=backend,
+                master_address=self.master_address,
+                master_port=port,
+                world_size=world,
+                rank=0,
+                group_name=name,
+                timeout_s=self.timeout_s,
+            )
+        except Exception as e:
+            errors = [f"{c.url}: {f.exception()}" for c, f in futures if f.done() and f.exception()]
+            raise WeightSyncError(
+                f"forming the weight-update group {name} with {len(controls)} engine(s) failed: {e}"
+                + (f" (engine errors: {'; '.join(errors)})" if errors else "")
+            ) from e
+        for c, f in futures:
+            try:
+                f.result(timeout=self.timeout_s)
+            except Exception as e:  # noqa: BLE001
+                leave_weight_group(group)
+                raise WeightSyncError(f"{c.url}: init_weights_update_group failed: {e}") from e
+        self._group, self._group_name, self._group_engines, self._group_backend = group, name, key, backend
+        return time.perf_counter() - t0
+
+    def disconnect(self) -> None:
+        if self._group is None:
+            return
+        controls = [self._control_factory(u) for u in self._group_engines]
+        try:
+            self._on_all(controls, "destroy_weights_update_group", lambda c: c.destroy_group(self._group_name))
+        except WeightSyncError:
+            pass  # engines that are gone cannot be told; the group is torn down on our side anyway
+        finally:
+            leave_weight_group(self._group)
+            self._group, self._group_name, self._group_engines = None, "", ()
+
+    def sync_distributed(self, engines: Sequence[str], tensors: NamedTensors, version: int) -> SyncReport:
+        """Broadcast `tensors` (HF names, full tensors) to the engines in buckets."""
+        controls = self._controls(engines)
+        it = iter(tensors)
+        first = next(it, None)
+        if first is None:
+            raise WeightSyncError("no tensors to send")
+        backend = "nccl" if first[1].is_cuda else "gloo"
+        t0 = time.perf_counter()
+        seconds_connect = self.connect(engines, backend)
+        report = SyncReport(method="distributed", version=version, engines=len(controls))
+        report.seconds_stage = seconds_connect
+        self._on_all(controls, "pause_generation", lambda c: c.pause(self.pause_mode))
+        t_paused = time.perf_counter()
+        self._on_all(controls, "flush_cache", lambda c: c.flush_cache())
+        self._on_all(controls, "begin_weight_update", lambda c: c.begin_update())
+
+        def chained() -> Iterator[tuple[str, torch.Tensor]]:
+            yield first
+            yield from it
+
+        for bucket in bucketize(chained(), self.bucket_bytes):
+            names = [n for n, _ in bucket]
+            dtypes = [dtype_name(t.dtype) for _, t in bucket]
+            shapes = [list(t.shape) for _, t in bucket]
+            futures = [
+                (c, self._pool.submit(c.update_from_distributed, names, dtypes, shapes, self._group_name, version))
+                for c in controls
+            ]
+            try:
+                for _, t in bucket:
+                    dist.broadcast(t.contiguous(), src=0, group=self._group)
+            except Exception as e:
+                raise WeightSyncError(f"broadcast of bucket {report.buckets} ({names[0]}...) failed: {e}") from e
+            errors = []
+            for c, f in futures:
+                try:
+                    f.result(timeout=self.timeout_s)
+                except Exception as e:  # noqa: BLE001
+                    errors.append(f"{c.url}: {e}")
+            if errors:
+                raise WeightSyncError(
+                    f"update_weights_from_distributed of bucket {report.buckets} failed: " + "; ".join(errors)
+                )
+            report.buckets += 1
+            report.tensors += len(bucket)
+            report.bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+        self._on_all(controls, "end_weight_update", lambda c: c.end_update())
+        self._on_all(controls, "continue_generation", lambda c: c.continue_generation())
+        t_end = time.perf_counter()
+        report.seconds_total = t_end - t0
+        report.seconds_paused = t_end - t_paused
+        return report
+
+    def close(self) -> None:
+        self.disconnect()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+__all__ = ["WeightSender", "SyncReport", "WeightSyncError", "bucketize", "EngineControlError"]
