@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from buffers import RolloutBuffer, load_buffer, save_buffer
+from buffers import RolloutBuffer, load_buffer
 
 STATE = "state.json"
 
@@ -70,18 +70,20 @@ def save_checkpoint(
     run_dir: Path,
     step: int,
     version: int,
-    buffer: RolloutBuffer | None,
     save_trainer: Callable[[Path], None],
+    save_buffer: Callable[[Path], None] | None,
     keep_last: int,
 ) -> Checkpoint:
+    """Write a checkpoint; the writers get the folder (trainer) or file (buffer) to fill.
+    The buffer may live in another process (the rollout actor), hence callbacks."""
     root = checkpoints_dir(run_dir)
     final = root / f"step_{step:06d}"
     tmp = root / f".step_{step:06d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "trainer").mkdir(parents=True)
     save_trainer(tmp / "trainer")
-    if buffer is not None:
-        save_buffer(buffer, tmp / "buffer.json.gz")
+    if save_buffer is not None:
+        save_buffer(tmp / "buffer.json.gz")
     (tmp / STATE).write_text(json.dumps({"step": step, "version": version}))
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from buffers import Place
+from buffers import Place, save_buffer
 from rlkit.checkpoint import (
     CheckpointError,
     latest_checkpoint,
@@ -29,7 +29,8 @@ def test_save_rotate_and_resume_the_newest_complete(tmp_path):
     g.samples[0].append([1, 2, 3], [-0.1] * 3, 0)
     buf.requeue(g)
     for step in (2, 4, 6):
-        save_checkpoint(tmp_path, step, step, buf, fake_trainer_save, keep_last=2)
+        save_checkpoint(tmp_path, step, step, fake_trainer_save,
+                        lambda path: save_buffer(buf, path), keep_last=2)
     assert [c.step for c in list_checkpoints(tmp_path)] == [4, 6]
     # an interrupted save (no state.json) is ignored
     (tmp_path / "checkpoints" / "step_000008" / "trainer").mkdir(parents=True)
@@ -43,7 +44,7 @@ def test_save_rotate_and_resume_the_newest_complete(tmp_path):
 
 def test_resume_never_refuses_an_existing_run(tmp_path):
     assert resume_point(tmp_path, "never") is None
-    save_checkpoint(tmp_path, 1, 1, None, fake_trainer_save, keep_last=1)
+    save_checkpoint(tmp_path, 1, 1, fake_trainer_save, None, keep_last=1)
     with pytest.raises(CheckpointError, match="already has checkpoints"):
         resume_point(tmp_path, "never")
     assert resume_point(tmp_path, "auto").step == 1
