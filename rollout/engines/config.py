@@ -39,6 +39,29 @@ class EngineConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weights and activations dtype; auto is float32 on CPU, bfloat16 on CUDA."
     )
+    max_prefill_tokens: int = Field(
+        8192,
+        ge=1,
+        description="Built-in engine: padded prompt tokens (rows x longest prompt) admitted into "
+        "one prefill forward; bounds how long a burst of arrivals stalls decoding.",
+    )
+    cpu_threads: int | None = Field(
+        None,
+        ge=1,
+        description="Built-in engine: torch intra-op threads per engine. None: the machine's cores "
+        "divided by num_engines, at least 1 (oversubscribing cores makes OpenMP spin and slows "
+        "everything on a shared machine).",
+    )
+    stream_interval: int = Field(
+        1, ge=1, description="Tokens between two streamed chunks (SGLang's --stream-interval)."
+    )
+    incremental_streaming_output: bool = Field(
+        True,
+        description="Streamed chunks carry only the new tokens (SGLang's "
+        "--incremental-streaming-output) instead of repeating the whole output in every chunk, "
+        "which costs O(n^2) bytes for long responses. The client accepts both forms.",
+    )
+    seed: int = Field(0, description="Engine i samples unseeded requests from seed + i.")
     startup_timeout_s: float = Field(
         600.0, gt=0, description="Seconds to wait for an engine to answer /health after start."
     )
@@ -71,6 +94,23 @@ class RouterConfig(BaseModel):
     )
     request_timeout_s: float = Field(
         3600.0, gt=0, description="Router-side timeout of one forwarded request."
+    )
+    health_check_interval_s: int = Field(
+        10, ge=1, description="Seconds between the router's health checks of each worker."
+    )
+    health_failure_threshold: int = Field(
+        3, ge=1, description="Failed health checks before the router marks a worker unhealthy."
+    )
+    max_retries: int = Field(
+        5, ge=0, description="Times the router retries a /generate on another worker after a "
+        "connection failure (0 disables retries)."
+    )
+    worker_startup_timeout_s: int = Field(
+        300, ge=1, description="How long the router keeps trying to reach a worker it was given "
+        "before dropping it (its default, 1800 s, hides dead workers)."
+    )
+    startup_timeout_s: float = Field(
+        60.0, gt=0, description="Seconds to wait for the router's /health after start."
     )
     extra_args: list[str] = Field(
         default_factory=list,

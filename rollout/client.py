@@ -1,0 +1,512 @@
+"""EngineClient: the async HTTP client of the engines, one instance per RolloutManager.
+
+It implements `rollout.engine_api.Engines` (generate / abort_all / loads / workers) plus the
+control calls a weight sync needs (pause, continue, flush, weight updates, health). Generation
+goes through the router, or straight to a worker when a dispatch policy picks one; every control
+call fans out to each worker itself, because the router forwards none of them (FACTS.md).
+
+Retries are per endpoint (`RetryPolicy`, `DEFAULT_RETRY_POLICIES`):
+- idempotent reads (health, info, loads) and abort/pause/continue retry on connection errors and
+  5xx;
+- `/flush_cache` retries while the engine answers 400 (it refuses while requests hold KV);
+- weight updates are never retried (each bucket pairs with the trainer's broadcasts);
+- `/generate` is retried only when the request never got an answer (connection refused, or a
+  502/503 from the router before any token) and never once this client has aborted it; after
+  the first token, a broken stream leaves the sample PARTIAL and raises EngineError, and the
+  manager decides whether to resume it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import aiohttp
+
+from buffers.sample import Sample, SampleError
+from rollout.config import SamplingConfig
+from rollout.engine_api import EngineError
+from rollout.protocol import (
+    ENGINE_URL_HEADER,
+    LOADS_PATHS,
+    MODEL_INFO_PATHS,
+    SERVER_INFO_PATHS,
+    WEIGHT_VERSION_PATHS,
+    GenerateRequest,
+    GenerateResponse,
+    PauseMode,
+    ProtocolError,
+    SamplingParams,
+    error_message,
+    is_abort_failure,
+    new_output_entries,
+    parse_sse_line,
+    total_requests,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How one endpoint is retried. `attempts` counts the first try."""
+
+    attempts: int = 1
+    backoff_s: float = 0.2
+    max_backoff_s: float = 2.0
+    retry_statuses: frozenset[int] = frozenset()
+    timeout_s: float | None = 30.0  # per attempt; None: no total timeout (long generations)
+
+    def delay(self, attempt: int) -> float:
+        return min(self.max_backoff_s, self.backoff_s * (2 ** attempt))
+
+
+_SERVER_ERRORS = frozenset({500, 502, 503, 504})
+DEFAULT_RETRY_POLICIES: dict[str, RetryPolicy] = {
+    "health": RetryPolicy(attempts=2, backoff_s=0.1, retry_statuses=_SERVER_ERRORS, timeout_s=5.0),
+    "info": RetryPolicy(attempts=3, retry_statuses=_SERVER_ERRORS),
+    "loads": RetryPolicy(attempts=3, retry_statuses=_SERVER_ERRORS, timeout_s=10.0),
+    "abort": RetryPolicy(attempts=3, retry_statuses=_SERVER_ERRORS, timeout_s=10.0),
+    "pause": RetryPolicy(attempts=3, retry_statuses=_SERVER_ERRORS, timeout_s=120.0),
+    "continue": RetryPolicy(attempts=3, retry_statuses=_SERVER_ERRORS, timeout_s=30.0),
+    "flush": RetryPolicy(attempts=60, backoff_s=0.5, max_backoff_s=1.0,
+                         retry_statuses=frozenset({400}) | _SERVER_ERRORS),
+    "weights": RetryPolicy(attempts=1, timeout_s=None),
+    "generate": RetryPolicy(attempts=3, backoff_s=0.5, retry_statuses=frozenset({502, 503}),
+                            timeout_s=None),
+}
+
+
+class _NotFound(Exception):
+    """A 404: the endpoint spelling does not exist on this server version."""
+
+
+@dataclass
+class _Inflight:
+    """One /generate attempt in flight."""
+
+    rid: str
+    url: str
+    aborted: bool = False  # this client aborted it: never re-submit
+    tokens: int = 0  # tokens appended to the sample by this attempt
+    served_by: str | None = None  # the worker, when the answer says (X-Engine-Url)
+
+
+@dataclass
+class EngineClient:
+    """Async client of the router and its workers. Use as `async with EngineClient(...)`, or
+    call `connect()` and `close()`. Not shared between event loops."""
+
+    router_url: str | None
+    worker_urls: Sequence[str] | None = None  # None: ask the router (GET /workers) on connect
+    retry_policies: dict[str, RetryPolicy] = field(default_factory=lambda: dict(DEFAULT_RETRY_POLICIES))
+    stream: bool = True  # stream /generate (partial tokens land on the sample as they arrive)
+    abort_poll_interval_s: float = 0.2
+    abort_timeout_s: float = 120.0
+    sock_read_timeout_s: float = 3600.0  # longest silence tolerated inside one generation
+    max_connections: int = 0  # 0: unlimited (the router is the throttle, not this client)
+
+    def __post_init__(self) -> None:
+        if self.router_url is None and not self.worker_urls:
+            raise ValueError("EngineClient needs a router_url or worker_urls")
+        self._session: aiohttp.ClientSession | None = None
+        self._workers: list[str] = [u.rstrip("/") for u in (self.worker_urls or [])]
+        self._inflight: dict[str, _Inflight] = {}
+        if self.router_url:
+            self.router_url = self.router_url.rstrip("/")
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    async def connect(self) -> "EngineClient":
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self.max_connections, force_close=False),
+                timeout=aiohttp.ClientTimeout(total=None),
+            )
+        if not self._workers:
+            await self.refresh_workers()
+        return self
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> "EngineClient":
+        return await self.connect()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise EngineError("EngineClient is not connected (use `async with` or connect())")
+        return self._session
+
+    # -- workers --------------------------------------------------------------------------------
+    def workers(self) -> list[str]:
+        return list(self._workers)
+
+    async def refresh_workers(self) -> list[str]:
+        """Re-read the worker list from the router (GET /workers)."""
+        if self.router_url is None:
+            return self.workers()
+        body = await self._call("GET", self.router_url, "/workers", policy="info")
+        self._workers = [w["url"].rstrip("/") for w in body.get("workers", [])]
+        return self.workers()
+
+    # -- plumbing -------------------------------------------------------------------------------
+    async def _call(self, method: str, base: str, path: str, body: dict[str, Any] | None = None,
+                    *, policy: str, params: dict[str, str] | None = None) -> Any:
+        """One request with the endpoint's retry policy; returns the parsed JSON (or text).
+        Raises _NotFound on 404 and EngineError on other failures."""
+        p = self.retry_policies[policy]
+        url = f"{base}{path}"
+        last = ""
+        for attempt in range(p.attempts):
+            if attempt:
+                await asyncio.sleep(p.delay(attempt - 1))
+            try:
+                timeout = aiohttp.ClientTimeout(total=p.timeout_s)
+                async with self.session.request(method, url, json=body, params=params,
+                                                timeout=timeout) as resp:
+                    payload = await _read_body(resp)
+                    if resp.status == 404:
+                        raise _NotFound(url)
+                    if resp.status < 300:
+                        return payload
+                    last = f"HTTP {resp.status}: {error_message(payload) or payload}"
+                    if resp.status not in p.retry_statuses:
+                        break
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                last = f"{type(e).__name__}: {e}"
+        raise EngineError(f"{method} {url} failed after {attempt + 1} attempt(s): {last}")
+
+    async def _call_first(self, method: str, base: str, paths: Iterable[str], *, policy: str,
+                          body: dict[str, Any] | None = None) -> Any:
+        """Try each spelling of an endpoint until one exists (version quirks, protocol.py)."""
+        tried = []
+        for path in paths:
+            try:
+                return await self._call(method, base, path, body, policy=policy)
+            except _NotFound:
+                tried.append(path)
+        raise EngineError(f"{base} has none of the endpoints {tried}")
+
+    async def _fanout(self, method: str, path: str, body: dict[str, Any] | None, *, policy: str,
+                      workers: Sequence[str] | None = None,
+                      bodies: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The same call to every worker at once; EngineError names every worker that failed."""
+        targets = list(workers if workers is not None else self._workers)
+        if not targets:
+            raise EngineError(f"no workers to send {path} to")
+        results = await asyncio.gather(
+            *(self._call(method, w, path, (bodies or {}).get(w, body), policy=policy) for w in targets),
+            return_exceptions=True,
+        )
+        failures = {w: r for w, r in zip(targets, results) if isinstance(r, BaseException)}
+        if failures:
+            detail = "; ".join(f"{w}: {r}" for w, r in failures.items())
+            raise EngineError(f"{path} failed on {len(failures)}/{len(targets)} workers: {detail}")
+        return dict(zip(targets, results))
+
+    # -- Engines: generate -------------------------------------------------------------------
+    def build_request(self, sample: Sample, sampling: SamplingConfig, max_new_tokens: int,
+                      rid: str, *, stream: bool) -> dict[str, Any]:
+        """The /generate body for `sample`: prompt + response so far as input_ids, the rest of
+        the token budget, min_new_tokens reduced by what was already generated."""
+        have = len(sample.response_ids)
+        params = SamplingParams(
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=min(max(0, sampling.min_new_tokens - have), max_new_tokens),
+            temperature=float(sampling.temperature),
+            top_p=float(sampling.top_p),
+            top_k=int(sampling.top_k),
+            stop=list(sampling.stop) or None,
+            stop_token_ids=list(sampling.stop_token_ids) or None,
+            ignore_eos=bool(sampling.ignore_eos),
+        )
+        req = GenerateRequest(input_ids=[int(t) for t in sample.input_ids()], sampling_params=params,
+                              rid=rid, stream=stream, return_logprob=True)
+        return req.payload()
+
+    async def generate(self, sample: Sample, sampling: SamplingConfig, *, max_new_tokens: int,
+                       version: int, worker: str | None = None) -> str | None:
+        """See `Engines.generate`. Returns the serving worker's URL: `worker` when given, else
+        what the answer's X-Engine-Url header says (rlkit's hf engine sends it; real SGLang does
+        not: None). Records the request id in `sample.metadata["rid"]`. On EngineError or task
+        cancellation the sample is left interrupted (PARTIAL with what arrived, or PENDING),
+        never FAILED: the caller decides."""
+        base = (worker or self.router_url or "").rstrip("/")
+        if not base:
+            raise EngineError("generate without a router needs a worker URL")
+        policy = self.retry_policies["generate"]
+        sample.start_request()
+        last = ""
+        for attempt in range(policy.attempts):
+            if attempt:
+                await asyncio.sleep(policy.delay(attempt - 1))
+            rid = uuid.uuid4().hex
+            sample.metadata["rid"] = rid
+            flight = _Inflight(rid=rid, url=base)
+            self._inflight[rid] = flight
+            try:
+                outcome = await self._generate_once(sample, sampling, max_new_tokens, version,
+                                                    flight)
+            except asyncio.CancelledError:
+                # Closing the connection makes the router (or the engine) drop the request.
+                flight.aborted = True
+                sample.interrupt()
+                raise
+            finally:
+                self._inflight.pop(rid, None)
+            if outcome is None:
+                return worker or flight.served_by
+            last = outcome  # a failure before any token: retryable unless aborted
+            if flight.aborted:
+                sample.interrupt()
+                return worker or flight.served_by
+        sample.interrupt()
+        raise EngineError(f"/generate at {base} failed after {policy.attempts} attempt(s): {last}")
+
+    async def _generate_once(self, sample: Sample, sampling: SamplingConfig, max_new_tokens: int,
+                             version: int, flight: _Inflight) -> str | None:
+        """One attempt. Returns None when the sample got its outcome (finished, aborted), or a
+        message when the request failed before anything was generated (may be retried).
+        Raises EngineError for failures that must not be retried."""
+        body = self.build_request(sample, sampling, max_new_tokens, flight.rid, stream=self.stream)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=self.sock_read_timeout_s)
+        try:
+            async with self.session.post(f"{flight.url}/generate", json=body, timeout=timeout) as resp:
+                flight.served_by = resp.headers.get(ENGINE_URL_HEADER)
+                if resp.status != 200:
+                    payload = await _read_body(resp)
+                    if flight.aborted or is_abort_failure(resp.status, payload):
+                        sample.interrupt()
+                        return None
+                    msg = f"HTTP {resp.status}: {error_message(payload) or payload}"
+                    if resp.status in self.retry_policies["generate"].retry_statuses:
+                        return msg
+                    sample.interrupt()
+                    raise EngineError(f"/generate at {flight.url} (rid {flight.rid}) refused: {msg}")
+                if self.stream:
+                    return await self._consume_stream(resp, sample, version, flight)
+                payload = await _read_body(resp)
+                self._apply_chunk(sample, payload, 0, version, flight)
+                if sample.status.value == "running":
+                    sample.interrupt()
+                    raise EngineError(f"/generate at {flight.url} answered without a finish reason")
+                return None
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            if flight.aborted:
+                sample.interrupt()
+                return None
+            if flight.tokens == 0:
+                return f"{type(e).__name__}: {e}"
+            sample.interrupt()
+            raise EngineError(f"/generate at {flight.url} (rid {flight.rid}) broke after tokens "
+                              f"arrived: {type(e).__name__}: {e}") from None
+
+    async def _consume_stream(self, resp: aiohttp.ClientResponse, sample: Sample, version: int,
+                              flight: _Inflight) -> str | None:
+        received = 0
+        async for line in resp.content:
+            payload = parse_sse_line(line)
+            if payload is None:
+                continue
+            received = self._apply_chunk(sample, payload, received, version, flight)
+            if sample.status.value != "running":
+                return None  # finished or aborted
+        # The stream closed without a finish reason: the worker died or the router gave up.
+        sample.interrupt()
+        if flight.aborted:
+            return None
+        if flight.tokens == 0:
+            return "stream closed before any token"
+        raise EngineError(f"/generate stream from {flight.url} (rid {flight.rid}) ended without a "
+                          f"finish reason after {received} tokens")
+
+    def _apply_chunk(self, sample: Sample, payload: Any, received: int, version: int,
+                     flight: _Inflight) -> int:
+        """Append the new tokens of one answer/chunk to the sample; apply its finish reason.
+        Returns the number of tokens received so far in this request."""
+        if not isinstance(payload, dict):
+            raise EngineError(f"/generate at {flight.url} answered {str(payload)[:200]!r}")
+        err = error_message(payload)
+        if err is not None and "meta_info" not in payload:
+            sample.interrupt()
+            if flight.aborted or "abort" in err.lower():
+                return received
+            raise EngineError(f"/generate at {flight.url} (rid {flight.rid}) failed: {err}")
+        try:
+            chunk = GenerateResponse.model_validate(payload)
+            ids, lps = new_output_entries(chunk, received)
+        except (ValueError, ProtocolError) as e:
+            sample.interrupt()
+            raise EngineError(f"/generate at {flight.url}: unparseable answer: {e}") from None
+        stamped = chunk.weight_version_int(version)
+        if ids:
+            if len(lps) != len(ids):
+                sample.interrupt()
+                raise EngineError(f"/generate at {flight.url} returned tokens without logprobs "
+                                  "(return_logprob is required)")
+            try:
+                sample.append(ids, lps, stamped)
+            except SampleError as e:
+                sample.interrupt()
+                raise EngineError(f"/generate at {flight.url}: {e}") from None
+            received += len(ids)
+            flight.tokens += len(ids)
+        finish = chunk.meta_info.finish_reason
+        if finish is not None:
+            if finish.type == "abort":
+                if finish.status_code and finish.status_code >= 500 and not flight.aborted:
+                    sample.interrupt()
+                    raise EngineError(f"engine at {flight.url} aborted rid {flight.rid}: "
+                                      f"{finish.message}")
+                sample.interrupt()
+            elif finish.type in ("stop", "length"):
+                sample.append([], [], max(stamped, sample.versions[-1] if sample.versions else 0),
+                              finish_reason=finish.type)
+            else:
+                sample.interrupt()
+                raise EngineError(f"unknown finish reason {finish.type!r} from {flight.url}")
+        return received
+
+    # -- Engines: abort and loads ---------------------------------------------------------------
+    async def abort(self, rid: str) -> None:
+        """Abort one request (by the rid in `sample.metadata["rid"]`) on every worker: with the
+        router in front, this client does not know which worker holds it."""
+        flight = self._inflight.get(rid)
+        if flight is not None:
+            flight.aborted = True
+        await self._fanout("POST", "/abort_request", {"rid": rid}, policy="abort")
+
+    async def abort_all(self) -> None:
+        """Abort everything on every worker, repeating until each reports itself idle."""
+        for flight in self._inflight.values():
+            flight.aborted = True
+        await asyncio.gather(*(self._abort_until_idle(w) for w in self._workers))
+
+    async def _abort_until_idle(self, worker: str) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.abort_timeout_s
+        while True:
+            await self._call("POST", worker, "/abort_request", {"rid": "", "abort_all": True},
+                             policy="abort")
+            left = await self.worker_load(worker)
+            if left == 0:
+                return
+            if loop.time() > deadline:
+                raise EngineError(f"{worker} still has {left} requests {self.abort_timeout_s:.0f} s "
+                                  "after abort_all")
+            await asyncio.sleep(self.abort_poll_interval_s)
+
+    async def worker_load(self, worker: str) -> int:
+        body = await self._call_first("GET", worker, LOADS_PATHS, policy="loads")
+        try:
+            return total_requests(body)
+        except ProtocolError as e:
+            raise EngineError(f"{worker}: {e}") from None
+
+    async def loads(self) -> dict[str, int]:
+        counts = await asyncio.gather(*(self.worker_load(w) for w in self._workers))
+        return dict(zip(self._workers, counts))
+
+    # -- control ----------------------------------------------------------------------------------
+    async def health(self) -> dict[str, bool]:
+        """Each worker's /health (False when it fails or cannot be reached)."""
+        async def one(w: str) -> bool:
+            try:
+                await self._call("GET", w, "/health", policy="health")
+                return True
+            except (EngineError, _NotFound):
+                return False
+        results = await asyncio.gather(*(one(w) for w in self._workers))
+        return dict(zip(self._workers, results))
+
+    async def server_info(self, worker: str) -> dict[str, Any]:
+        return await self._call_first("GET", worker, SERVER_INFO_PATHS, policy="info")
+
+    async def model_info(self, worker: str) -> dict[str, Any]:
+        return await self._call_first("GET", worker, MODEL_INFO_PATHS, policy="info")
+
+    async def weight_versions(self) -> dict[str, str]:
+        out = {}
+        for w in self._workers:
+            body = await self._call_first("GET", w, WEIGHT_VERSION_PATHS, policy="info")
+            out[w] = str(body.get("weight_version"))
+        return out
+
+    async def pause(self, mode: PauseMode) -> dict[str, Any]:
+        """Pause every worker. The mode is explicit on purpose (SGLang's default is abort)."""
+        return await self._fanout("POST", "/pause_generation", {"mode": mode}, policy="pause")
+
+    async def continue_generation(self) -> dict[str, Any]:
+        return await self._fanout("POST", "/continue_generation", {}, policy="continue")
+
+    async def flush_cache(self) -> None:
+        """Flush every worker; retried while a worker refuses because requests hold KV."""
+        await self._fanout("POST", "/flush_cache", None, policy="flush")
+
+    async def update_weights_from_disk(self, model_path: str, version: int, *,
+                                       abort_all_requests: bool = False) -> dict[str, Any]:
+        """Every worker loads the HF checkpoint at `model_path` and stamps `version`.
+        The caller pauses and flushes first (pause -> flush -> update -> continue)."""
+        return await self._fanout("POST", "/update_weights_from_disk", {
+            "model_path": model_path, "weight_version": str(version),
+            "abort_all_requests": abort_all_requests, "flush_cache": False,
+        }, policy="weights")
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, *,
+                                        group_name: str = "weight_update_group",
+                                        backend: str = "gloo",
+                                        ranks_per_worker: int = 1) -> dict[str, Any]:
+        """Every worker joins a group of 1 + workers x ranks_per_worker ranks; worker i takes
+        rank offset 1 + i x ranks_per_worker (the trainer is rank 0). Returns when every rank
+        joined, so run it concurrently with the trainer's own join (rank 0)."""
+        world = 1 + len(self._workers) * ranks_per_worker
+        bodies = {
+            w: {"master_address": master_address, "master_port": master_port,
+                "rank_offset": 1 + i * ranks_per_worker, "world_size": world,
+                "group_name": group_name, "backend": backend}
+            for i, w in enumerate(self._workers)
+        }
+        return await self._fanout("POST", "/init_weights_update_group", None, policy="weights",
+                                  bodies=bodies)
+
+    async def begin_weight_update(self) -> dict[str, Any]:
+        return await self._fanout("POST", "/begin_weight_update", {}, policy="weights")
+
+    async def end_weight_update(self) -> dict[str, Any]:
+        return await self._fanout("POST", "/end_weight_update", {}, policy="weights")
+
+    async def update_weights_from_distributed(
+        self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]], *,
+        version: int | None, group_name: str = "weight_update_group", flush_cache: bool = False,
+    ) -> dict[str, Any]:
+        """Announce one bucket to every worker; they receive it from rank 0's broadcasts, which
+        the trainer runs concurrently with this call. Returns when every worker applied it."""
+        return await self._fanout("POST", "/update_weights_from_distributed", {
+            "names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
+            "group_name": group_name, "flush_cache": flush_cache,
+            "weight_version": None if version is None else str(version),
+        }, policy="weights")
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
+        return await self._fanout("POST", "/destroy_weights_update_group",
+                                  {"group_name": group_name}, policy="weights")
+
+
+async def _read_body(resp: aiohttp.ClientResponse) -> Any:
+    raw = await resp.read()
+    if not raw:
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode(errors="replace")

@@ -1,0 +1,508 @@
+"""Continuous-batching decoder over a transformers causal LM, run in its own thread.
+
+Requests join and leave the batch between decode steps:
+- each loop iteration first runs control commands (weight loads, pause, flush) and aborts, then
+  admits queued requests (one left-padded prefill forward for all of them, bounded by a prefill
+  token budget), then runs ONE decode step for every running request;
+- a request that finishes (stop token, length) or is aborted leaves the batch at once and its
+  KV rows are reused by the next admission;
+- the KV cache is `SlotKVCache`: preallocated, left-padded, grown by doubling.
+
+The HTTP side talks to this only through the thread-safe methods `submit`, `abort`, `pause`,
+`resume`, `flush`, `call` and `loads`; the decoder reports progress by calling each request's
+`notify` callback from its thread (the server turns that into an asyncio wake-up).
+
+Pause modes follow SGLang: `abort` aborts everything then holds new requests; `retract` moves
+running requests back to the queue (their KV is dropped and recomputed on continue, the
+generated tokens are kept); `in_place` freezes decoding with the KV intact.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import random
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from rollout.engines.kv_cache import SlotKVCache, prefill_mask
+from rollout.engines.sampler import RowSampling, sample
+from rollout.protocol import FinishReason, PauseMode
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DecodeParams:
+    """Validated per-request generation parameters (what the decoder needs of SamplingParams)."""
+
+    max_new_tokens: int
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop_token_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+
+
+@dataclass(eq=False)
+class DecodeRequest:
+    """One generation. The decoder thread is the only writer of the output fields; readers on
+    other threads see whole appends (list.append is atomic under the GIL) and must read
+    `finish_reason` before the outputs to see a consistent final state."""
+
+    rid: str
+    input_ids: list[int]
+    params: DecodeParams
+    notify: Callable[[], None] = lambda: None
+    stream: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    weight_version: str = "0"  # version of the weights that produced the latest token
+    finish_reason: FinishReason | None = None
+    created: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    retractions: int = 0
+    # decoder-private
+    _rng: random.Random | None = None
+    _abort_message: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class DecodeStepStats:
+    """Per batch size: decode steps run and their total wall time (the PTL(BS) profile)."""
+
+    steps: dict[int, int] = field(default_factory=lambda: collections.defaultdict(int))
+    seconds: dict[int, float] = field(default_factory=lambda: collections.defaultdict(float))
+    context_tokens: dict[int, int] = field(default_factory=lambda: collections.defaultdict(int))
+    prefill_forwards: int = 0
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+
+    def record(self, batch: int, seconds: float, context: int) -> None:
+        self.steps[batch] += 1
+        self.seconds[batch] += seconds
+        self.context_tokens[batch] += context
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "decode": [
+                {"batch_size": b, "steps": self.steps[b], "seconds": self.seconds[b],
+                 "mean_context_tokens": self.context_tokens[b] / self.steps[b]}
+                for b in sorted(self.steps)
+            ],
+            "prefill": {"forwards": self.prefill_forwards, "tokens": self.prefill_tokens,
+                        "seconds": self.prefill_seconds},
+        }
+
+
+class DecoderError(RuntimeError):
+    """The decoder cannot accept a request or a command."""
+
+
+class BatchedDecoder:
+    """See the module docstring. `start()` launches the thread; `stop()` ends it."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        eos_token_ids: set[int],
+        detokenize: Callable[[list[int]], str] | None = None,
+        max_running_requests: int = 64,
+        max_total_tokens: int | None = None,
+        max_prefill_tokens: int = 8192,
+        context_length: int | None = None,
+        seed: int = 0,
+        weight_version: str = "0",
+    ) -> None:
+        self.model = model
+        self.config = model.config
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.detokenize = detokenize
+        self.max_running_requests = max_running_requests
+        self.max_total_tokens = max_total_tokens
+        self.max_prefill_tokens = max_prefill_tokens
+        self.context_length = context_length or int(
+            getattr(self.config, "max_position_embeddings", 2048)
+        )
+        self.weight_version = weight_version
+        self._seeds = random.Random(seed)
+        self._layer_types = sorted(set(getattr(self.config, "layer_types", None) or ["full_attention"]))
+        if self._layer_types != ["full_attention"]:
+            raise DecoderError(
+                f"model {type(model).__name__} has {self._layer_types} layers; the hf engine "
+                "supports full-attention models only"
+            )
+        text_config = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+        heads = text_config.num_attention_heads
+        self._kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+        self._head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+        self._num_layers = text_config.num_hidden_layers
+        self.cache = self._new_cache(slots=4, capacity=256)
+
+        self._lock = threading.Lock()  # guards the queues and flags below
+        self._wake = threading.Event()
+        self._waiting: collections.deque[DecodeRequest] = collections.deque()
+        self._running: list[DecodeRequest] = []  # row i of the cache <-> _running[i]
+        self._pending_tokens: list[int] = []  # per row: sampled, not yet in the KV cache
+        self._admitting: list[DecodeRequest] = []  # between the queue and the batch
+        self._abort_rids: set[str] = set()
+        self._abort_all = False
+        self._commands: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]] = (
+            collections.deque()
+        )
+        self._pause_mode: PauseMode | None = None
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.crashed: str | None = None
+        self.stats = DecodeStepStats()
+
+    # -- thread-safe API ----------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="hf-decoder", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.crashed is None
+
+    @property
+    def paused(self) -> PauseMode | None:
+        return self._pause_mode
+
+    def submit(self, request: DecodeRequest) -> None:
+        if not self.alive:
+            raise DecoderError(f"the decoder is not running ({self.crashed or 'stopped'})")
+        with self._lock:
+            self._waiting.append(request)
+        self._wake.set()
+
+    def abort(self, rid: str | None = None, *, abort_all: bool = False) -> None:
+        """Abort one request (by rid) or all; takes effect before the next decode step."""
+        with self._lock:
+            if abort_all:
+                self._abort_all = True
+            elif rid:
+                self._abort_rids.add(rid)
+        self._wake.set()
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run `fn()` on the decoder thread between two steps (weight loads, state changes)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if not self.alive:
+            future.set_exception(DecoderError(f"the decoder is not running ({self.crashed or 'stopped'})"))
+            return future
+        with self._lock:
+            self._commands.append((fn, future))
+        self._wake.set()
+        return future
+
+    def pause(self, mode: PauseMode) -> concurrent.futures.Future:
+        return self.call(lambda: self._pause(mode))
+
+    def resume(self) -> concurrent.futures.Future:
+        return self.call(self._resume)
+
+    def flush(self) -> concurrent.futures.Future:
+        """Free the KV memory; fails (result False) while any request holds KV, like SGLang."""
+        return self.call(self._flush)
+
+    def set_weight_version(self, version: str) -> concurrent.futures.Future:
+        return self.call(lambda: setattr(self, "weight_version", version))
+
+    def loads(self) -> dict[str, Any]:
+        running = list(self._running)
+        with self._lock:
+            waiting = len(self._waiting)
+        used = sum(self.cache.lengths)
+        cap = self.max_total_tokens
+        return {
+            "num_running_reqs": len(running),
+            "num_waiting_reqs": waiting,
+            "num_used_tokens": used,
+            "max_total_num_tokens": cap,
+            "token_usage": (used / cap) if cap else 0.0,
+            "max_running_requests": self.max_running_requests,
+            "paused": self._pause_mode,
+        }
+
+    # -- the loop -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                self._run_commands()
+                self._apply_aborts()
+                if self._pause_mode is not None or (not self._running and not self._waiting):
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                with torch.inference_mode():
+                    self._admit()
+                    if self._running:
+                        self._decode_step()
+        except BaseException as e:  # a bug or OOM: fail every request loudly, stop serving
+            self.crashed = f"{type(e).__name__}: {e}"
+            log.error("hf decoder crashed:\n%s", traceback.format_exc())
+            self._fail_everything(f"engine crashed: {self.crashed}")
+
+    def _run_commands(self) -> None:
+        while True:
+            with self._lock:
+                if not self._commands:
+                    return
+                fn, future = self._commands.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as e:
+                future.set_exception(e)
+
+    def _apply_aborts(self) -> None:
+        with self._lock:
+            abort_all, rids = self._abort_all, self._abort_rids
+            self._abort_all, self._abort_rids = False, set()
+            if not abort_all and not rids:
+                return
+            queued = [r for r in self._waiting if abort_all or r.rid in rids]
+            for r in queued:
+                self._waiting.remove(r)
+        for r in queued:
+            self._finish(r, FinishReason.abort("Abort before prefill" if not r.output_ids else "Aborted"))
+        leaving = [i for i, r in enumerate(self._running) if abort_all or r.rid in rids]
+        for i in leaving:
+            self._finish(self._running[i], FinishReason.abort("Aborted"))
+        self._drop_rows(leaving)
+
+    # -- admission and prefill -----------------------------------------------------------------
+    def _reserved_tokens(self, r: DecodeRequest) -> int:
+        return len(r.input_ids) + r.params.max_new_tokens
+
+    def _admit(self) -> None:
+        """Move queued requests into the batch while there are free slots, the padded prefill
+        (rows x longest context) stays within max_prefill_tokens (at least one request is always
+        admitted) and, if set, the reserved tokens (prompt + max_new_tokens) fit max_total_tokens."""
+        admitted: list[DecodeRequest] = []
+        with self._lock:
+            reserved = sum(self._reserved_tokens(r) for r in self._running)
+            width = 0
+            while self._waiting and len(self._running) + len(admitted) < self.max_running_requests:
+                r = self._waiting[0]
+                n = len(r.input_ids) + len(r.output_ids)
+                if admitted and (len(admitted) + 1) * max(width, n) > self.max_prefill_tokens:
+                    break
+                if self.max_total_tokens and (self._running or admitted) and (
+                    reserved + self._reserved_tokens(r) > self.max_total_tokens
+                ):
+                    break
+                self._waiting.popleft()
+                admitted.append(r)
+                reserved += self._reserved_tokens(r)
+                width = max(width, n)
+        if admitted:
+            self._admitting = admitted  # so a crash in prefill still fails them
+            self._prefill(admitted)
+            self._admitting = []
+
+    def _prefill(self, requests: list[DecodeRequest]) -> None:
+        """One left-padded forward over the new requests' full contexts (prompt plus any tokens
+        kept from a retraction); sample each one's next token; move their KV into the batch."""
+        t0 = time.perf_counter()
+        contexts = [r.input_ids + r.output_ids for r in requests]
+        lengths = [len(c) for c in contexts]
+        width = max(lengths)
+        ids = torch.zeros(len(requests), width, dtype=torch.long)
+        for i, c in enumerate(contexts):
+            ids[i, width - len(c):] = torch.tensor(c, dtype=torch.long)
+        positions = (torch.arange(width)[None, :] - (width - torch.tensor(lengths))[:, None]).clamp_(min=0)
+        scratch = self._new_cache(slots=len(requests), capacity=width)
+        scratch.lengths = [0] * len(requests)
+        mask = prefill_mask(lengths, width, self.device)
+        out = self.model(
+            input_ids=ids.to(self.device),
+            position_ids=positions.to(self.device),
+            attention_mask=mask,  # 4D: transformers uses it as is
+            past_key_values=scratch,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        scratch.advance(width)
+        self.cache.add_rows(scratch, lengths)
+        for r in requests:
+            if r._rng is None:
+                r._rng = random.Random(r.params.seed if r.params.seed is not None else self._seeds.getrandbits(63))
+        self._running.extend(requests)
+        self._pending_tokens.extend([0] * len(requests))
+        self.stats.prefill_forwards += 1
+        self.stats.prefill_tokens += sum(lengths)
+        self.stats.prefill_seconds += time.perf_counter() - t0
+        first = len(self._running) - len(requests)
+        self._emit(out.logits[:, -1, :], rows=list(range(first, len(self._running))))
+
+    # -- decoding ------------------------------------------------------------------------------
+    def _decode_step(self) -> None:
+        t0 = time.perf_counter()
+        b = len(self._running)
+        context = sum(self.cache.lengths)
+        self.cache.reserve(b, 1)
+        ids = torch.tensor(self._pending_tokens, dtype=torch.long, device=self.device)[:, None]
+        positions = torch.tensor(self.cache.lengths, dtype=torch.long, device=self.device)[:, None]
+        mask = self.cache.decode_mask()
+        out = self.model(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=mask,  # 4D: transformers uses it as is
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        self.cache.advance(1)
+        self._emit(out.logits[:, -1, :], rows=list(range(b)))
+        self.stats.record(b, time.perf_counter() - t0, context)
+
+    def _emit(self, logits: torch.Tensor, rows: list[int]) -> None:
+        """Sample a token for each of `rows` (logits row i belongs to rows[i]); record it on
+        its request; finish and drop the rows that are done."""
+        requests = [self._running[i] for i in rows]
+        tokens, logprobs = sample(logits, [self._row_sampling(r) for r in requests])
+        now = time.monotonic()
+        done: list[int] = []
+        for row, r, tok, lp in zip(rows, requests, tokens, logprobs):
+            r.output_ids.append(tok)
+            r.output_logprobs.append(lp)
+            r.weight_version = self.weight_version
+            if r.first_token_at is None:
+                r.first_token_at = now
+            self._pending_tokens[row] = tok
+            reason = self._finish_reason(r, tok)
+            if reason is not None:
+                self._finish(r, reason)
+                done.append(row)
+            elif r.stream:
+                r.notify()
+        self._drop_rows(done)
+
+    def _row_sampling(self, r: DecodeRequest) -> RowSampling:
+        p = r.params
+        banned: tuple[int, ...] = ()
+        if len(r.output_ids) < p.min_new_tokens:
+            banned = tuple(self.eos_token_ids | p.stop_token_ids)
+        assert r._rng is not None
+        return RowSampling(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                           min_p=p.min_p, rng=r._rng, banned=banned)
+
+    def _finish_reason(self, r: DecodeRequest, token: int) -> FinishReason | None:
+        """SGLang's order: length first; then (unless ignore_eos) EOS / stop tokens; then stop
+        strings. ignore_eos also ignores stop_token_ids, as in SGLang."""
+        p = r.params
+        n = len(r.output_ids)
+        if n >= p.max_new_tokens:
+            return FinishReason.of_length(p.max_new_tokens)
+        if len(r.input_ids) + n >= self.context_length:
+            return FinishReason.of_length(n)
+        if not p.ignore_eos and n >= p.min_new_tokens and (
+            token in self.eos_token_ids or token in p.stop_token_ids
+        ):
+            return FinishReason.stop(token)
+        if p.stop_strings and self.detokenize is not None and n >= p.min_new_tokens:
+            tail = self.detokenize(r.output_ids[-64:])
+            for s in p.stop_strings:
+                if s in tail:
+                    return FinishReason.stop(s)
+        return None
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+    def _finish(self, r: DecodeRequest, reason: FinishReason) -> None:
+        if not r.output_ids:
+            r.weight_version = self.weight_version
+        r.finished_at = time.monotonic()
+        r.finish_reason = reason
+        r.notify()
+
+    def _drop_rows(self, rows: list[int]) -> None:
+        if not rows:
+            return
+        for old, new in self.cache.remove_rows(rows):
+            self._running[new] = self._running[old]
+            self._pending_tokens[new] = self._pending_tokens[old]
+        keep = len(self.cache.lengths)
+        del self._running[keep:]
+        del self._pending_tokens[keep:]
+        if not self._running:
+            self.cache.clear()
+
+    def _fail_everything(self, message: str) -> None:
+        with self._lock:
+            waiting = list(self._waiting)
+            self._waiting.clear()
+            commands = list(self._commands)
+            self._commands.clear()
+        for r in [*self._running, *self._admitting, *waiting]:
+            if not r.finished:
+                self._finish(r, FinishReason.abort(message, status_code=500))
+        self._running.clear()
+        self._pending_tokens.clear()
+        for _, future in commands:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(DecoderError(message))
+
+    def _new_cache(self, slots: int, capacity: int) -> SlotKVCache:
+        return SlotKVCache(num_layers=self._num_layers, kv_heads=self._kv_heads,
+                           head_dim=self._head_dim, dtype=self.dtype, device=self.device,
+                           slots=slots, capacity=capacity)
+
+    # -- commands (run on the decoder thread) ------------------------------------------------
+    def _pause(self, mode: PauseMode) -> int:
+        """Returns how many requests were affected."""
+        if mode == "abort":
+            with self._lock:
+                n = len(self._waiting) + len(self._running)
+            self._abort_all = True
+            self._apply_aborts()
+        elif mode == "retract":
+            n = len(self._running)
+            retracted = list(self._running)
+            self._running.clear()
+            self._pending_tokens.clear()
+            self.cache.clear()
+            for r in retracted:
+                r.retractions += 1
+            with self._lock:
+                self._waiting.extendleft(reversed(retracted))
+        else:
+            n = len(self._running)
+        self._pause_mode = mode
+        return n
+
+    def _resume(self) -> None:
+        self._pause_mode = None
+
+    def _flush(self) -> bool:
+        if self._running:
+            return False
+        self.cache = self._new_cache(slots=4, capacity=256)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return True

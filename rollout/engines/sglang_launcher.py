@@ -1,0 +1,94 @@
+"""Launch real SGLang servers (GPU machines): `python -m sglang.launch_server ...` per engine.
+
+Server arguments come from EngineConfig; `sglang_args` passes any other SGLang flag through
+unchanged ({"mem_fraction_static": 0.8} -> `--mem-fraction-static 0.8`, True -> bare flag,
+False/None -> omitted, a list -> repeated values). Each server gets its own GPUs through
+`--base-gpu-id`, its own port, and is polled on /health_generate (a real one-token generation)
+before it counts as up. Where sglang is not installed this fails with a clear error instead of
+an ImportError deep in a subprocess.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+from rollout.engines.config import EngineConfig
+from rollout.engines.process import ManagedProcess, ProcessStartError, free_port, spawn
+
+
+class SGLangNotInstalled(RuntimeError):
+    """sglang is missing: it only installs on CUDA machines."""
+
+
+def sglang_available() -> bool:
+    return importlib.util.find_spec("sglang") is not None
+
+
+def require_sglang() -> None:
+    if not sglang_available():
+        raise SGLangNotInstalled(
+            "rollout.engine.kind=sglang needs the sglang package, which installs only on CUDA "
+            "machines (`pip install 'rlkit[gpu]'`); on CPU use rollout.engine.kind=hf"
+        )
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def passthrough_args(extra: dict[str, Any]) -> list[str]:
+    """EngineConfig.sglang_args as command-line flags."""
+    out: list[str] = []
+    for key, value in extra.items():
+        if value is None or value is False:
+            continue
+        if value is True:
+            out.append(_flag(key))
+        elif isinstance(value, (list, tuple)):
+            out += [_flag(key), *(str(v) for v in value)]
+        else:
+            out += [_flag(key), str(value)]
+    return out
+
+
+def sglang_server_argv(model_path: str, config: EngineConfig, *, index: int, port: int) -> list[str]:
+    argv = [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", model_path, "--host", config.host, "--port", str(port),
+        "--tp-size", str(config.gpus_per_engine),
+        "--base-gpu-id", str(index * config.gpus_per_engine),
+        "--random-seed", str(config.seed + index),
+        "--max-running-requests", str(config.max_running_requests),
+        "--stream-interval", str(config.stream_interval),
+        "--skip-server-warmup",
+    ]
+    if config.max_total_tokens:
+        argv += ["--max-total-tokens", str(config.max_total_tokens)]
+    if config.incremental_streaming_output:
+        argv.append("--incremental-streaming-output")
+    if config.dtype != "auto":
+        argv += ["--dtype", config.dtype]
+    explicit = {a.lstrip("-").replace("-", "_") for a in argv if a.startswith("--")}
+    clashes = sorted(set(config.sglang_args) & explicit)
+    if clashes:
+        raise ValueError(f"rollout.engine.sglang_args sets {clashes}, which rlkit derives from "
+                         "other engine fields; set those fields instead")
+    return argv + passthrough_args(config.sglang_args)
+
+
+def start_sglang_server(model_path: str, config: EngineConfig, *, index: int,
+                        log_path: Path | None = None) -> ManagedProcess:
+    """Start SGLang server `index` and wait until it generates."""
+    require_sglang()
+    port = free_port(config.host)
+    argv = sglang_server_argv(model_path, config, index=index, port=port)
+    proc = spawn(f"sglang-{index}", argv, log_path=log_path)
+    proc.url = f"http://{config.host}:{port}"
+    try:
+        proc.wait_healthy(f"{proc.url}/health_generate", config.startup_timeout_s, interval_s=2.0)
+    except ProcessStartError as e:
+        raise ProcessStartError(f"SGLang server {index} for {model_path}: {e}") from None
+    return proc

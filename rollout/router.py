@@ -1,0 +1,201 @@
+"""Lifecycle of the real `sglang-router` process (sglang-router 0.3.2, see FACTS.md).
+
+    with Router(RouterConfig()) as router:
+        router.start([engine.url for engine in engines])
+        router.add_worker(url); router.remove_worker(url); router.list_workers()
+
+The router runs as `python -m sglang_router.launch_router` in its own process group, with an
+explicit port and metrics port (its default metrics port 29000 collides between jobs). It only
+forwards `/generate` (and the OpenAI routes); control calls go to each worker (EngineClient).
+Registration is asynchronous on the router side (POST /workers answers 202), so `add_worker`
+waits until the worker is listed. These calls are rare and short, so they are synchronous.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from rollout.engines.config import RouterConfig
+from rollout.engines.process import (
+    ManagedProcess,
+    ProcessStartError,
+    free_port,
+    http_ok,
+    log_tail,
+    port_is_free,
+    spawn,
+)
+
+
+class RouterError(RuntimeError):
+    """The router cannot be started, reached, or asked to change its workers."""
+
+
+@dataclass(frozen=True)
+class RouterWorker:
+    id: str
+    url: str
+    is_healthy: bool
+    load: int
+    model_id: str | None = None
+
+
+def _request(method: str, url: str, body: dict[str, Any] | None = None,
+             timeout: float = 10.0) -> tuple[int, Any]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read()
+            status = r.status
+    except urllib.error.HTTPError as e:
+        raw, status = e.read(), e.code
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+        raise RouterError(f"{method} {url} failed: {e}") from None
+    try:
+        return status, json.loads(raw) if raw else None
+    except json.JSONDecodeError:
+        return status, raw.decode(errors="replace")
+
+
+class Router:
+    """One sglang-router process. Not thread-safe; one owner."""
+
+    def __init__(self, config: RouterConfig | None = None, *, log_path: Path | None = None) -> None:
+        self.config = config or RouterConfig()
+        self.log_path = log_path
+        self.process: ManagedProcess | None = None
+        self.port: int | None = None
+        self.prometheus_port: int | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise RouterError("the router is not started")
+        return f"http://{self.config.host}:{self.port}"
+
+    def argv(self, port: int, prometheus_port: int, worker_urls: Sequence[str]) -> list[str]:
+        c = self.config
+        argv = [
+            sys.executable, "-m", "sglang_router.launch_router",
+            "--host", c.host, "--port", str(port),
+            "--policy", c.policy,
+            "--prometheus-port", str(prometheus_port), "--prometheus-host", c.host,
+            "--request-timeout-secs", str(int(c.request_timeout_s)),
+            "--health-check-interval-secs", str(c.health_check_interval_s),
+            "--health-failure-threshold", str(c.health_failure_threshold),
+            "--worker-startup-timeout-secs", str(c.worker_startup_timeout_s),
+            "--log-level", "warn",
+        ]
+        argv += ["--disable-retries"] if c.max_retries == 0 else ["--retry-max-retries", str(c.max_retries)]
+        if worker_urls:
+            argv += ["--worker-urls", *worker_urls]
+        return argv + list(c.extra_args)
+
+    def start(self, worker_urls: Sequence[str] = (), *, wait_for_workers: bool = True) -> str:
+        """Start the router in front of `worker_urls`; return its URL once /health answers
+        (and, if `wait_for_workers`, once every worker is listed)."""
+        if self.process is not None and self.process.alive():
+            raise RouterError(f"the router is already running at {self.url}")
+        if importlib.util.find_spec("sglang_router") is None:
+            raise RouterError("sglang-router is not installed (`pip install sglang-router==0.3.2`)")
+        host, c = self.config.host, self.config
+        for port, what in ((c.port, "port"), (c.prometheus_port, "prometheus_port")):
+            if port and not port_is_free(host, port):
+                raise RouterError(f"router {what} {port} on {host} is already in use")
+        attempts = 1 if (c.port and c.prometheus_port) else 3  # auto ports can be raced: retry
+        last: Exception | None = None
+        for _ in range(attempts):
+            port = c.port or free_port(host)
+            prom = c.prometheus_port or free_port(host)
+            while prom == port:
+                prom = free_port(host)
+            proc = spawn("sglang-router", self.argv(port, prom, worker_urls), log_path=self.log_path)
+            try:
+                proc.wait_healthy(f"http://{host}:{port}/health", c.startup_timeout_s)
+            except ProcessStartError as e:
+                last = e
+                if "in use" in log_tail(proc.log_path).lower() or "address already" in str(e).lower():
+                    continue  # someone took the port between our check and the bind
+                raise RouterError(str(e)) from None
+            self.process, self.port, self.prometheus_port = proc, port, prom
+            break
+        else:
+            raise RouterError(f"router could not bind a port after {attempts} attempts: {last}")
+        if wait_for_workers:
+            for url in worker_urls:
+                self._wait_listed(url, c.startup_timeout_s)
+        return self.url
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+            self.process = None
+
+    def __enter__(self) -> "Router":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.alive() and http_ok(f"{self.url}/health")
+
+    # -- workers ------------------------------------------------------------------------------
+    def list_workers(self) -> list[RouterWorker]:
+        status, body = _request("GET", f"{self.url}/workers")
+        if status != 200 or not isinstance(body, dict):
+            raise RouterError(f"GET {self.url}/workers answered {status}: {body}")
+        return [
+            RouterWorker(id=w["id"], url=w["url"], is_healthy=bool(w.get("is_healthy", True)),
+                         load=int(w.get("load", 0)), model_id=w.get("model_id"))
+            for w in body.get("workers", [])
+        ]
+
+    def add_worker(self, url: str, *, timeout_s: float | None = None) -> str:
+        """Register `url` (checked reachable first); return its router id once it is listed."""
+        url = url.rstrip("/")
+        if not http_ok(f"{url}/health"):
+            raise RouterError(f"worker {url} does not answer /health; not registering it")
+        status, body = _request("POST", f"{self.url}/workers", {"url": url})
+        if status not in (200, 201, 202):
+            raise RouterError(f"router refused worker {url}: HTTP {status} {body}")
+        return self._wait_listed(url, timeout_s or self.config.startup_timeout_s).id
+
+    def remove_worker(self, url_or_id: str, *, timeout_s: float = 30.0) -> None:
+        """Unregister a worker by URL or router id; return once it is no longer listed."""
+        target = url_or_id.rstrip("/")
+        match = [w for w in self.list_workers() if target in (w.id, w.url)]
+        if not match:
+            raise RouterError(f"no worker {url_or_id!r} at the router {self.url}")
+        status, body = _request("DELETE", f"{self.url}/workers/{match[0].id}")
+        if status not in (200, 202, 204):
+            raise RouterError(f"router refused to remove {url_or_id}: HTTP {status} {body}")
+        deadline = time.monotonic() + timeout_s
+        while any(w.id == match[0].id for w in self.list_workers()):
+            if time.monotonic() > deadline:
+                raise RouterError(f"worker {url_or_id} still listed {timeout_s:.0f} s after removal")
+            time.sleep(0.1)
+
+    def _wait_listed(self, url: str, timeout_s: float) -> RouterWorker:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for w in self.list_workers():
+                if w.url.rstrip("/") == url.rstrip("/"):
+                    return w
+            if time.monotonic() > deadline:
+                raise RouterError(
+                    f"worker {url} not listed by the router {timeout_s:.0f} s after registration "
+                    f"(router log {self.process.log_path if self.process else '?'}:\n"
+                    f"{log_tail(self.process.log_path if self.process else None, 10)})")
+            time.sleep(0.1)

@@ -1,0 +1,225 @@
+"""EngineClient against scriptable fake workers: SGLang answers of every shape land on the
+sample correctly, retries follow the per-endpoint policy, an aborted request is never
+re-submitted, abort_all repeats until the worker is idle."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from buffers.sample import Sample, SampleStatus
+from rollout.client import EngineClient, RetryPolicy
+from rollout.config import SamplingConfig
+from rollout.engine_api import EngineError, Engines
+from rollout.engines.process import free_port
+from tests.rollout.fake_worker import FakeWorker, answer_json, answer_sse, tokens_chunk
+from tests.rollout.helpers import fixture_json, fixture_text
+
+SAMPLING = SamplingConfig(max_new_tokens=64)
+
+
+@pytest.fixture
+async def worker():
+    w = await FakeWorker().start()
+    yield w
+    await w.stop()
+
+
+def fresh() -> Sample:
+    return Sample(index=0, group_id=0, prompt_ids=[1, 2, 3])
+
+
+async def client_for(*workers: FakeWorker, **kw) -> EngineClient:
+    return await EngineClient(None, worker_urls=[w.url for w in workers], **kw).connect()
+
+
+async def test_client_implements_the_engines_protocol(worker):
+    c = await client_for(worker)
+    try:
+        assert isinstance(c, Engines) and c.workers() == [worker.url]
+    finally:
+        await c.close()
+
+
+@pytest.mark.parametrize("name", ["generate_stream_cumulative.sse", "generate_stream_incremental.sse"])
+async def test_streamed_sglang_answers_land_on_the_sample(worker, name):
+    worker.generate.append(answer_sse(fixture_text(name)))
+    c = await client_for(worker)
+    try:
+        s = fresh()
+        served = await c.generate(s, SAMPLING, max_new_tokens=10, version=2, worker=worker.url)
+    finally:
+        await c.close()
+    assert served == worker.url
+    assert s.response_ids == [576, 4226, 374, 220, 19]
+    assert s.logprobs == [-0.51, -1.25, -0.02, -0.3, -0.01]
+    assert s.versions == [7] * 5  # the engine's stamp wins over the caller's version
+    assert s.status is SampleStatus.DONE and s.finish_reason == "stop" and s.requests == 1
+    sent = worker.calls("/generate")[0]
+    assert sent["input_ids"] == [1, 2, 3] and sent["stream"] is True and sent["rid"]
+
+
+async def test_non_streamed_answers_and_missing_version(worker):
+    worker.generate.append(answer_json(fixture_json("generate_logprobs.json")))
+    c = await client_for(worker, stream=False)
+    try:
+        s = fresh()
+        await c.generate(s, SAMPLING, max_new_tokens=1, version=4, worker=worker.url)
+    finally:
+        await c.close()
+    # "default" is not an int: the caller's version stamps the tokens
+    assert s.response_ids == [5338] and s.versions == [4] and s.status is SampleStatus.TRUNCATED
+
+
+@pytest.mark.parametrize("shape", ["stream", "json", "http_error"])
+async def test_an_aborted_answer_leaves_the_sample_partial(worker, shape):
+    if shape == "stream":
+        worker.generate.append(answer_sse(fixture_text("generate_stream_aborted.sse")))
+    elif shape == "json":
+        worker.generate.append(answer_json(fixture_json("generate_aborted.json")))
+    else:
+        worker.generate.append(answer_json(fixture_json("abort_http_error.json"), status=500))
+    c = await client_for(worker, stream=(shape == "stream"))
+    try:
+        s = fresh()
+        await c.generate(s, SAMPLING, max_new_tokens=10, version=0, worker=worker.url)
+    finally:
+        await c.close()
+    assert s.status is (SampleStatus.PENDING if shape == "http_error" else SampleStatus.PARTIAL)
+    assert s.response_ids == ([] if shape == "http_error" else [576, 4226])
+    assert len(worker.calls("/generate")) == 1  # never re-submitted
+
+
+async def test_abort_mid_stream_keeps_tokens_and_is_not_resubmitted(worker):
+    stream = "\n".join([
+        tokens_chunk([11], [-0.1], total=1, finish=None),
+        tokens_chunk([12], [-0.2], total=2, finish=None),
+        tokens_chunk([13], [-0.3], total=3, finish=None),
+    ])
+    worker.generate.append(answer_sse(stream, stall_after=2))
+    worker.loads_sequence = [1, 0]
+    c = await client_for(worker, abort_poll_interval_s=0.01)
+    try:
+        s = fresh()
+        task = asyncio.create_task(c.generate(s, SAMPLING, max_new_tokens=10, version=0, worker=worker.url))
+        while len(s.response_ids) < 2:
+            await asyncio.sleep(0.01)
+        await c.abort_all()  # the worker reports 1 request, then 0: abort is sent twice
+        task.cancel()  # the fake worker does not end the stream by itself
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    finally:
+        await c.close()
+    assert s.response_ids == [11, 12] and s.status is SampleStatus.PARTIAL
+    assert worker.calls("/abort_request") == [{"rid": "", "abort_all": True}] * 2
+    assert len(worker.calls("/generate")) == 1
+
+
+async def test_cancelling_the_task_leaves_the_sample_resumable(worker):
+    worker.generate.append(answer_sse(tokens_chunk([9], [-1.0], total=1, finish=None) + "\n" +
+                                      tokens_chunk([8], [-1.0], total=2, finish=None), stall_after=1))
+    c = await client_for(worker)
+    try:
+        s = fresh()
+        task = asyncio.create_task(c.generate(s, SAMPLING, max_new_tokens=10, version=0, worker=worker.url))
+        while not s.response_ids:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    finally:
+        await c.close()
+    assert s.status is SampleStatus.PARTIAL and s.response_ids == [9]
+
+
+async def test_failures_before_any_token_are_retried(worker):
+    worker.generate += [
+        answer_json({"error": {"message": "no worker"}}, status=503),
+        answer_sse(tokens_chunk([5], [-0.5], total=1, finish={"type": "length", "length": 1})),
+    ]
+    c = await client_for(worker, retry_policies={**EngineClient.__dataclass_fields__["retry_policies"].default_factory(),
+                                                 "generate": RetryPolicy(attempts=3, backoff_s=0.01, retry_statuses=frozenset({503}))})
+    try:
+        s = fresh()
+        await c.generate(s, SAMPLING, max_new_tokens=1, version=0, worker=worker.url)
+    finally:
+        await c.close()
+    assert s.response_ids == [5] and s.status is SampleStatus.TRUNCATED
+    rids = [b["rid"] for b in worker.calls("/generate")]
+    assert len(rids) == 2 and rids[0] != rids[1]  # a fresh rid per attempt
+
+
+async def test_connection_refused_is_retried_then_reported():
+    dead = f"http://127.0.0.1:{free_port()}"
+    policies = {**EngineClient.__dataclass_fields__["retry_policies"].default_factory(),
+                "generate": RetryPolicy(attempts=2, backoff_s=0.01)}
+    c = await EngineClient(None, worker_urls=[dead], retry_policies=policies).connect()
+    try:
+        s = fresh()
+        with pytest.raises(EngineError, match="2 attempt"):
+            await c.generate(s, SAMPLING, max_new_tokens=4, version=0, worker=dead)
+    finally:
+        await c.close()
+    assert s.status is SampleStatus.PENDING
+
+
+async def test_a_stream_broken_after_tokens_is_an_error_not_a_retry(worker):
+    worker.generate.append(answer_sse(tokens_chunk([4], [-0.4], total=1, finish=None) + "\n" +
+                                      tokens_chunk([4], [-0.4], total=2, finish=None), close_after=1))
+    c = await client_for(worker)
+    try:
+        s = fresh()
+        with pytest.raises(EngineError, match="finish reason|broke"):
+            await c.generate(s, SAMPLING, max_new_tokens=10, version=0, worker=worker.url)
+    finally:
+        await c.close()
+    assert s.response_ids == [4] and s.status is SampleStatus.PARTIAL
+    assert len(worker.calls("/generate")) == 1
+
+
+async def test_a_refused_request_raises_with_the_engines_message(worker):
+    worker.generate.append(answer_json({"object": "error", "message": "The input (9000 tokens) is longer"}, status=400))
+    c = await client_for(worker)
+    try:
+        with pytest.raises(EngineError, match="9000 tokens"):
+            await c.generate(fresh(), SAMPLING, max_new_tokens=4, version=0, worker=worker.url)
+    finally:
+        await c.close()
+
+
+async def test_control_calls_fan_out_to_every_worker():
+    a, b = await FakeWorker().start(), await FakeWorker().start()
+    c = await client_for(a, b)
+    try:
+        await c.pause("retract")
+        await c.flush_cache()
+        await c.update_weights_from_disk("/ckpt/v3", 3)
+        await c.init_weights_update_group("10.0.0.1", 29500, group_name="g", backend="gloo")
+        await c.update_weights_from_distributed(["w"], ["float32"], [[2, 2]], version=3, group_name="g")
+        await c.continue_generation()
+        assert await c.loads() == {a.url: 0, b.url: 0}
+        assert await c.health() == {a.url: True, b.url: True}
+    finally:
+        await c.close()
+        await a.stop()
+        await b.stop()
+    for w in (a, b):
+        assert w.calls("/pause_generation") == [{"mode": "retract"}]
+        assert w.calls("/update_weights_from_disk")[0]["weight_version"] == "3"
+        assert w.calls("/update_weights_from_distributed")[0]["names"] == ["w"]
+        assert len(w.calls("/continue_generation")) == 1
+    ranks = [w.calls("/init_weights_update_group")[0]["rank_offset"] for w in (a, b)]
+    assert ranks == [1, 2]
+    assert a.calls("/init_weights_update_group")[0]["world_size"] == 3
+
+
+async def test_a_failing_worker_is_named(worker):
+    dead = f"http://127.0.0.1:{free_port()}"
+    c = await EngineClient(None, worker_urls=[worker.url, dead]).connect()
+    try:
+        with pytest.raises(EngineError, match=dead.replace(".", r"\.")):
+            await c.continue_generation()
+        assert await c.health() == {worker.url: True, dead: False}
+    finally:
+        await c.close()
