@@ -16,6 +16,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("config", "show"), "rlkit.commands.config_show", "print the resolved recipe"),
     (("config", "docs"), "rlkit.commands.config_docs", "regenerate docs/recipe-reference.md"),
     (("bench", "buffer"), "rlkit.bench.buffer", "buffer group operations per second"),
+    (("bench", "train"), "rlkit.bench.train", "trainer tokens/s (TP=1, TP=2) and weight-sync s/GB"),
+    (("export",), "rlkit.commands.export", "write a trainer checkpoint as an HF model folder"),
     (("check-reward",), "rlkit.commands.check_reward", "check a reward plugin against the contract"),
 ]
 

@@ -63,3 +63,21 @@ def random_batch(n: int, *, seed: int = 0, vocab: int = 512, advantages=None, po
             )
         )
     return TrainBatch(samples, policy_version)
+
+
+def random_groups(n_groups: int, n: int, *, seed: int = 0, vocab: int = 512, version: int = 0):
+    """Complete, rewarded Groups with random prompt/response tokens and 0/1 rewards."""
+    from buffers.group import Group, PromptRecord
+
+    g = torch.Generator().manual_seed(seed)
+    groups = []
+    for gid in range(n_groups):
+        prompt = tuple(torch.randint(0, vocab, (int(torch.randint(2, 8, (1,), generator=g)),), generator=g).tolist())
+        group = Group.new(gid, PromptRecord(ids=prompt, text=""), n, gid * n, version=version)
+        for s in group.samples:
+            r = int(torch.randint(1, 12, (1,), generator=g))
+            s.append(torch.randint(0, vocab, (r,), generator=g).tolist(), (-2 - torch.rand(r, generator=g)).tolist(),
+                     version, finish_reason="stop")
+            s.set_reward(float(torch.randint(0, 2, (1,), generator=g)))
+        groups.append(group)
+    return groups

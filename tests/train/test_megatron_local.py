@@ -175,3 +175,73 @@ def test_export_writes_a_folder_transformers_loads(tiny_qwen2_dir, tmp_path):
     out = trainer.export_hf(tmp_path / "hf")
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     assert max_parity_diff(trainer, hf, batch) < PARITY_ATOL
+
+
+@pytest.mark.parametrize("method", ["distributed", "disk"])
+def test_sync_weights_sends_the_trained_weights_with_a_new_version(tiny_qwen2_dir, tmp_path, method):
+    from train.weight_sync.loopback import LoopbackEngines
+    from train.weight_sync.sender import WeightSender
+
+    trainer = make_trainer(tiny_qwen2_dir, optimizer={"lr": 1e-2}, weight_sync={"bucket_mb": 1})
+    trainer.accumulate(random_batch(4, seed=10))
+    trainer.step()
+    expected = dict(trainer.iter_hf_weights())
+    with LoopbackEngines(1) as engines:
+        trainer.attach_sender(WeightSender(bucket_mb=1, control_factory=engines.control))
+        try:
+            report = trainer.sync_weights(engines.urls, method=method, folder=tmp_path)
+            report2 = trainer.sync_weights(engines.urls, method=method, folder=tmp_path)
+        finally:
+            trainer.close()
+        got, log = engines.received(engines.urls[0])
+    assert (report.version, report2.version, trainer.version) == (1, 2, 2)
+    assert sorted(got) == sorted(expected)
+    assert all(torch.equal(got[k], v) for k, v in expected.items())
+    assert report.bytes >= sum(t.numel() * 4 for t in expected.values())
+    assert [c[0] for c in log][:3] == (["init_group", "pause", "flush"] if method == "distributed" else ["pause", "flush", "disk"])
+    with pytest.raises(ValueError, match="must be newer"):
+        trainer.sync_weights(["http://x"], version=2)
+
+
+def test_streamed_step_over_arriving_groups_equals_the_synchronous_step(tiny_qwen2_dir):
+    from tests.train.helpers import random_groups
+    from train.batch import build_batch_from_config
+    from train.stream import StreamedStep
+
+    algo = {"advantage": "grpo", "kl_coef": 0.05, "off_policy_correction": "tis"}
+    a, b = make_trainer(tiny_qwen2_dir, algorithm=algo), make_trainer(tiny_qwen2_dir, algorithm=algo)
+    groups = random_groups(5, 3, seed=21)
+
+    batch = build_batch_from_config(groups, a.config.algorithm, policy_version=0)
+    batch = batch.with_logprobs(old=a.logprobs(batch), ref=a.logprobs(batch, policy="reference"))
+    a.accumulate(batch)
+    sync = a.step()
+
+    stream = StreamedStep(b, b.config.algorithm, policy_version=0, global_batch_groups=5,
+                          micro_batch_size=4, recompute_old_logprobs=True)
+    arrivals = [groups[i] for i in (3, 0, 4, 1, 2)]
+    results = [stream.add(g) for g in arrivals]
+    assert results[:4] == [None] * 4 and stream.complete
+    streamed = results[4]
+    for key in ("train/loss", "train/grad_norm", "train/kl", "train/tis_weight", "train/samples"):
+        assert streamed[key] == pytest.approx(sync[key], rel=1e-5), key
+    with pytest.raises(RuntimeError, match="already has its 5 groups"):
+        stream.add(groups[0])
+
+
+def test_rlkit_export_turns_a_run_checkpoint_into_an_hf_folder(tiny_qwen2_dir, tmp_path):
+    from rlkit.cli import main
+    from train.hf_io import load_hf_state_dict, read_config
+
+    trainer = make_trainer(tiny_qwen2_dir, optimizer={"lr": 1e-2})
+    trainer.accumulate(random_batch(3, seed=22))
+    trainer.step()
+    trainer.save(tmp_path / "checkpoints" / "step_000001" / "trainer")
+    assert main(["export", str(tmp_path / "checkpoints" / "step_000001"), str(tmp_path / "out")]) == 0
+    exported = load_hf_state_dict(tmp_path / "out")
+    expected = dict(trainer.iter_hf_weights())
+    assert sorted(exported) == sorted(expected)
+    assert all(torch.equal(exported[k], v) for k, v in expected.items())
+    assert read_config(tmp_path / "out")["tie_word_embeddings"] is True
+    assert main(["export", str(tmp_path / "checkpoints" / "step_000001"), str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
+    assert load_hf_state_dict(tmp_path / "bf16")["model.norm.weight"].dtype == torch.bfloat16

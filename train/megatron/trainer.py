@@ -426,6 +426,12 @@ class MegatronTrainer:
         self.version = version
         return report
 
+    def attach_sender(self, sender) -> None:
+        """Use this WeightSender (e.g. with loopback receivers) instead of the HTTP default."""
+        if self._sender is not None:
+            self._sender.close()
+        self._sender = sender
+
     def close(self) -> None:
         """Leave the engines' weight-update group, if any."""
         if self._sender is not None:

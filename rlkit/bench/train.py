@@ -1,0 +1,295 @@
+"""`rlkit bench train`: training tokens per second and weight-sync seconds per GB.
+
+Training: for each model and TP size, a TrainerGroup (Ray actors, gloo on CPU; the machine's CPUs
+split evenly between TP ranks, one torch thread per CPU) runs `accumulate(batch) + step()` on a
+fixed synthetic batch whose response lengths follow a long-tailed (log-normal) distribution.
+One warm-up step, then the median of the timed steps; tokens/s counts prompt + response tokens
+of the batch.
+
+Packing: in this process (TP=1), forward+backward of the same batch packed into rows
+(`pack_row_tokens=2048`, block-diagonal attention) and padded (one row per sample,
+`pack_row_tokens=0`), alternated A/B/A/B so that load changes on a shared machine hit both alike;
+the ratio of the medians is the figure.
+
+Models: `tiny` (2 layers, hidden 64), `smollm2` (SmolLM2-135M-Instruct; 9 heads / 3 KV heads, so
+it cannot be split over TP=2) and `smollm2-shaped` (random weights, SmolLM2's sizes with 12
+heads x 48 / 4 KV heads: the same parameter count and FLOPs, shardable over TP=2).
+
+Weight sync: the HF weights of the trainer are pushed to `--engines` (engine worker URLs) or,
+without them, to loopback receivers (local processes that join the broadcast group and receive
+every tensor, or read the safetensors folder, exactly as an engine's receive side would, but do
+not load the weights into a model). Seconds per GB = wall time of one whole update (write +
+pause/flush/update/continue) / GB sent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+MODELS = ("tiny", "smollm2", "smollm2-shaped")
+SHAPES = {  # (samples, prompt tokens, median response, max response)
+    "tiny": (32, 32, 64, 512),
+    "smollm2": (8, 32, 64, 256),
+    "smollm2-shaped": (8, 32, 64, 256),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models", default="tiny,smollm2,smollm2-shaped", help=f"comma list of {MODELS}")
+    parser.add_argument("--tp", default="1,2", help="comma list of tensor-parallel sizes")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per configuration")
+    parser.add_argument("--cpus", type=int, default=os.cpu_count() or 2, help="CPUs given to Ray")
+    parser.add_argument("--no-padding-compare", action="store_true", help="skip the padded-rows runs")
+    parser.add_argument("--sync-model", default="smollm2", help="model whose weights are synced ('' skips)")
+    parser.add_argument("--sync-rounds", type=int, default=2, help="updates per sync method")
+    parser.add_argument("--engines", nargs="*", default=None, help="engine worker URLs (default: loopback)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def run(args: argparse.Namespace) -> int:
+    result = bench_train(
+        models=[m for m in args.models.split(",") if m],
+        tps=[int(t) for t in args.tp.split(",") if t],
+        steps=args.steps,
+        cpus=args.cpus,
+        compare_padding=not args.no_padding_compare,
+        sync_model=args.sync_model,
+        sync_rounds=args.sync_rounds,
+        engines=args.engines,
+    )
+    print(json.dumps(result, indent=2) if args.json else format_table(result))
+    return 0
+
+
+# -- models and batches ----------------------------------------------------------------------
+def model_path(name: str, workdir: Path) -> str:
+    from rlkit.demo_models import prepare_model
+
+    if name in ("tiny", "smollm2"):
+        return str(prepare_model(name))
+    if name == "smollm2-shaped":
+        return str(build_smollm2_shaped(workdir / "smollm2-shaped"))
+    raise ValueError(f"unknown bench model {name!r}; expected one of {MODELS}")
+
+
+def build_smollm2_shaped(path: Path) -> Path:
+    import json as _json
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from train.hf_io import read_config
+
+    if (path / "config.json").is_file():
+        return path
+    base = read_config(model_path("smollm2", path.parent))
+    base.update(num_attention_heads=12, num_key_value_heads=4, head_dim=48)
+    base.pop("_model_name_or_path", None)
+    torch.manual_seed(0)
+    config = LlamaConfig(**{k: v for k, v in base.items() if k not in ("architectures", "transformers_version")})
+    LlamaForCausalLM(config).save_pretrained(path)
+    _json.loads((path / "config.json").read_text())  # written and readable
+    return path
+
+
+def synthetic_batch(name: str, vocab: int, seed: int = 0):
+    import torch
+
+    from train.batch import TrainBatch, TrainSample
+
+    n, prompt, median, cap = SHAPES[name]
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.exp(torch.randn(n, generator=g) * 0.8 + torch.log(torch.tensor(float(median))))
+    lengths = lengths.round().clamp(4, cap).long().tolist()
+    samples = []
+    for i, r in enumerate(lengths):
+        samples.append(
+            TrainSample(
+                index=i, group_id=i // 4,
+                tokens=torch.randint(0, vocab, (prompt + r,), generator=g),
+                prompt_length=prompt, loss_mask=torch.ones(r), rollout_logprobs=torch.full((r,), -2.0),
+                advantage=1.0 if i % 2 else -1.0, reward=float(i % 2), min_version=0, max_version=0,
+            )
+        )
+    return TrainBatch(samples, 0)
+
+
+# -- measurements ------------------------------------------------------------------------------
+def time_training(path: str, name: str, tp: int, steps: int, cpus: int, pack_row_tokens: int) -> dict:
+    from train.config import TrainConfig
+    from train.hf_io import read_config
+    from train.ray_group import TrainerGroup
+
+    cfg = TrainConfig.model_validate(
+        {"device": "cpu", "parallelism": {"tensor": tp}, "micro_batch_size": 8,
+         "pack_row_tokens": pack_row_tokens, "optimizer": {"lr": 1e-6}}
+    )
+    batch = synthetic_batch(name, int(read_config(path)["vocab_size"]))
+    per_worker = max(1, cpus // tp)
+    t0 = time.perf_counter()
+    group = TrainerGroup(path, cfg, num_cpus_per_worker=per_worker, threads_per_worker=per_worker)
+    setup_s = time.perf_counter() - t0
+    try:
+        group.accumulate(batch)
+        first = group.step()  # warm-up
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            group.accumulate(batch)
+            group.step()
+            times.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        group.logprobs(batch)
+        forward_s = time.perf_counter() - t
+    finally:
+        group.shutdown()
+    step_s = statistics.median(times)
+    return {
+        "model": name, "tp": tp, "pack_row_tokens": pack_row_tokens, "samples": len(batch),
+        "tokens": batch.tokens, "padding_fraction": first["train/padding_fraction"],
+        "step_s": step_s, "train_tokens_per_s": batch.tokens / step_s,
+        "forward_tokens_per_s": batch.tokens / forward_s, "setup_s": setup_s,
+    }
+
+
+def compare_packing(path: str, name: str, rounds: int) -> dict:
+    """Median fwd+bwd seconds of the batch packed vs padded, alternated in one trainer."""
+    from train.config import TrainConfig
+    from train.hf_io import read_config
+    from train.megatron.trainer import MegatronTrainer
+    from train.packing import pack_samples
+
+    batch = synthetic_batch(name, int(read_config(path)["vocab_size"]))
+    trainer = MegatronTrainer.single_process(path, TrainConfig(device="cpu", micro_batch_size=8))
+    times: dict[int, list[float]] = {2048: [], 0: []}
+    fractions = {}
+    for _ in range(rounds):
+        for rows in (2048, 0):
+            trainer.config.pack_row_tokens = rows
+            t = time.perf_counter()
+            trainer.accumulate(batch)
+            times[rows].append(time.perf_counter() - t)
+            trainer.model.zero_grad_buffer()
+            trainer._reset_accumulation()
+            mbs = batch.micro_batches(8)
+            packed = [pack_samples([s.tokens for s in m.samples], [s.prompt_length for s in m.samples], rows) for m in mbs]
+            fractions[rows] = 1 - sum(p.tokens for p in packed) / sum(p.slots for p in packed)
+    packed_s, padded_s = statistics.median(times[2048]), statistics.median(times[0])
+    return {
+        "model": name, "tokens": batch.tokens, "rounds": rounds,
+        "packed_s": packed_s, "padded_s": padded_s,
+        "packed_tokens_per_s": batch.tokens / packed_s, "padded_tokens_per_s": batch.tokens / padded_s,
+        "padded_padding_fraction": fractions[0], "packed_padding_fraction": fractions[2048],
+        "speedup": padded_s / packed_s,
+    }
+
+
+def time_weight_sync(path: str, rounds: int, engines: list[str] | None, workdir: Path) -> list[dict]:
+    from train.config import TrainConfig
+    from train.megatron.trainer import MegatronTrainer
+    from train.weight_sync.loopback import LoopbackEngines
+    from train.weight_sync.sender import WeightSender
+
+    trainer = MegatronTrainer.single_process(path, TrainConfig(device="cpu"))
+    loopback = None if engines else LoopbackEngines(1)
+    urls = engines or loopback.urls  # type: ignore[union-attr]
+    if loopback is not None:
+        trainer.attach_sender(WeightSender(bucket_mb=trainer.config.weight_sync.bucket_mb, control_factory=loopback.control))
+    out = []
+    try:
+        for method in ("distributed", "disk"):
+            reports = [trainer.sync_weights(urls, method=method, folder=workdir / "sync") for _ in range(rounds)]
+            steady = reports[1:] or reports  # the first distributed update also forms the group
+            gb = steady[0].bytes / 1e9
+            out.append({
+                "method": method, "receivers": "engines" if engines else "loopback",
+                "gb": gb, "buckets": steady[0].buckets,
+                "seconds": statistics.median(r.seconds_total for r in steady),
+                "seconds_per_gb": statistics.median(r.seconds_per_gb for r in steady),
+                "paused_seconds": statistics.median(r.seconds_paused for r in steady),
+                "first_update_seconds": reports[0].seconds_total,
+            })
+    finally:
+        trainer.close()
+        if loopback is not None:
+            loopback.close()
+    return out
+
+
+def bench_train(
+    *, models: list[str], tps: list[int], steps: int, cpus: int, compare_padding: bool,
+    sync_model: str, sync_rounds: int, engines: list[str] | None,
+) -> dict:
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    load_before = os.getloadavg()
+    t_start = time.perf_counter()
+    result: dict = {"training": [], "packing": [], "weight_sync": []}
+    with tempfile.TemporaryDirectory(prefix="rlkit-bench-train-") as tmp:
+        workdir = Path(tmp)
+        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        try:
+            for name in models:
+                path = model_path(name, workdir)
+                for tp in tps:
+                    if name == "smollm2" and tp > 1:
+                        result["training"].append({"model": name, "tp": tp, "skipped": "9 heads / 3 KV heads do not split over TP=2; see smollm2-shaped"})
+                        continue
+                    result["training"].append(time_training(path, name, tp, steps, cpus, 2048))
+        finally:
+            ray.shutdown()
+        if compare_padding:
+            result["packing"] = [
+                compare_packing(model_path(name, workdir), name, max(2, steps)) for name in models if name != "smollm2-shaped"
+            ]
+        if sync_model:
+            result["weight_sync"] = time_weight_sync(model_path(sync_model, workdir), sync_rounds, engines, workdir)
+    result["conditions"] = {
+        "cpus": os.cpu_count(), "ray_cpus": cpus, "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(), "wall_s": time.perf_counter() - t_start,
+        "note": "shared machine: other processes may run; compare figures within one run",
+    }
+    return result
+
+
+def format_table(result: dict) -> str:
+    lines = ["model            TP  rows      tokens  pad%   step s   train tok/s  fwd tok/s"]
+    for r in result["training"]:
+        if "skipped" in r:
+            lines.append(f"{r['model']:<16} {r['tp']:>2}  skipped: {r['skipped']}")
+            continue
+        rows = "packed" if r["pack_row_tokens"] else "padded"
+        lines.append(
+            f"{r['model']:<16} {r['tp']:>2}  {rows:<8} {r['tokens']:>7} {100 * r['padding_fraction']:5.1f} "
+            f"{r['step_s']:8.2f} {r['train_tokens_per_s']:12.1f} {r['forward_tokens_per_s']:10.1f}"
+        )
+    if result["packing"]:
+        lines.append("")
+        lines.append("packing (TP=1, fwd+bwd, alternated)  tokens  packed s  padded s  padded pad%  speedup")
+        for r in result["packing"]:
+            lines.append(
+                f"{r['model']:<36} {r['tokens']:>6} {r['packed_s']:9.2f} {r['padded_s']:9.2f} "
+                f"{100 * r['padded_padding_fraction']:11.1f} {r['speedup']:8.2f}x"
+            )
+    if result["weight_sync"]:
+        lines.append("")
+        lines.append("sync method   receivers   GB      s/update  s/GB    paused s  first update s")
+        for r in result["weight_sync"]:
+            lines.append(
+                f"{r['method']:<13} {r['receivers']:<10} {r['gb']:6.3f} {r['seconds']:9.2f} "
+                f"{r['seconds_per_gb']:7.2f} {r['paused_seconds']:9.2f} {r['first_update_seconds']:14.2f}"
+            )
+    c = result["conditions"]
+    lines.append("")
+    lines.append(
+        f"{c['cpus']} CPUs ({c['ray_cpus']} to Ray); load average before {c['loadavg_before'][0]:.2f}, "
+        f"after {c['loadavg_after'][0]:.2f}; {c['wall_s']:.0f} s; {c['note']}"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,97 @@
+"""The trainer side of weight sync: call order, versions, buckets, disk folders, and the gloo
+broadcast to a peer process that joins the group the way an engine does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from train.weight_sync.sender import WeightSender, WeightSyncError, bucketize
+
+
+class RecordingEngine:
+    """An EngineControl that records calls (and optionally fails one)."""
+
+    def __init__(self, url: str, log: list, fail_on: str | None = None) -> None:
+        self.url, self.log, self.fail_on = url, log, fail_on
+
+    def _rec(self, *call):
+        self.log.append((self.url, *call))
+        if self.fail_on == call[0]:
+            raise RuntimeError(f"{call[0]} refused")
+
+    def pause(self, mode): self._rec("pause", mode)
+    def flush_cache(self): self._rec("flush")
+    def continue_generation(self): self._rec("continue")
+    def update_from_disk(self, path, version): self._rec("disk", path, version)
+    def init_group(self, *a): self._rec("init_group", *a)
+    def begin_update(self): self._rec("begin")
+    def update_from_distributed(self, names, dtypes, shapes, group, version): self._rec("bucket", tuple(names), version)
+    def end_update(self): self._rec("end")
+    def destroy_group(self, name): self._rec("destroy", name)
+
+
+def test_bucketize_respects_the_byte_budget():
+    ts = [(f"t{i}", torch.zeros(n)) for i, n in enumerate([10, 10, 30, 5, 5])]  # fp32: 40, 40, 120, 20, 20 bytes
+    buckets = [[n for n, _ in b] for b in bucketize(ts, 80)]
+    assert buckets == [["t0", "t1"], ["t2"], ["t3", "t4"]]
+
+
+def test_disk_sync_order_version_and_folder(tmp_path):
+    log: list = []
+    sender = WeightSender(pause_mode="abort", control_factory=lambda u: RecordingEngine(u, log))
+
+    def write(p: Path):
+        p.mkdir(parents=True)
+        (p / "model.safetensors").write_bytes(b"x" * 1000)
+
+    r1 = sender.sync_from_disk(["http://a", "http://b"], tmp_path / "v000001", 1, write=write)
+    steps = [(u, c[0]) for u, *c in log if u == "http://a"]
+    assert [s for _, s in steps] == ["pause", "flush", "disk", "continue"]
+    assert ("http://a", "pause", "abort") in log
+    assert ("http://b", "disk", str((tmp_path / "v000001").resolve()), 1) in log
+    assert (r1.version, r1.engines, r1.bytes) == (1, 2, 1000)
+    sender.sync_from_disk(["http://a"], tmp_path / "v000002", 2, write=write)
+    assert not (tmp_path / "v000001").exists()  # the previous version's folder is removed
+    assert (tmp_path / "v000002" / "model.safetensors").exists()
+
+
+def test_a_failed_update_leaves_engines_paused_and_names_the_engine(tmp_path):
+    log: list = []
+    sender = WeightSender(
+        control_factory=lambda u: RecordingEngine(u, log, fail_on="disk" if u == "http://b" else None)
+    )
+    with pytest.raises(WeightSyncError, match=r"update_weights_from_disk failed on 1 engine\(s\): http://b"):
+        sender.sync_from_disk(["http://a", "http://b"], tmp_path / "v1", 1, write=lambda p: p.mkdir())
+    assert not any(c[1] == "continue" for c in log)
+
+
+@pytest.mark.integration
+def test_distributed_broadcast_reaches_every_engine_in_buckets():
+    from train.weight_sync.loopback import LoopbackEngines
+
+    g = torch.Generator().manual_seed(0)
+    weights = {f"w{i}": torch.randn(300, 500, generator=g) for i in range(5)}  # 600 kB each
+    weights["b"] = torch.randn(7, generator=g).to(torch.bfloat16)
+    with LoopbackEngines(2) as engines:
+        sender = WeightSender(bucket_mb=1, control_factory=engines.control)
+        try:
+            r1 = sender.sync_distributed(engines.urls, weights.items(), version=3)
+            r2 = sender.sync_distributed(engines.urls, weights.items(), version=4)  # reuses the group
+        finally:
+            sender.close()
+        for url in engines.urls:
+            got, log = engines.received(url)
+            assert sorted(got) == sorted(weights)
+            assert all(torch.equal(got[k], v) for k, v in weights.items())
+        assert (r1.buckets, r1.tensors, r1.version) == (5, 6, 3)  # 600 kB tensors, 1 MiB buckets
+        assert r1.bytes == sum(t.numel() * t.element_size() for t in weights.values())
+        assert r2.seconds_stage == 0.0  # group formed once
+        _, log = engines.received(engines.urls[1])
+        assert log[0][0] == "init_group" and log[0][3:] == (2, 3, log[0][5], "gloo")  # rank 2 of 3
+        calls = [c[0] for c in log]
+        assert calls.count("init_group") == 1 and calls.count("pause") == 2
+        assert calls[1:4] == ["pause", "flush", "begin"] and calls[-3:] == ["end", "continue", "destroy"]
+        assert ("bucket", 1, 3) in log and ("bucket", 2, 4) in log  # every bucket carries its version

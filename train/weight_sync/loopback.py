@@ -1,0 +1,131 @@
+"""Loopback receivers: local processes that stand in for engines on the *receiving* side of a
+weight update, for tests and `rlkit bench train` when no engine server is at hand.
+
+Each receiver joins the weight-update group exactly as an engine does (train/weight_sync/group.py)
+and receives every broadcast tensor into a fresh buffer of the announced dtype and shape; a disk
+update reads the safetensors folder. It generates nothing and speaks no HTTP: it checks the
+trainer's half of the protocol (order of calls, versions, bytes on the wire), not an engine.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from typing import Any, Sequence
+
+import torch
+
+
+def _receiver_main(conn) -> None:
+    import torch.distributed as dist
+
+    from train.hf_io import load_hf_state_dict
+    from train.weight_sync.group import join_weight_group, leave_weight_group
+
+    torch.set_num_threads(1)
+    group = None
+    received: dict[str, torch.Tensor] = {}
+    log: list[tuple] = []
+    while True:
+        cmd, args = conn.recv()
+        try:
+            if cmd == "stop":
+                conn.send(("ok", None))
+                return
+            if cmd == "dump":
+                conn.send(("ok", (received, log)))
+                continue
+            log.append((cmd, *[a for a in args if not isinstance(a, (list, tuple))]))
+            if cmd == "init_group":
+                addr, port, rank_offset, world, name, backend = args
+                group = join_weight_group(
+                    backend=backend, master_address=addr, master_port=port, world_size=world,
+                    rank=rank_offset, group_name=name, timeout_s=600,
+                )
+            elif cmd == "bucket":
+                names, dtypes, shapes, version = args
+                log[-1] = ("bucket", len(names), version)
+                for n, d, s in zip(names, dtypes, shapes):
+                    t = torch.empty(s, dtype=getattr(torch, d))
+                    dist.broadcast(t, src=0, group=group)
+                    received[n] = t
+            elif cmd == "disk":
+                path, version = args
+                # materialise every tensor (safetensors maps the file lazily), as loading would
+                received = {k: v.clone() for k, v in load_hf_state_dict(path).items()}
+            elif cmd == "destroy" and group is not None:
+                leave_weight_group(group)
+                group = None
+            conn.send(("ok", None))
+        except Exception as e:  # noqa: BLE001 - sent back to the caller
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+class LoopbackControl:
+    """EngineControl for one loopback receiver."""
+
+    def __init__(self, url: str, conn) -> None:
+        self.url, self._conn = url, conn
+
+    def _ask(self, cmd: str, *args: Any) -> Any:
+        self._conn.send((cmd, args))
+        status, payload = self._conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"{self.url} {cmd}: {payload}")
+        return payload
+
+    def pause(self, mode: str) -> None: self._ask("pause", mode)
+    def flush_cache(self) -> None: self._ask("flush")
+    def continue_generation(self) -> None: self._ask("continue")
+    def begin_update(self) -> None: self._ask("begin")
+    def end_update(self) -> None: self._ask("end")
+    def destroy_group(self, group_name: str) -> None: self._ask("destroy", group_name)
+
+    def update_from_disk(self, model_path: str, version: int) -> None:
+        self._ask("disk", model_path, version)
+
+    def init_group(self, master_address, master_port, rank_offset, world_size, group_name, backend) -> None:
+        self._ask("init_group", master_address, master_port, rank_offset, world_size, group_name, backend)
+
+    def update_from_distributed(self, names, dtypes, shapes, group_name, version) -> None:
+        self._ask("bucket", list(names), list(dtypes), [list(s) for s in shapes], version)
+
+
+class LoopbackEngines:
+    """`n` receiver processes with URLs loopback://0 .. loopback://n-1."""
+
+    def __init__(self, n: int) -> None:
+        ctx = mp.get_context("spawn")
+        self._pipes = [ctx.Pipe() for _ in range(n)]
+        self._procs = [ctx.Process(target=_receiver_main, args=(child,), daemon=True) for _, child in self._pipes]
+        for p in self._procs:
+            p.start()
+        self.urls = [f"loopback://{i}" for i in range(n)]
+        self._controls = {u: LoopbackControl(u, parent) for u, (parent, _) in zip(self.urls, self._pipes)}
+
+    def control(self, url: str) -> LoopbackControl:
+        return self._controls[url]
+
+    def received(self, url: str) -> tuple[dict[str, torch.Tensor], list[tuple]]:
+        """(tensors received by the last update, log of control calls) of one receiver."""
+        return self._controls[url]._ask("dump")
+
+    def close(self) -> None:
+        for c in self._controls.values():
+            try:
+                c._ask("stop")
+            except (EOFError, OSError, RuntimeError):
+                pass
+        for p in self._procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+    def __enter__(self) -> "LoopbackEngines":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+__all__ = ["LoopbackEngines", "LoopbackControl"]
