@@ -20,6 +20,16 @@ from rollout.engines.sglang_launcher import require_sglang, start_sglang_server
 from rollout.router import Router
 
 
+def start_engine(model_path: str, c: EngineConfig, index: int,
+                 log_dir: Path | None = None) -> ManagedProcess:
+    """Start engine server `index` of a fleet (hf or sglang, per the config) and wait for it."""
+    log_path = log_dir / f"engine-{index}.log" if log_dir else None
+    if c.kind == "sglang":
+        return start_sglang_server(model_path, c, index=index, log_path=log_path)
+    threads = c.cpu_threads or default_threads(c.num_engines)
+    return start_hf_server(model_path, c, seed=c.seed + index, threads=threads, log_path=log_path)
+
+
 class EngineFleet:
     def __init__(self, model_path: str, engine: EngineConfig | None = None,
                  router: RouterConfig | None = None, *, log_dir: Path | None = None) -> None:
@@ -35,13 +45,7 @@ class EngineFleet:
         return [e.url for e in self.engines if e.url]
 
     def _start_engine(self, index: int) -> ManagedProcess:
-        c = self.engine_config
-        log_path = self.log_dir / f"engine-{index}.log" if self.log_dir else None
-        if c.kind == "sglang":
-            return start_sglang_server(self.model_path, c, index=index, log_path=log_path)
-        threads = c.cpu_threads or default_threads(c.num_engines)
-        return start_hf_server(self.model_path, c, seed=c.seed + index, threads=threads,
-                               log_path=log_path)
+        return start_engine(self.model_path, self.engine_config, index, self.log_dir)
 
     def start(self) -> "EngineFleet":
         if self.engine_config.kind == "sglang":
