@@ -131,10 +131,11 @@ class RolloutManager:
         self.sampling = sampling
         self.rewards = rewards
         self.abort_grace_s = abort_grace_s
+        self.current: Step | None = None  # the step running now, for progress reports
 
     async def run_step(self, target: int, version: int) -> StepReport:
         """Run one rollout step: `target` groups become ready in the buffer (or an error)."""
-        step = Step(self, target, version)
+        step = self.current = Step(self, target, version)
         try:
             await self.policy.run(step)
             await step.stop()  # a no-op when the policy left nothing in flight
@@ -143,6 +144,8 @@ class RolloutManager:
             # everything with its tokens before the error propagates.
             await asyncio.shield(step.stop())
             raise
+        finally:
+            self.current = None
         return step.report()
 
 
@@ -206,6 +209,16 @@ class Step:
             if not s.is_finished:
                 run.tasks[s.index] = asyncio.create_task(self._sample(run, s))
         self._check(run)
+
+    def progress(self) -> dict[str, Any]:
+        """A snapshot for live progress: groups done of target, tokens, seconds so far."""
+        return {
+            "completed": self.completed,
+            "target": self.target,
+            "running": self.running,
+            "tokens": self.report_.tokens_generated,
+            "seconds": self._loop.time() - self._t0,
+        }
 
     def launch_all(self, groups: list[Group], **kwargs: Any) -> None:
         for g in groups:

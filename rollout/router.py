@@ -98,6 +98,8 @@ class Router:
             "--log-level", "warn",
         ]
         argv += ["--disable-retries"] if c.max_retries == 0 else ["--retry-max-retries", str(c.max_retries)]
+        if not c.circuit_breaker:
+            argv.append("--disable-circuit-breaker")
         if worker_urls:
             argv += ["--worker-urls", *worker_urls]
         return argv + list(c.extra_args)

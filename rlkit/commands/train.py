@@ -14,12 +14,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rlkit.config import load_recipe
+    from rlkit.driver.run import run_dir_of, train
 
     recipe_path, overrides = split_recipe_args(args)
-    load_recipe(recipe_path, overrides)  # validate before anything starts
-    print(
-        "rlkit train: the recipe is valid, but the training driver is not built yet "
-        "(issue 5: end-to-end GRPO with active partial rollouts).",
-        file=sys.stderr,
-    )
-    return 2
+    recipe = load_recipe(recipe_path, overrides)  # validate before anything starts
+    state = train(recipe)
+    print(f"rlkit train: {state.step} steps done, policy version {state.version}; "
+          f"outputs in {run_dir_of(recipe)}", file=sys.stderr)
+    return 0

@@ -16,6 +16,9 @@ from buffers.staleness import StalenessPolicy
 from rollout.config import RolloutConfig
 from train.config import TrainConfig
 
+# Driver modes that exist (rlkit/driver); the schema names the planned ones too.
+AVAILABLE_MODES = ("sync",)
+
 
 class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -135,6 +138,11 @@ class Recipe(BaseModel):
 
     @model_validator(mode="after")
     def _cross_section(self) -> "Recipe":
+        if self.mode not in AVAILABLE_MODES:
+            raise ValueError(
+                f"mode={self.mode!r} is planned but not available yet "
+                f"(available: {', '.join(AVAILABLE_MODES)})"
+            )
         rollout, algo = self.rollout, self.train.algorithm
         off_policy = (
             rollout.policy == "partial"

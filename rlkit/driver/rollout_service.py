@@ -65,6 +65,10 @@ class RolloutService:
             buffer=self.stats(),
         )
 
+    def progress(self) -> dict[str, Any] | None:
+        step = self.manager.current
+        return step.progress() if step is not None else None
+
     def take(self, n: int) -> list[Group]:
         """The ready groups for one training step (the oldest first)."""
         groups = self.buffer.take_nowait(n)

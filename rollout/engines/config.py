@@ -101,6 +101,12 @@ class RouterConfig(BaseModel):
     health_failure_threshold: int = Field(
         3, ge=1, description="Failed health checks before the router marks a worker unhealthy."
     )
+    circuit_breaker: bool = Field(
+        False,
+        description="Let the router stop sending to a worker after a run of failed requests. "
+        "Off by default (slime does the same): a worker that is slow under load (long prompts, "
+        "a busy CPU) is not broken, and a 503 'No available workers' would fail the step.",
+    )
     max_retries: int = Field(
         5, ge=0, description="Times the router retries a /generate on another worker after a "
         "connection failure (0 disables retries)."

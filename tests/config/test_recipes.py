@@ -89,8 +89,8 @@ def test_missing_and_malformed_files(tmp_path):
 def test_off_policy_modes_require_an_explicit_correction_choice():
     with pytest.raises(RecipeError, match="off_policy_correction must be chosen explicitly"):
         load_recipe(None, ["rollout.policy=partial"])
-    with pytest.raises(RecipeError, match="mode=async"):
-        load_recipe(None, ["mode=async"])
+    with pytest.raises(RecipeError, match="mode='async' is planned but not available"):
+        load_recipe(None, ["mode=async", "train.algorithm.off_policy_correction=tis"])
     r = load_recipe(None, ["rollout.policy=partial", "train.algorithm.off_policy_correction=tis"])
     assert r.train.algorithm.off_policy_correction == "tis"
 

@@ -384,16 +384,17 @@ class MegatronTrainer:
         folder: str | Path | None = None,
     ):
         """Push the current weights to `engines` (URLs of engine workers, not the router) and set
-        the policy version (default: current + 1). Collective: call it on every rank. Returns the
-        SyncReport on the rank that sent (global rank 0), None elsewhere."""
+        the policy version (default: current + 1; the current version itself re-publishes the
+        same weights, e.g. to fresh engines after a resume). Collective: call it on every rank.
+        Returns the SyncReport on the rank that sent (global rank 0), None elsewhere."""
         from train.hf_io import save_hf_folder
         from train.weight_sync.sender import WeightSender
 
         ws = self.config.weight_sync
         method = method or ws.method
         version = self.version + 1 if version is None else int(version)
-        if version <= self.version:
-            raise ValueError(f"sync_weights: version {version} must be newer than {self.version}")
+        if version < self.version:
+            raise ValueError(f"sync_weights: version {version} is older than {self.version}")
         if not engines:
             raise ValueError("sync_weights: no engine URLs given")
         if method not in ("disk", "distributed"):

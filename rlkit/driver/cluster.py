@@ -1,0 +1,241 @@
+"""Ray placement of a run's pieces, and their orderly shutdown.
+
+    EngineActor x N     one engine server process each (hf or SGLang), on its GPU(s) if any
+    RolloutActor        the router process, the RolloutBuffer, the RolloutManager, the HTTP
+                        client and reward scoring (DESIGN.md: the buffer lives in one actor)
+    TrainWorker x TP*DP the Megatron ranks (train.ray_group.TrainerGroup)
+
+Every piece that owns a process stops it in `stop()`; `Cluster.shutdown()` stops them in order
+(router, engines, trainer) before Ray goes down, so no process or port is left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+from buffers import Group
+from rlkit.config.schema import Recipe
+from rlkit.driver.rollout_service import RolloutService, StepResult
+
+
+class EngineActor:
+    """Owns one engine server process."""
+
+    def __init__(self, model_path: str, engine: dict[str, Any], index: int, log_dir: str) -> None:
+        from rollout.engines.config import EngineConfig
+        from rollout.engines.fleet import start_engine
+
+        self.proc = start_engine(model_path, EngineConfig.model_validate(engine), index, Path(log_dir))
+
+    def url(self) -> str:
+        return self.proc.url  # type: ignore[return-value]
+
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
+class RolloutActor:
+    """The rollout box as a Ray actor (async: steps run on the actor's event loop)."""
+
+    def __init__(self, recipe: dict[str, Any], model_path: str, engine_urls: list[str], log_dir: str) -> None:
+        self.recipe = Recipe.model_validate(recipe)
+        self.model_path = model_path
+        self.engine_urls = engine_urls
+        self.log_dir = Path(log_dir)
+        self.router = None
+        self.client = None
+        self.service: RolloutService | None = None
+
+    async def start(self) -> dict[str, Any]:
+        from transformers import AutoTokenizer
+
+        from rlkit.data.prompts import load_prompt_source
+        from rlkit.rewards.scoring import make_score_fn
+        from rollout.client import EngineClient
+        from rollout.router import Router
+
+        r = self.recipe
+        tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        source = load_prompt_source(r.data, tokenizer, seed=r.run.seed)
+        self.router = Router(r.rollout.router, log_path=self.log_dir / "router.log")
+        router_url = await asyncio.to_thread(self.router.start, self.engine_urls)
+        self.client = await EngineClient(router_url, worker_urls=self.engine_urls).connect()
+
+        def decode(ids: Any) -> str:
+            return tokenizer.decode(list(ids), skip_special_tokens=True)
+
+        score = make_score_fn(r.rollout.reward, decode)
+        self.service = RolloutService(r.rollout, source, self.client, score)
+        return {"router": router_url, "prompts": source.stats()}
+
+    async def run_step(self, version: int) -> StepResult:
+        assert self.service is not None
+        return await self.service.run_step(version)
+
+    def progress(self) -> dict[str, Any] | None:
+        return self.service.progress() if self.service is not None else None
+
+    def take(self, n: int) -> list[Group]:
+        assert self.service is not None
+        return self.service.take(n)
+
+    def set_version(self, version: int) -> None:
+        assert self.service is not None
+        self.service.set_version(version)
+
+    def save(self, path: str) -> None:
+        assert self.service is not None
+        self.service.save(path)
+
+    def load(self, path: str) -> None:
+        assert self.service is not None
+        self.service.load(path)
+
+    def stats(self) -> dict[str, Any]:
+        assert self.service is not None
+        return self.service.stats()
+
+    async def stop(self) -> None:
+        if self.service is not None:
+            await self.service.cancel()
+        if self.client is not None:
+            await self.client.close()
+            self.client = None
+        if self.router is not None:
+            await asyncio.to_thread(self.router.stop)
+            self.router = None
+
+
+class RayRolloutBox:
+    """The driver's synchronous view of the RolloutActor (the sync loop's RolloutBox)."""
+
+    def __init__(self, actor: Any, on_progress: Any = None, poll_s: float = 0.5) -> None:
+        self.actor = actor
+        self.on_progress = on_progress
+        self.poll_s = poll_s
+
+    def run_step(self, version: int) -> StepResult:
+        import ray
+
+        ref = self.actor.run_step.remote(version)
+        while True:
+            done, _ = ray.wait([ref], timeout=self.poll_s)
+            if done:
+                return ray.get(ref)
+            if self.on_progress is not None:
+                p = ray.get(self.actor.progress.remote())
+                if p:
+                    self.on_progress(p)
+
+    def take(self, n: int) -> list[Group]:
+        import ray
+
+        return ray.get(self.actor.take.remote(n))
+
+    def set_version(self, version: int) -> None:
+        import ray
+
+        ray.get(self.actor.set_version.remote(version))
+
+    def save(self, path: str) -> None:
+        import ray
+
+        ray.get(self.actor.save.remote(path))
+
+    def load(self, path: str) -> None:
+        import ray
+
+        ray.get(self.actor.load.remote(path))
+
+
+class Cluster:
+    """Starts and stops every process of a run through Ray."""
+
+    def __init__(self, recipe: Recipe, model_path: str, run_dir: Path) -> None:
+        self.recipe = recipe
+        self.model_path = model_path
+        self.log_dir = run_dir / "logs"
+        self.engines: list[Any] = []
+        self.engine_urls: list[str] = []
+        self.rollout_actor: Any = None
+        self.trainer: Any = None
+        self._ray_started = False
+
+    def start(self) -> "Cluster":
+        import ray
+
+        from train.ray_group import TrainerGroup
+
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        r = self.recipe
+        world = r.train.parallelism.tensor * r.train.parallelism.data
+        if not ray.is_initialized():
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local job needs no token
+            ray.init(
+                num_cpus=max(os.cpu_count() or 1, world + 1),
+                include_dashboard=False,
+                log_to_driver=False,
+                configure_logging=False,
+            )
+            self._ray_started = True
+        try:
+            eng = r.rollout.engine
+            gpus = eng.gpus_per_engine if eng.kind == "sglang" else (1 if eng.device == "cuda" else 0)
+            engine_cls = ray.remote(num_cpus=0, num_gpus=gpus)(EngineActor)
+            self.engines = [
+                engine_cls.remote(self.model_path, eng.model_dump(), i, str(self.log_dir))
+                for i in range(eng.num_engines)
+            ]
+            self.engine_urls = ray.get([e.url.remote() for e in self.engines])
+            rollout_cls = ray.remote(num_cpus=0)(RolloutActor)
+            self.rollout_actor = rollout_cls.remote(
+                r.model_dump(mode="json"), self.model_path, self.engine_urls, str(self.log_dir)
+            )
+            self.started = ray.get(self.rollout_actor.start.remote())
+            # The trainer gets the cores the engines do not use for compute on CPU.
+            self.trainer = TrainerGroup(
+                self.model_path, r.train, temperature=r.rollout.sampling.temperature,
+                num_cpus_per_worker=1.0,
+            )
+        except BaseException:
+            self.shutdown()
+            raise
+        return self
+
+    def engine_pids(self) -> list[int]:
+        import ray
+
+        return ray.get([e.pid.remote() for e in self.engines]) if self.engines else []
+
+    def shutdown(self) -> None:
+        """Stop everything, tolerating pieces that never started or already died."""
+        import ray
+
+        if not ray.is_initialized():
+            return
+        if self.rollout_actor is not None:
+            _quietly(lambda: ray.get(self.rollout_actor.stop.remote(), timeout=60))
+        for e in self.engines:
+            _quietly(lambda e=e: ray.get(e.stop.remote(), timeout=60))
+        if self.trainer is not None:
+            _quietly(self.trainer.shutdown)
+        for a in [self.rollout_actor, *self.engines]:
+            if a is not None:
+                _quietly(lambda a=a: ray.kill(a))
+        self.rollout_actor, self.engines, self.trainer = None, [], None
+        if self._ray_started:
+            ray.shutdown()
+            self._ray_started = False
+
+
+def _quietly(fn: Any) -> None:
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 - shutdown must go on past a dead piece
+        pass
