@@ -1,0 +1,526 @@
+"""Simulated engines: continuous batching with a latency profile and a KV-cache limit.
+
+`SimEngines` implements the manager's `Engines` interface (rollout.engine_api) over N simulated
+workers. Run it on a `VirtualTimeLoop` (rollout.sim.clock) and a 128-engine step with 32k-token
+tails takes seconds of real time.
+
+Model of one worker (an SGLang-like server):
+
+- Continuous batching. Running requests all advance one token per decode step; a step with B
+  running requests holding K tokens of KV takes `profile.ptl(B, K)` seconds. Requests join and
+  leave the batch only between steps.
+- Decode is simulated analytically between events, never token by token: from the running set
+  the worker computes how many steps remain until the next event (a request reaches its
+  budget, or the KV cache fills up), sleeps that long in one go, and appends each request's
+  tokens as one span. An arrival, a cancellation or an abort wakes it early; it then finishes
+  the step in progress (steps are atomic) and re-plans.
+- Prefill. Admitted requests are prefilled (prompt + response so far, so a resumed partial
+  pays to recompute its KV: a weight update flushes the prefix cache) at
+  `prefill_s_per_token`; decode stalls meanwhile. Prefill yields no token.
+- KV capacity C (tokens). A request holds prompt + generated tokens. Admission is first come,
+  first served, while the batch limit allows and `used + need + reserve <= C`, where the
+  reserve (SGLang's new-token ratio) is `reserve_ratio x sum(min(remaining budget, clip))` over
+  the running requests and the candidate. When running requests grow until the next step would
+  not fit, the newest admitted are preempted (SGLang's retract): they go back to the front of
+  the queue keeping their tokens and are re-prefilled on readmission. A request that could not
+  fit even alone (prompt + budget > C) is refused with EngineError. Hence capacity is never
+  exceeded, and a worker with queued work is never idle.
+- Abort. `abort_all` ends every running and queued request at the next step boundary with its
+  tokens kept (the sample is left PARTIAL or PENDING) and returns when every worker is idle.
+  Cancelling the task awaiting `generate` does the same for one request, immediately.
+- Sampling. Simulated engines know no text: a request generates exactly its budget
+  (`max_new_tokens`) and finishes with 'length'. Natural lengths come from a trace through
+  `TraceReplayEngines` (rollout.sim.replay), exactly as on real engines.
+
+Deterministic: no randomness, no wall clock; ties resolve by worker index and admission order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+from buffers.sample import Sample
+from rollout.config import SamplingConfig
+from rollout.engine_api import EngineError
+from rollout.sim.profile import EngineProfile
+
+Router = Literal["round_robin", "least_load"]
+TOKEN_ID = 0  # simulated engines produce no text; every token is this id
+LOGPROB = -1.0
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """A simulated cluster: `engines` identical workers running `profile`."""
+
+    engines: int
+    profile: EngineProfile
+    kv_capacity_tokens: int | None = None  # None: the profile's; None there too: unlimited
+    max_running_requests: int | None = None  # None: the profile's batch limit
+    router: Router = "round_robin"
+    reserve_ratio: float = 0.3  # SGLang's new-token ratio decays from 0.7 to 0.1
+    reserve_clip_tokens: int = 4096  # SGLang's clip_max_new_tokens_estimation
+    stream_spans: bool = True  # append tokens at every event (False: only when a request ends)
+
+    def __post_init__(self) -> None:
+        if self.engines < 1:
+            raise ValueError("a simulated cluster needs at least one engine")
+        if self.router not in ("round_robin", "least_load"):
+            raise ValueError(f"unknown router policy {self.router!r}")
+        if not 0 <= self.reserve_ratio <= 1:
+            raise ValueError("reserve_ratio must be in [0, 1]")
+
+    @property
+    def capacity(self) -> int | None:
+        return self.kv_capacity_tokens if self.kv_capacity_tokens is not None \
+            else self.profile.kv_capacity_tokens
+
+    @property
+    def batch_limit(self) -> int:
+        return self.max_running_requests or self.profile.batch_limit
+
+
+@dataclass
+class Segment:
+    """One stay of a request on a worker: queued, admitted (running), and how it ended.
+
+    outcome: 'length' (reached its budget), 'abort', 'cancel' (the caller's task was
+    cancelled), 'preempt' (retracted for KV space; the request continues in a later segment).
+    """
+
+    worker: str
+    sample_index: int
+    group_id: int
+    enqueued: float
+    admitted: float | None
+    end: float
+    tokens: int  # generated during this segment
+    response_before: int  # the sample's response length when the segment started
+    prompt_len: int
+    outcome: str
+
+
+@dataclass
+class WorkerStats:
+    """Cumulative counters of one worker (differences between snapshots give a step's)."""
+
+    busy_s: float = 0.0  # prefill + decode
+    decode_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_steps: int = 0
+    tokens: int = 0  # decoded tokens
+    context_token_sum: float = 0.0  # sum over decoded tokens of the KV they attended to
+    prefill_tokens: int = 0
+    preemptions: int = 0
+    requests: int = 0
+    max_kv_used: int = 0
+    max_running: int = 0
+
+    def copy(self) -> "WorkerStats":
+        return WorkerStats(**self.__dict__)
+
+
+@dataclass(eq=False)
+class _Request:
+    rid: int
+    sample: Sample
+    budget: int  # tokens this request may generate
+    context: int  # prompt + response tokens at submission
+    version: int
+    done: asyncio.Future
+    enqueued: float
+    generated: int = 0  # by this request, as of the worker's last advance
+    flushed: int = 0  # of those, appended to the sample
+    admitted: float | None = None
+    seg_start_tokens: int = 0  # `generated` when the current segment began
+
+    @property
+    def kv(self) -> int:
+        return self.context + self.generated
+
+    @property
+    def remaining(self) -> int:
+        return self.budget - self.generated
+
+
+@dataclass
+class _Plan:
+    """A run of decode steps with a fixed running set: B requests, K0 KV tokens at t0."""
+
+    t0: float
+    steps: int
+    batch: int
+    kv0: int
+    base_s: float
+    kv_s: float
+
+    def duration(self, k: int) -> float:
+        return k * self.base_s + self.kv_s * (k * self.kv0 + self.batch * k * (k - 1) / 2)
+
+    def steps_done(self, elapsed: float) -> int:
+        """Whole steps finished `elapsed` seconds after t0 (at most `steps`)."""
+        a = self.kv_s * self.batch / 2
+        b = self.base_s + self.kv_s * self.kv0 - a
+        if elapsed <= 0:
+            return 0
+        k = int(elapsed / b) if a == 0 else int((-b + math.sqrt(b * b + 4 * a * elapsed)) / (2 * a))
+        k = max(0, min(k, self.steps))
+        eps = 1e-12 * max(1.0, elapsed)
+        while k < self.steps and self.duration(k + 1) <= elapsed + eps:
+            k += 1
+        while k > 0 and self.duration(k) > elapsed + eps:
+            k -= 1
+        return k
+
+
+class SimWorker:
+    """One simulated engine server (see the module docstring for the model)."""
+
+    def __init__(
+        self, wid: str, cfg: SimConfig, observer: Callable[["SimWorker", str], None] | None
+    ) -> None:
+        self.id = wid
+        self.profile = cfg.profile
+        self.capacity = cfg.capacity
+        self.batch_limit = cfg.batch_limit
+        self.reserve_ratio = cfg.reserve_ratio
+        self.reserve_clip = cfg.reserve_clip_tokens
+        self.stream_spans = cfg.stream_spans
+        self.stats = WorkerStats()
+        self.segments: list[Segment] = []
+        self.running: dict[int, _Request] = {}  # admission order
+        self.waiting: deque[_Request] = deque()
+        self.kv_used = 0
+        self._observer = observer
+        self._plan: _Plan | None = None
+        self._waiter: asyncio.Future | None = None
+        self._abort = False
+        self._in_prefill = False
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self._task: asyncio.Task | None = None
+
+    # -- called by SimEngines -------------------------------------------------------------
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name=self.id)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    def submit(self, req: _Request) -> None:
+        self.waiting.append(req)
+        self.stats.requests += 1
+        self.idle.clear()
+        self._wake()
+
+    def request_abort(self) -> None:
+        if self.running or self.waiting:
+            self._abort = True
+            self._wake()
+
+    def cancel(self, req: _Request) -> None:
+        """The caller stopped waiting: end the request now, keeping the tokens it has."""
+        now = self._now()
+        if req.rid in self.running:
+            if self._plan is not None:  # steps finished since the last advance count
+                k = min(self._plan.steps_done(now - self._plan.t0), req.remaining)
+                self.stats.tokens += k
+                self.stats.context_token_sum += k * req.kv + k * (k - 1) / 2
+                req.generated += k
+            del self.running[req.rid]
+            self.kv_used = sum(r.kv for r in self.running.values())
+            self._end_segment(req, now, "cancel")
+        elif req in self.waiting:
+            self.waiting.remove(req)
+            self._end_segment(req, now, "cancel")
+        self._flush(req, None)
+        if not req.done.done():
+            req.done.set_result("cancel")
+        self._update_idle()
+        self._wake()
+
+    def load(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def check_invariants(self, phase: str = "scheduled") -> None:
+        """Raise AssertionError if the worker's state breaks the model (tests). `phase` is
+        'advance' (after decode steps) or 'scheduled' (after aborts, finishes, preemption and
+        admission: the state the worker then runs or sleeps in)."""
+        assert self.kv_used == sum(r.kv for r in self.running.values()), "KV accounting drift"
+        if self.capacity is not None:
+            assert self.kv_used <= self.capacity, f"{self.id}: KV {self.kv_used} > {self.capacity}"
+        assert len(self.running) <= self.batch_limit, f"{self.id}: batch over its limit"
+        assert all(0 <= r.generated <= r.budget for r in self.running.values())
+        if phase == "scheduled" and self.waiting and not self.running:
+            raise AssertionError(f"{self.id}: idle while {len(self.waiting)} requests wait")
+
+    # -- the worker loop ---------------------------------------------------------------------
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._boundary()
+            prefill_s = self._admit()
+            if self._observer is not None:
+                self._observer(self, "scheduled")
+            if prefill_s > 0:
+                self._in_prefill = True
+                await asyncio.sleep(prefill_s)
+                self._in_prefill = False
+                self.stats.prefill_s += prefill_s
+                self.stats.busy_s += prefill_s
+                continue  # aborts or cancellations may have arrived meanwhile
+            self._update_idle()
+            if not self.running:
+                await self._sleep(None)
+                continue
+            plan = self._make_plan(loop.time())
+            self._plan = plan
+            woken = await self._sleep(plan.duration(plan.steps))
+            steps = plan.steps
+            if woken:  # finish the step in progress, then re-plan with the news
+                elapsed = loop.time() - plan.t0
+                steps = min(plan.steps, plan.steps_done(elapsed) + 1)
+                rest = plan.t0 + plan.duration(steps) - loop.time()
+                if rest > 0:
+                    await asyncio.sleep(rest)
+            self._advance(plan, steps)
+            self._plan = None
+
+    async def _sleep(self, seconds: float | None) -> bool:
+        """Sleep `seconds` (None: until woken). True if woken early by news."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._waiter = fut
+        handle = None if seconds is None else loop.call_later(seconds, _resolve, fut, False)
+        try:
+            return await fut
+        finally:
+            self._waiter = None
+            if handle is not None:
+                handle.cancel()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(True)
+
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def _make_plan(self, now: float) -> _Plan:
+        batch = len(self.running)
+        steps = min(r.remaining for r in self.running.values())
+        if self.capacity is not None:
+            steps = min(steps, (self.capacity - self.kv_used) // batch)
+        assert steps >= 1, "boundary processing leaves room for one step"
+        return _Plan(now, steps, batch, self.kv_used, self.profile.step_base_s(batch),
+                     self.profile.kv_s_per_token)
+
+    def _advance(self, plan: _Plan, steps: int) -> None:
+        if steps <= 0:
+            return
+        batch = len(self.running)  # cancelled requests already left; their steps are paid
+        for r in self.running.values():
+            r.generated += steps
+        self.kv_used += batch * steps
+        s = self.stats
+        dt = plan.duration(steps)
+        s.decode_s += dt
+        s.busy_s += dt
+        s.decode_steps += steps
+        s.tokens += batch * steps
+        s.context_token_sum += steps * self.kv_used - batch * steps * (steps + 1) / 2
+        s.max_kv_used = max(s.max_kv_used, self.kv_used)
+        if self._observer is not None:
+            self._observer(self, "advance")
+
+    def _boundary(self) -> None:
+        """Between steps: aborts, finished requests, KV pressure, streaming."""
+        now = self._now()
+        if self._abort:
+            self._abort = False
+            for r in [*self.running.values(), *self.waiting]:
+                self._end_segment(r, now, "abort")
+                self._flush(r, None)
+                _resolve(r.done, "abort")
+            self.running.clear()
+            self.waiting.clear()
+            self.kv_used = 0
+        for r in [r for r in self.running.values() if r.remaining == 0]:
+            del self.running[r.rid]
+            self.kv_used -= r.kv
+            self._end_segment(r, now, "length")
+            self._flush(r, "length")
+            _resolve(r.done, "length")
+        if self.capacity is not None:
+            while self.running and self.kv_used + len(self.running) > self.capacity:
+                rid, victim = next(reversed(self.running.items()))  # newest admitted
+                del self.running[rid]
+                self.kv_used -= victim.kv
+                self.stats.preemptions += 1
+                self._end_segment(victim, now, "preempt")
+                self._flush(victim, None)
+                victim.admitted = None
+                victim.enqueued = now
+                self.waiting.appendleft(victim)
+        if self.stream_spans:
+            for r in self.running.values():
+                self._flush(r, None)
+
+    def _admit(self) -> float:
+        """Admit queued requests that fit; returns the prefill time they cost."""
+        prefill = 0
+        now = self._now()
+        while self.waiting and len(self.running) < self.batch_limit:
+            r = self.waiting[0]
+            if self.running and self.capacity is not None:
+                reserve = self.reserve_ratio * sum(
+                    min(x.remaining, self.reserve_clip) for x in (*self.running.values(), r)
+                )
+                if self.kv_used + r.kv + len(self.running) + 1 + reserve > self.capacity:
+                    break
+            self.waiting.popleft()
+            self.running[r.rid] = r
+            self.kv_used += r.kv
+            r.admitted = now
+            prefill += r.kv
+        if prefill:
+            s = self.stats
+            s.prefill_tokens += prefill
+            s.max_running = max(s.max_running, len(self.running))
+            s.max_kv_used = max(s.max_kv_used, self.kv_used)
+        return self.profile.prefill_s(prefill)
+
+    def _flush(self, r: _Request, finish_reason: str | None) -> None:
+        k = r.generated - r.flushed
+        if k or finish_reason is not None:
+            r.sample.append([TOKEN_ID] * k, [LOGPROB] * k, r.version, finish_reason=finish_reason)
+            r.flushed = r.generated
+
+    def _end_segment(self, r: _Request, now: float, outcome: str) -> None:
+        prompt_len = len(r.sample.prompt_ids)
+        self.segments.append(Segment(
+            self.id, r.sample.index, r.sample.group_id, r.enqueued, r.admitted, now,
+            r.generated - r.seg_start_tokens, r.context + r.seg_start_tokens - prompt_len,
+            prompt_len, outcome,
+        ))
+        r.seg_start_tokens = r.generated
+
+    def _update_idle(self) -> None:
+        if self.running or self.waiting:
+            self.idle.clear()
+        else:
+            self.idle.set()
+
+
+def _resolve(fut: asyncio.Future, value: object) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+class SimEngines:
+    """N simulated workers behind a simulated router, implementing `Engines`."""
+
+    def __init__(
+        self, cfg: SimConfig, *, observer: Callable[[SimWorker, str], None] | None = None
+    ) -> None:
+        self.cfg = cfg
+        width = len(str(cfg.engines - 1))
+        self._workers = {
+            f"sim-{i:0{width}d}": SimWorker(f"sim-{i:0{width}d}", cfg, observer)
+            for i in range(cfg.engines)
+        }
+        self._order = list(self._workers.values())
+        self._next_rr = 0
+        self._next_rid = 0
+
+    # -- Engines ----------------------------------------------------------------------------
+    def workers(self) -> list[str]:
+        return list(self._workers)
+
+    async def generate(
+        self,
+        sample: Sample,
+        sampling: SamplingConfig,
+        *,
+        max_new_tokens: int,
+        version: int,
+        worker: str | None = None,
+    ) -> str | None:
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        w = self._route(worker)
+        context = len(sample.prompt_ids) + len(sample.response_ids)
+        if w.capacity is not None and context + max_new_tokens > w.capacity:
+            raise EngineError(
+                f"{w.id}: request needs {context} + {max_new_tokens} KV tokens; the engine "
+                f"holds {w.capacity}"
+            )
+        w.start()
+        loop = asyncio.get_running_loop()
+        sample.start_request()
+        req = _Request(self._next_rid, sample, max_new_tokens, context, version,
+                       loop.create_future(), loop.time())
+        self._next_rid += 1
+        w.submit(req)
+        try:
+            outcome = await req.done
+        except asyncio.CancelledError:
+            w.cancel(req)
+            sample.interrupt()
+            raise
+        if outcome != "length":
+            sample.interrupt()
+        return w.id
+
+    async def abort_all(self) -> None:
+        for w in self._order:
+            w.request_abort()
+        for w in self._order:
+            await w.idle.wait()
+
+    async def loads(self) -> dict[str, int]:
+        return {wid: w.load() for wid, w in self._workers.items()}
+
+    # -- simulation-only ----------------------------------------------------------------------
+    async def aclose(self) -> None:
+        """Stop the worker loops (their requests must be finished or aborted first)."""
+        for w in self._order:
+            await w.stop()
+
+    def worker(self, wid: str) -> SimWorker:
+        return self._workers[wid]
+
+    @property
+    def all_workers(self) -> list[SimWorker]:
+        return list(self._order)
+
+    def stats(self) -> dict[str, WorkerStats]:
+        return {w.id: w.stats.copy() for w in self._order}
+
+    def drain_segments(self) -> list[Segment]:
+        """Segments ended since the last call, in worker order (a step's timeline)."""
+        out: list[Segment] = []
+        for w in self._order:
+            out += w.segments
+            w.segments = []
+        return out
+
+    def _route(self, worker: str | None) -> SimWorker:
+        if worker is not None:
+            try:
+                return self._workers[worker]
+            except KeyError:
+                raise EngineError(f"unknown worker {worker!r}") from None
+        if self.cfg.router == "least_load":
+            return min(self._order, key=lambda w: w.load())  # first on ties
+        w = self._order[self._next_rr % len(self._order)]
+        self._next_rr += 1
+        return w

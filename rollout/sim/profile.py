@@ -1,0 +1,215 @@
+"""Engine performance profiles: per-token latency as a function of the running batch.
+
+The JSON format is shared with `rlkit bench engine`, which measures it on real engines:
+
+    {"name": str, "source": str (how it was measured, or which publication and derivation),
+     "device": str, "model": str,
+     "batch_sizes": [int, ...] (increasing),
+     "ptl_s": [float, ...] (seconds per decode step at that running-batch size),
+     "prefill_s_per_token": float}
+
+Optional keys, written by the GPU-like profiles derived from published figures (roofline.py):
+
+    "kv_s_per_token": float   seconds a decode step takes per token held in the running
+                              batch's KV cache (attention reads it all every step); 0 means
+                              `ptl_s` already covers the context of the measurement
+    "kv_capacity_tokens": int KV-cache capacity of one engine, prompt + generated tokens
+    "max_running_requests": int  the engine's batch limit (default: the largest batch size)
+
+One decode step with B running requests holding K tokens of KV takes
+
+    ptl(B, K) = interp(batch_sizes, ptl_s)(B) + kv_s_per_token * K
+
+with linear interpolation between measured batch sizes. Beyond the largest measured batch the
+engine never runs (max_running_requests defaults to it); below the smallest, the smallest
+batch's latency is used (a decode step never gets cheaper than one request's).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+PROFILE_PACKAGE = "rollout.sim.profiles"
+
+
+class ProfileError(ValueError):
+    """A profile file that does not follow the format."""
+
+
+@dataclass(frozen=True)
+class EngineProfile:
+    name: str
+    source: str
+    device: str
+    model: str
+    batch_sizes: tuple[int, ...]
+    ptl_s: tuple[float, ...]
+    prefill_s_per_token: float
+    kv_s_per_token: float = 0.0
+    kv_capacity_tokens: int | None = None
+    max_running_requests: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        bs, ptl = self.batch_sizes, self.ptl_s
+        where = f"profile {self.name!r}"
+        if not bs or len(bs) != len(ptl):
+            raise ProfileError(f"{where}: batch_sizes and ptl_s must be non-empty and equally long")
+        if any(b < 1 for b in bs) or any(b2 <= b1 for b1, b2 in zip(bs, bs[1:])):
+            raise ProfileError(f"{where}: batch_sizes must be increasing integers >= 1, got {bs}")
+        if any(not (p > 0 and math.isfinite(p)) for p in ptl):
+            raise ProfileError(f"{where}: ptl_s must be positive and finite")
+        if self.prefill_s_per_token < 0 or self.kv_s_per_token < 0:
+            raise ProfileError(f"{where}: prefill_s_per_token and kv_s_per_token must be >= 0")
+        if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < 1:
+            raise ProfileError(f"{where}: kv_capacity_tokens must be >= 1")
+        if self.max_running_requests is not None and self.max_running_requests < 1:
+            raise ProfileError(f"{where}: max_running_requests must be >= 1")
+
+    # -- the latency model ----------------------------------------------------------------
+    @property
+    def batch_limit(self) -> int:
+        return self.max_running_requests or self.batch_sizes[-1]
+
+    def step_base_s(self, batch: int) -> float:
+        """Seconds of one decode step of `batch` requests, without the KV-context term."""
+        return float(np.interp(batch, self.batch_sizes, self.ptl_s))
+
+    def ptl(self, batch: int, kv_tokens: int = 0) -> float:
+        """Seconds of one decode step of `batch` requests holding `kv_tokens` of KV cache."""
+        return self.step_base_s(batch) + self.kv_s_per_token * kv_tokens
+
+    def prefill_s(self, tokens: int) -> float:
+        return self.prefill_s_per_token * tokens
+
+    def peak_throughput(
+        self, mean_context: float = 0.0, *, kv_capacity: int | None = None,
+        batch_limit: int | None = None,
+    ) -> tuple[float, int]:
+        """Best decode throughput (tokens/s) of one engine and the batch that reaches it, when
+        every running request holds `mean_context` tokens of KV (the bubble-free bound)."""
+        cap = kv_capacity if kv_capacity is not None else self.kv_capacity_tokens
+        limit = batch_limit or self.batch_limit
+        if cap is not None and mean_context > 0:
+            limit = max(1, min(limit, int(cap // max(mean_context, 1.0))))
+        best, best_b = 0.0, 1
+        for b in range(1, limit + 1):
+            tput = b / self.ptl(b, int(b * mean_context))
+            if tput > best:
+                best, best_b = tput, b
+        return best, best_b
+
+    # -- (de)serialisation ------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "name": self.name,
+            "source": self.source,
+            "device": self.device,
+            "model": self.model,
+            "batch_sizes": list(self.batch_sizes),
+            "ptl_s": list(self.ptl_s),
+            "prefill_s_per_token": self.prefill_s_per_token,
+        }
+        if self.kv_s_per_token:
+            out["kv_s_per_token"] = self.kv_s_per_token
+        if self.kv_capacity_tokens is not None:
+            out["kv_capacity_tokens"] = self.kv_capacity_tokens
+        if self.max_running_requests is not None:
+            out["max_running_requests"] = self.max_running_requests
+        return {**out, **self.extra}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], where: str = "profile") -> "EngineProfile":
+        required = ("name", "source", "device", "model", "batch_sizes", "ptl_s",
+                    "prefill_s_per_token")
+        missing = [k for k in required if k not in data]
+        if missing:
+            raise ProfileError(f"{where}: missing key(s) {', '.join(missing)}")
+        known = set(required) | {"kv_s_per_token", "kv_capacity_tokens", "max_running_requests"}
+        try:
+            return cls(
+                name=str(data["name"]),
+                source=str(data["source"]),
+                device=str(data["device"]),
+                model=str(data["model"]),
+                batch_sizes=tuple(int(b) for b in data["batch_sizes"]),
+                ptl_s=tuple(float(p) for p in data["ptl_s"]),
+                prefill_s_per_token=float(data["prefill_s_per_token"]),
+                kv_s_per_token=float(data.get("kv_s_per_token", 0.0)),
+                kv_capacity_tokens=_opt_int(data.get("kv_capacity_tokens")),
+                max_running_requests=_opt_int(data.get("max_running_requests")),
+                extra={k: v for k, v in data.items() if k not in known},
+            )
+        except (TypeError, ValueError) as e:
+            if isinstance(e, ProfileError):
+                raise
+            raise ProfileError(f"{where}: {e}") from None
+
+
+def _opt_int(v: Any) -> int | None:
+    return None if v is None else int(v)
+
+
+def load_profile(name_or_path: str | Path) -> EngineProfile:
+    """A profile by file path, or by name among the packaged ones (rollout/sim/profiles)."""
+    path = Path(name_or_path)
+    if path.suffix == ".json" or path.exists():
+        if not path.exists():
+            raise ProfileError(f"profile file {path} does not exist")
+        return EngineProfile.from_json(_read_json(path.read_text(), str(path)), str(path))
+    pkg = resources.files(PROFILE_PACKAGE)
+    candidate = pkg / f"{name_or_path}.json"
+    if not candidate.is_file():
+        raise ProfileError(
+            f"no profile named {name_or_path!r}; packaged profiles: "
+            f"{', '.join(packaged_profiles()) or '(none)'}"
+        )
+    return EngineProfile.from_json(
+        _read_json(candidate.read_text(), str(name_or_path)), str(name_or_path)
+    )
+
+
+def packaged_profiles() -> list[str]:
+    pkg = resources.files(PROFILE_PACKAGE)
+    return sorted(p.name[:-5] for p in pkg.iterdir() if p.name.endswith(".json"))
+
+
+def save_profile(profile: EngineProfile, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(profile.to_json(), indent=2) + "\n")
+
+
+def _read_json(text: str, where: str) -> dict[str, Any]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ProfileError(f"{where}: not JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ProfileError(f"{where}: expected a JSON object")
+    return data
+
+
+def constant_profile(
+    ptl_s: float | Sequence[float] = 0.01,
+    batch_sizes: Sequence[int] = (1,),
+    *,
+    prefill_s_per_token: float = 0.0,
+    kv_s_per_token: float = 0.0,
+    kv_capacity_tokens: int | None = None,
+    max_running_requests: int = 1024,
+    name: str = "synthetic",
+) -> EngineProfile:
+    """A hand-made profile (tests, what-if studies); PTL is flat beyond the last batch size."""
+    ptl = (ptl_s,) * len(batch_sizes) if isinstance(ptl_s, (int, float)) else tuple(ptl_s)
+    return EngineProfile(
+        name=name, source="synthetic", device="none", model="none",
+        batch_sizes=tuple(batch_sizes), ptl_s=tuple(float(p) for p in ptl),
+        prefill_s_per_token=prefill_s_per_token, kv_s_per_token=kv_s_per_token,
+        kv_capacity_tokens=kv_capacity_tokens, max_running_requests=max_running_requests,
+    )

@@ -1,0 +1,127 @@
+"""Replay a length trace on any `Engines`: simulated or real HTTP engines alike.
+
+`TraceReplayEngines(inner, trace, prompt_of)` wraps an engine set. For each request it looks
+up the response's natural length in the trace by (prompt source_index, epoch, sample.slot),
+and asks the inner engines for exactly the tokens still missing to reach it (never more than
+the manager's `max_new_tokens`), with `ignore_eos=True` so a real model cannot stop early.
+A response that reaches its natural length below the trace's cap then ends as a stop
+('stop', status DONE), as the traced response did; one that reaches the cap is truncated
+('length'); an aborted one is partial, exactly as without the wrapper.
+
+The key never involves the global sample index (which depends on the policy: over-provisioned
+groups take indices), so sync and partial runs over the same trace do the same work.
+
+`prompt_of(sample) -> PromptRecord` finds a sample's prompt; `BufferPrompts(buffer)` does it
+from the buffer's in-flight groups (the Engines interface passes only the sample).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from buffers.buffer import Place, RolloutBuffer
+from buffers.group import PromptRecord
+from buffers.sample import Sample, SampleStatus
+from rollout.config import SamplingConfig
+from rollout.engine_api import Engines
+from rollout.sim.trace import Trace, TraceError
+
+
+class BufferPrompts:
+    """`prompt_of` over a RolloutBuffer: the prompt of a sample of an in-flight group.
+
+    Cached by group id; a miss refreshes the cache from the in-flight groups (so the cache
+    holds only groups in flight, and refreshes happen once per batch of launches)."""
+
+    def __init__(self, buffer: RolloutBuffer) -> None:
+        self._buffer = buffer
+        self._cache: dict[int, PromptRecord] = {}
+
+    def __call__(self, sample: Sample) -> PromptRecord:
+        prompt = self._cache.get(sample.group_id)
+        if prompt is None:
+            self._cache = {g.group_id: g.prompt for g in self._buffer.queued(Place.IN_FLIGHT)}
+            prompt = self._cache.get(sample.group_id)
+            if prompt is None:
+                raise TraceError(
+                    f"sample {sample.index}: group {sample.group_id} is not in flight in the "
+                    "buffer, so its prompt (and trace key) is unknown"
+                )
+        return prompt
+
+
+class TraceReplayEngines:
+    """An `Engines` that makes every response as long as the trace says."""
+
+    def __init__(
+        self, inner: Engines, trace: Trace, prompt_of: Callable[[Sample], PromptRecord]
+    ) -> None:
+        self.inner = inner
+        self.trace = trace
+        self.prompt_of = prompt_of
+        self._replay_sampling: dict[int, tuple[SamplingConfig, SamplingConfig]] = {}
+
+    def natural_length(self, sample: Sample) -> int:
+        p = self.prompt_of(sample)
+        return self.trace.length(p.source_index, p.epoch, sample.slot)
+
+    # -- Engines ----------------------------------------------------------------------------
+    def workers(self) -> list[str]:
+        return self.inner.workers()
+
+    async def generate(
+        self,
+        sample: Sample,
+        sampling: SamplingConfig,
+        *,
+        max_new_tokens: int,
+        version: int,
+        worker: str | None = None,
+    ) -> str | None:
+        natural = self.natural_length(sample)
+        need = natural - len(sample.response_ids)
+        if need <= 0:  # already as long as the trace says (resumed right at its end)
+            sample.start_request()
+            sample.append([], [], _span_version(sample, version), finish_reason=self._end(natural))
+            return worker
+        served = await self.inner.generate(
+            sample, self._sampling(sampling), max_new_tokens=min(max_new_tokens, need),
+            version=version, worker=worker,
+        )
+        if (
+            sample.status is SampleStatus.TRUNCATED
+            and len(sample.response_ids) == natural
+            and natural < self.trace.cap
+        ):
+            _mark_stopped(sample)
+        return served
+
+    async def abort_all(self) -> None:
+        await self.inner.abort_all()
+
+    async def loads(self) -> dict[str, int]:
+        return await self.inner.loads()
+
+    # -- internals ---------------------------------------------------------------------------
+    def _end(self, natural: int) -> str:
+        return "length" if natural >= self.trace.cap else "stop"
+
+    def _sampling(self, sampling: SamplingConfig) -> SamplingConfig:
+        cached = self._replay_sampling.get(id(sampling))
+        if cached is None or cached[0] is not sampling:
+            cached = (sampling, sampling.model_copy(update={"ignore_eos": True}))
+            self._replay_sampling[id(sampling)] = cached
+        return cached[1]
+
+
+def _span_version(sample: Sample, version: int) -> int:
+    return max(version, sample.versions[-1]) if sample.versions else version
+
+
+def _mark_stopped(sample: Sample) -> None:
+    """The engine stopped the response at its budget ('length'), which the replay set to the
+    traced natural length: the traced response ended there with EOS. Sample has no mutator
+    for re-labelling a finish reason, so this sets the two fields the finish reason drives
+    (see the report to the lead: a `Sample` method would be the better home)."""
+    sample.finish_reason = "stop"
+    sample.status = SampleStatus.DONE

@@ -1,0 +1,125 @@
+"""The on-disk timeline of engine activity: `RUN/timeline.jsonl`, one JSON object per line.
+
+The real driver writes it through `rlkit.tracking.Tracker.log_timeline` (one line per
+`RequestSpan` of the RolloutManager's StepReport, with its step); the simulator writes the
+same lines from the simulated engines' request segments, with two optional extra fields, and
+a step line before each step's spans. `rlkit plot timeline RUN` reads both.
+
+Span line (one stay of one request on one worker):
+
+    {"step": int, "worker": str | null, "group_id": int, "sample_index": int,
+     "start": float, "end": float, "tokens": int, "outcome": str,
+     "admitted": float | null,      optional: when the engine started running it (the
+                                    simulator knows; HTTP engines do not report it)
+     "response_before": int}        optional: response length it resumed from (0: fresh)
+
+Step line (optional; the simulator writes one per step, before its spans):
+
+    {"kind": "step", "step": int, "policy": str, "start": float, "end": float,
+     "workers": [str, ...], "source": "sim" | "real"}
+
+Times are seconds on the run's clock (`loop.time()`; virtual in the simulator). `start` is
+when the request was sent (or queued at the engine), `end` when it returned with `tokens`
+generated. `outcome` is stop | length | abort | cancel | cancelled | preempt | error. Without
+a step line, a step spans its requests and its workers are those that served one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+TIMELINE_FILE = "timeline.jsonl"
+OUTCOMES = ("stop", "length", "abort", "cancel", "cancelled", "preempt", "error")
+
+
+class TimelineError(ValueError):
+    """A timeline file that does not follow the format."""
+
+
+@dataclass
+class Span:
+    step: int
+    worker: str | None
+    group_id: int
+    sample_index: int
+    start: float
+    end: float
+    tokens: int
+    outcome: str
+    admitted: float | None = None
+    response_before: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "worker": self.worker, "group_id": self.group_id,
+                "sample_index": self.sample_index, "start": self.start, "end": self.end,
+                "tokens": self.tokens, "outcome": self.outcome, "admitted": self.admitted,
+                "response_before": self.response_before}
+
+
+@dataclass
+class StepTimeline:
+    step: int
+    policy: str
+    start: float
+    end: float
+    workers: list[str]
+    source: str = "sim"
+    spans: list[Span] = field(default_factory=list)
+
+    def header(self) -> dict[str, Any]:
+        return {"kind": "step", "step": self.step, "policy": self.policy, "start": self.start,
+                "end": self.end, "workers": self.workers, "source": self.source}
+
+
+def append_step(path: str | Path, timeline: StepTimeline) -> None:
+    """Append one step (its header line, then its spans) to a timeline file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps(timeline.header()) + "\n")
+        for s in timeline.spans:
+            f.write(json.dumps(s.to_json()) + "\n")
+
+
+def read_timeline(path: str | Path) -> list[StepTimeline]:
+    """All steps of a timeline file (or of RUN/timeline.jsonl when given a directory)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / TIMELINE_FILE
+    if not path.exists():
+        raise TimelineError(f"no timeline at {path}")
+    steps: dict[int, StepTimeline] = {}
+    declared: set[int] = set()
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+            if d.get("kind") == "step":
+                step = int(d["step"])
+                tl = steps.setdefault(step, StepTimeline(step, "", 0.0, 0.0, []))
+                tl.policy, tl.start, tl.end = str(d["policy"]), float(d["start"]), float(d["end"])
+                tl.workers = [str(w) for w in d["workers"]]
+                tl.source = str(d.get("source", "real"))
+                declared.add(step)
+                continue
+            step = int(d["step"])
+            span = Span(
+                step, d["worker"], int(d["group_id"]), int(d["sample_index"]),
+                float(d["start"]), float(d["end"]), int(d["tokens"]), str(d["outcome"]),
+                None if d.get("admitted") is None else float(d["admitted"]),
+                int(d.get("response_before") or 0),
+            )
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+            raise TimelineError(f"{path}:{n}: bad line ({type(e).__name__}: {e})") from None
+        steps.setdefault(step, StepTimeline(step, "", span.start, span.end, [])).spans.append(span)
+    for step, tl in steps.items():
+        if step not in declared and tl.spans:  # real driver: infer the window and workers
+            tl.start = min(s.start for s in tl.spans)
+            tl.end = max(s.end for s in tl.spans)
+            tl.workers = sorted({s.worker for s in tl.spans if s.worker is not None})
+            tl.source = "real"
+    return [steps[k] for k in sorted(steps)]

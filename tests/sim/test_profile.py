@@ -1,0 +1,71 @@
+"""Engine profiles: the shared JSON format, interpolation, the packaged GPU-like profiles."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rollout.sim.profile import (
+    EngineProfile, ProfileError, constant_profile, load_profile, packaged_profiles, save_profile,
+)
+
+
+def test_ptl_interpolates_between_measured_batch_sizes_and_adds_the_kv_term():
+    p = constant_profile([0.01, 0.03], [1, 5], kv_s_per_token=1e-6)
+    assert p.ptl(1) == pytest.approx(0.01)
+    assert p.ptl(3) == pytest.approx(0.02)
+    assert p.ptl(3, kv_tokens=1000) == pytest.approx(0.021)
+    assert p.ptl(50) == pytest.approx(0.03)  # flat beyond the last measured batch
+
+
+def test_the_bench_engine_format_loads(tmp_path):
+    """The minimal format `rlkit bench engine` writes (no optional keys)."""
+    data = {"name": "cpu", "source": "rlkit bench engine", "device": "cpu", "model": "tiny",
+            "batch_sizes": [1, 2, 8], "ptl_s": [0.01, 0.012, 0.03], "prefill_s_per_token": 1e-4}
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps(data))
+    p = load_profile(path)
+    assert p.batch_limit == 8 and p.kv_s_per_token == 0 and p.kv_capacity_tokens is None
+    assert p.to_json() == data
+    save_profile(p, tmp_path / "again.json")
+    assert load_profile(tmp_path / "again.json") == p
+
+
+@pytest.mark.parametrize("broken, message", [
+    ({"ptl_s": [0.01]}, "equally long"),
+    ({"batch_sizes": [2, 1, 3]}, "increasing"),
+    ({"ptl_s": [0.01, -1, 0.02]}, "positive"),
+])
+def test_malformed_profiles_are_refused(tmp_path, broken, message):
+    data = {"name": "x", "source": "s", "device": "d", "model": "m", "batch_sizes": [1, 2, 3],
+            "ptl_s": [0.01, 0.02, 0.03], "prefill_s_per_token": 0.0, **broken}
+    path = tmp_path / "x.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match=message):
+        load_profile(path)
+
+
+def test_missing_keys_and_unknown_names_are_named():
+    with pytest.raises(ProfileError, match="missing key"):
+        EngineProfile.from_json({"name": "x"})
+    with pytest.raises(ProfileError, match="packaged profiles"):
+        load_profile("no-such-profile")
+
+
+def test_packaged_gpu_profiles_document_their_derivation():
+    names = packaged_profiles()
+    assert "h100-qwen3-4b-tp2-april" in names and "h100-qwen3-4b-tp1" in names
+    for name in names:
+        p = load_profile(name)
+        assert "published" in p.source and "derivation" in p.extra
+        assert p.kv_capacity_tokens and p.kv_s_per_token > 0
+        # decode is memory-bound at small batch: a bigger batch raises throughput
+        assert p.peak_throughput(1000)[0] > 8 / p.ptl(1, 1000)
+
+
+def test_peak_throughput_respects_the_kv_capacity():
+    p = constant_profile([0.01, 0.02], [1, 100], kv_capacity_tokens=1000, max_running_requests=100)
+    tput, batch = p.peak_throughput(mean_context=100)
+    assert batch == 10  # 10 requests x 100 tokens fill the cache
+    assert tput == pytest.approx(10 / p.ptl(10, 1000))
