@@ -17,6 +17,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("config", "docs"), "rlkit.commands.config_docs", "regenerate docs/recipe-reference.md"),
     (("bench", "buffer"), "rlkit.bench.buffer", "buffer group operations per second"),
     (("bench", "train"), "rlkit.bench.train", "trainer tokens/s (TP=1, TP=2) and weight-sync s/GB"),
+    (("bench", "suite"), "rlkit.bench.suite", "policies side by side on a simulated cluster"),
+    (("plot", "timeline"), "rlkit.commands.plot_timeline", "per-engine Gantt chart of a step"),
     (("export",), "rlkit.commands.export", "write a trainer checkpoint as an HF model folder"),
     (("check-reward",), "rlkit.commands.check_reward", "check a reward plugin against the contract"),
 ]

@@ -1,0 +1,285 @@
+"""`rlkit bench suite`: scheduling policies side by side on one simulated workload and cluster.
+
+For each response-length cap, one long-tail trace (rollout.sim.trace) is generated (or
+`--trace` is replayed), and every policy runs the same trace through the real RolloutManager,
+policies and RolloutBuffer on simulated engines in virtual time (rollout.sim), under a
+synchronous driver whose training and weight-sync times come from a TrainTimeModel. After
+`--warmup` steps (so partial rollouts reach their steady state), `--steps` steps are measured:
+
+- rollout s/step and rollout tokens/s (tokens generated / rollout time, APRIL's metric);
+- trained tokens/s: response tokens of the groups completed in the step / rollout time (the
+  useful work; equal to the above for sync, and on average for partial once it is steady);
+- end-to-end s/step (rollout + train + weight sync);
+- idle share: engine time with no request running / (engines x rollout time);
+- x bound: rollout time / the bubble-free bound (decode tokens / (engines x peak tokens/s at
+  the step's mean KV context));
+- resumed token share and the most policy versions in one trained sample.
+
+Writes DIR/suite.md (the table), DIR/suite.png (the chart), DIR/suite.json (every step), the
+traces under DIR/traces/ and a timeline per run under DIR/timelines/ (`rlkit plot timeline`).
+Later policies register in POLICIES.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+DEFAULT_POLICIES = ("sync", "partial@1.25", "partial@1.5", "partial@2.0")
+DEFAULT_CAPS = (8192, 16384, 32768)
+
+
+def _policy_factories() -> dict[str, Callable[[str | None], Any]]:
+    from rollout.policies import PartialPolicy, SyncPolicy
+
+    def sync(arg: str | None) -> Any:
+        if arg is not None:
+            raise ValueError("policy 'sync' takes no argument")
+        return SyncPolicy()
+
+    def partial(arg: str | None) -> Any:
+        return PartialPolicy(over_provision=float(arg) if arg else 2.0)
+
+    return {"sync": sync, "partial": partial}
+
+
+def make_policy(spec: str) -> Any:
+    """'sync', 'partial@1.5' (over-provision 1.5), ... -> a policy object."""
+    name, _, arg = spec.partition("@")
+    factories = _policy_factories()
+    if name not in factories:
+        raise ValueError(f"unknown policy {spec!r}; known: {', '.join(factories)} "
+                         "(partial takes @over_provision)")
+    return factories[name](arg or None)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    w = parser.add_argument_group("workload")
+    w.add_argument("--caps", default=",".join(map(str, DEFAULT_CAPS)),
+                   help="response length caps, comma-separated (one trace each)")
+    w.add_argument("--trace", help="replay this trace file instead of generating traces")
+    w.add_argument("--batch-size", type=int, default=32, help="groups trained per step")
+    w.add_argument("--group-size", type=int, default=8, help="responses per prompt")
+    w.add_argument("--prompts", type=int, default=4096, help="prompts in a generated trace")
+    w.add_argument("--growth", type=float, default=0.0,
+                   help="length growth per training step (generated traces)")
+    w.add_argument("--seed", type=int, default=0)
+    c = parser.add_argument_group("cluster")
+    c.add_argument("--profile", default="h100-qwen3-4b-tp2-april",
+                   help="engine profile: a packaged name or a JSON file")
+    c.add_argument("--engines", type=int, default=4, help="engines (each of the profile's GPUs)")
+    c.add_argument("--router", default="round_robin", choices=["round_robin", "least_load"])
+    c.add_argument("--train-params", type=float, default=4.02e9, help="trained parameters")
+    c.add_argument("--train-gpus", type=int, default=8, help="trainer GPUs")
+    c.add_argument("--train-mfu", type=float, default=0.35)
+    r = parser.add_argument_group("run")
+    r.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                   help="policies, comma-separated (sync, partial@OVER_PROVISION)")
+    r.add_argument("--warmup", type=int, default=10, help="steps run before measuring")
+    r.add_argument("--steps", type=int, default=30, help="steps measured")
+    r.add_argument("--max-staleness", type=int, default=1000,
+                   help="buffer staleness bound (default: unbounded, as APRIL)")
+    r.add_argument("--out", default="runs/bench-suite", help="output folder")
+    r.add_argument("--no-timelines", action="store_true", help="do not write timelines")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rollout.sim.engine import SimConfig
+    from rollout.sim.profile import load_profile
+    from rollout.sim.trace import Trace, TraceSpec, generate_trace
+    from rollout.sim.train_time import TrainTimeModel
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    profile = load_profile(args.profile)
+    cluster = SimConfig(args.engines, profile, router=args.router)
+    train = TrainTimeModel(params=args.train_params, gpus=args.train_gpus, mfu=args.train_mfu)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    for p in policies:
+        make_policy(p)  # fail early on a bad name
+    if args.trace:
+        traces = [Trace.load(args.trace)]
+    else:
+        traces = []
+        for cap in (int(c) for c in args.caps.split(",")):
+            spec = TraceSpec(rows=args.prompts, epochs=2, group_size=args.group_size, cap=cap,
+                             seed=args.seed, batch_size=args.batch_size,
+                             growth_per_step=args.growth)
+            trace = generate_trace(spec)
+            trace.save(out / "traces" / f"trace-cap{cap}.jsonl")
+            traces.append(trace)
+    suite = SuiteSpec(cluster, train, args.batch_size, args.warmup, args.steps,
+                      args.max_staleness, args.seed)
+    t0 = time.perf_counter()
+    rows = run_suite(suite, traces, policies,
+                     timelines=None if args.no_timelines else out / "timelines")
+    wall = time.perf_counter() - t0
+    table = format_table(rows, describe(suite, traces, wall))
+    (out / "suite.md").write_text(table + "\n")
+    (out / "suite.json").write_text(json.dumps([r.to_json() for r in rows], indent=1) + "\n")
+    plot_suite(rows, out / "suite.png", title=f"{profile.name} x {cluster.engines}, "
+               f"{args.batch_size} groups x {traces[0].group_size}")
+    print(table)
+    print(f"\nwrote {out / 'suite.md'}, {out / 'suite.png'}, {out / 'suite.json'}")
+    return 0
+
+
+@dataclass(frozen=True)
+class SuiteSpec:
+    cluster: Any  # SimConfig
+    train: Any  # TrainTimeModel
+    batch_size: int
+    warmup: int
+    steps: int
+    max_staleness: int = 1000
+    seed: int = 0
+
+
+@dataclass
+class SuiteRow:
+    cap: int
+    policy: str
+    steps: list[Any]  # StepResult of the measured steps
+
+    def _sum(self, field: str) -> float:
+        return sum(getattr(s, field) for s in self.steps)
+
+    @property
+    def rollout_s(self) -> float:
+        return self._sum("rollout_s") / len(self.steps)
+
+    @property
+    def throughput(self) -> float:
+        return self._sum("tokens_generated") / self._sum("rollout_s")
+
+    @property
+    def trained_throughput(self) -> float:
+        return self._sum("tokens_in_batch") / self._sum("rollout_s")
+
+    @property
+    def step_s(self) -> float:
+        return self._sum("step_s") / len(self.steps)
+
+    @property
+    def idle_share(self) -> float:  # time-weighted over the measured steps
+        return sum(s.idle_share * s.rollout_s for s in self.steps) / self._sum("rollout_s")
+
+    @property
+    def bound_ratio(self) -> float:
+        return self._sum("rollout_s") / self._sum("bound_s")
+
+    @property
+    def resumed_share(self) -> float:
+        return sum(s.resumed_token_share * s.tokens_generated for s in self.steps) / max(
+            1.0, self._sum("tokens_generated"))
+
+    @property
+    def max_versions(self) -> int:
+        return max(s.max_versions_per_sample for s in self.steps)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"cap": self.cap, "policy": self.policy, "rollout_s": self.rollout_s,
+                "throughput": self.throughput, "trained_throughput": self.trained_throughput,
+                "step_s": self.step_s,
+                "idle_share": self.idle_share, "bound_ratio": self.bound_ratio,
+                "resumed_share": self.resumed_share, "max_versions": self.max_versions,
+                "steps": [s.to_json() for s in self.steps]}
+
+
+def run_suite(suite: SuiteSpec, traces: list[Any], policies: list[str],
+              timelines: Path | None = None) -> list[SuiteRow]:
+    """Every policy on every trace; rows in (trace, policy) order."""
+    from rollout.sim.harness import run_simulation
+
+    rows = []
+    for trace in traces:
+        for spec in policies:
+            tl = None
+            if timelines is not None:
+                tl = timelines / f"cap{trace.cap}-{spec.replace('@', '-')}" / "timeline.jsonl"
+                tl.unlink(missing_ok=True)
+            results = run_simulation(
+                suite.cluster, trace, make_policy(spec), steps=suite.warmup + suite.steps,
+                batch_size=suite.batch_size, train=suite.train,
+                max_staleness=suite.max_staleness, timeline_path=tl, seed=suite.seed,
+            )
+            rows.append(SuiteRow(trace.cap, spec, results[suite.warmup:]))
+    return rows
+
+
+def describe(suite: SuiteSpec, traces: list[Any], wall_s: float) -> str:
+    c, p, t = suite.cluster, suite.cluster.profile, suite.train
+    lines = [
+        f"Cluster: {c.engines} engines x {p.device}, profile `{p.name}` ({p.model}); "
+        f"KV capacity {c.capacity or 'unlimited'} tokens/engine, batch limit {c.batch_limit}, "
+        f"router {c.router}.",
+        f"Workload: {suite.batch_size} groups x {traces[0].group_size} responses per step; "
+        + "; ".join(f"trace `{tr.name}` (cap {tr.cap})" for tr in traces) + ".",
+        f"Trainer: {t.params / 1e9:.2f}B params on {t.gpus} GPUs at MFU {t.mfu:g} "
+        f"({t.tokens_per_s:,.0f} tokens/s), weight sync {t.sync_s():.1f} s.",
+        f"Steps: {suite.warmup} warm-up, {suite.steps} measured (means over measured steps); "
+        f"max staleness {suite.max_staleness}; seed {suite.seed}. "
+        f"Simulated in {wall_s:.0f} s of wall time.",
+    ]
+    return "\n".join(lines)
+
+
+def format_table(rows: list[SuiteRow], header: str = "") -> str:
+    sync = {r.cap: r for r in rows if r.policy == "sync"}
+    out = [header, ""] if header else []
+    out += [
+        "| cap | policy | rollout s/step | rollout tok/s | vs sync | trained tok/s | "
+        "end-to-end s/step | e2e speed-up | idle share | x bound | resumed tokens | "
+        "max versions |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        base = sync.get(r.cap)
+        gain = f"{r.throughput / base.throughput - 1:+.0%}" if base else "-"
+        speed = f"{base.step_s / r.step_s:.2f}x" if base else "-"
+        out.append(
+            f"| {r.cap // 1024}k | {r.policy} | {r.rollout_s:.1f} | {r.throughput:,.0f} | "
+            f"{gain} | {r.trained_throughput:,.0f} | {r.step_s:.1f} | {speed} | "
+            f"{r.idle_share:.1%} | {r.bound_ratio:.2f} | "
+            f"{r.resumed_share:.0%} | {r.max_versions} |"
+        )
+    return "\n".join(out)
+
+
+def plot_suite(rows: list[SuiteRow], path: Path, title: str = "") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    caps = sorted({r.cap for r in rows})
+    policies = list(dict.fromkeys(r.policy for r in rows))
+    by = {(r.cap, r.policy): r for r in rows}
+    metrics = [
+        ("rollout tokens/s", lambda r: r.throughput),
+        ("end-to-end s/step", lambda r: r.step_s),
+        ("idle share of engine time", lambda r: r.idle_share),
+        ("rollout time / bubble-free bound", lambda r: r.bound_ratio),
+    ]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.8))
+    x = np.arange(len(caps))
+    width = 0.8 / max(1, len(policies))
+    for ax, (label, fn) in zip(axes, metrics):
+        for i, pol in enumerate(policies):
+            vals = [fn(by[(c, pol)]) if (c, pol) in by else math.nan for c in caps]
+            ax.bar(x + (i - (len(policies) - 1) / 2) * width, vals, width, label=pol)
+        ax.set_xticks(x, [f"{c // 1024}k cap" for c in caps])
+        ax.set_title(label, fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,155 @@
+"""`rlkit plot timeline RUN`: per-engine Gantt chart of the requests of a rollout step.
+
+Reads RUN/timeline.jsonl (format: rollout/sim/timeline.py), written by a real run's tracker
+or by the simulator, and draws, for each engine, one bar per request stay from when it was
+sent (or queued) to when it returned: running requests stacked in lanes, so the height of an
+engine's band is its running batch, and the long tail shows as the thin end of each band.
+Colour says how the request ended (stopped, truncated at the cap, aborted and parked for the
+next step, cancelled, preempted); a hatched bar resumed a partial response; a pale bar before
+it is time spent queued at the engine (when the engine reports admission).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+COLOURS = {
+    "stop": "#4c9a2a",
+    "length": "#e08e0b",
+    "abort": "#5b7db8",
+    "cancel": "#b0b0b0",
+    "cancelled": "#b0b0b0",
+    "preempt": "#9b59b6",
+    "error": "#c0392b",
+}
+LABELS = {
+    "stop": "finished (stop)",
+    "length": "truncated at the cap",
+    "abort": "aborted, parked with its tokens",
+    "cancel": "cancelled (surplus)",
+    "preempt": "preempted (KV full)",
+    "error": "failed",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run", help="run folder (holding timeline.jsonl) or a timeline file")
+    parser.add_argument("--step", default="last",
+                        help="step to draw: a number, 'last' or 'all' (one PNG per step)")
+    parser.add_argument("--out", help="output PNG (default: RUN/timeline_step<N>.png)")
+    parser.add_argument("--max-engines", type=int, default=16,
+                        help="draw at most this many engines (the first ones)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rollout.sim.timeline import read_timeline
+
+    steps = read_timeline(args.run)
+    if not steps:
+        print(f"rlkit: {args.run}: the timeline has no steps")
+        return 1
+    if args.step == "all":
+        chosen = steps
+    elif args.step == "last":
+        chosen = [steps[-1]]
+    else:
+        chosen = [s for s in steps if s.step == int(args.step)]
+        if not chosen:
+            print(f"rlkit: step {args.step} is not in the timeline "
+                  f"(steps {steps[0].step}..{steps[-1].step})")
+            return 1
+    base = Path(args.run)
+    folder = base if base.is_dir() else base.parent
+    for tl in chosen:
+        if args.out and len(chosen) == 1:
+            out = Path(args.out)
+        else:
+            out = folder / f"timeline_step{tl.step}.png"
+        plot_step(tl, out, max_engines=args.max_engines)
+        print(f"wrote {out}")
+    return 0
+
+
+def assign_lanes(intervals: list[tuple[float, float]]) -> list[int]:
+    """Greedy interval packing: the lowest free lane for each interval (sorted by start)."""
+    import heapq
+
+    order = sorted(range(len(intervals)), key=lambda i: (intervals[i][0], intervals[i][1]))
+    lanes = [0] * len(intervals)
+    busy: list[tuple[float, int]] = []  # (end, lane)
+    free: list[int] = []
+    n_lanes = 0
+    for i in order:
+        start, end = intervals[i]
+        while busy and busy[0][0] <= start:
+            heapq.heappush(free, heapq.heappop(busy)[1])
+        if free:
+            lane = heapq.heappop(free)
+        else:
+            lane, n_lanes = n_lanes, n_lanes + 1
+        lanes[i] = lane
+        heapq.heappush(busy, (end, lane))
+    return lanes
+
+
+def plot_step(tl, out: Path, *, max_engines: int = 16) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    workers = list(tl.workers) or sorted({s.worker for s in tl.spans if s.worker})
+    workers = workers[:max_engines]
+    t0 = tl.start
+    lanes_of: dict[str, int] = {}
+    bars: dict[str, list] = {w: [] for w in workers}
+    for w in workers:
+        spans = [s for s in tl.spans if s.worker == w]
+        lanes = assign_lanes([(s.start, s.end) for s in spans])
+        lanes_of[w] = max(lanes, default=-1) + 1
+        bars[w] = list(zip(spans, lanes))
+    total_lanes = sum(max(1, n) for n in lanes_of.values())
+    height = min(14.0, 1.6 + 0.02 * total_lanes + 0.25 * len(workers))
+    fig, ax = plt.subplots(figsize=(12, height))
+    y0 = 0.0
+    ticks, labels = [], []
+    for w in workers:
+        n = max(1, lanes_of[w])
+        scale = 1.0 / n  # each engine gets a band of height 1; lanes divide it
+        for s, lane in bars[w]:
+            y = y0 + lane * scale
+            run_from = s.admitted if s.admitted is not None else s.start
+            if s.admitted is not None and s.admitted > s.start:
+                ax.barh(y, s.admitted - s.start, left=s.start - t0, height=scale * 0.9,
+                        align="edge", color="#dddddd", linewidth=0)
+            ax.barh(y, max(s.end - run_from, 1e-9), left=run_from - t0, height=scale * 0.9,
+                    align="edge", color=COLOURS.get(s.outcome, "#777777"), linewidth=0,
+                    hatch="///" if s.response_before > 0 else None, edgecolor="white")
+        ticks.append(y0 + 0.5)
+        labels.append(f"{w} (max {lanes_of[w]})")
+        ax.axhline(y0, color="black", linewidth=0.4)
+        y0 += 1.0 + 0.15
+    ax.set_yticks(ticks, labels, fontsize=7)
+    ax.set_ylim(-0.1, y0)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(tl.end - t0, 1e-9))
+    ax.set_xlabel("seconds since the step started")
+    tokens = sum(s.tokens for s in tl.spans)
+    shown = "" if len(tl.workers) <= len(workers) else f" (first {len(workers)} of " \
+        f"{len(tl.workers)} engines)"
+    ax.set_title(f"step {tl.step}, policy {tl.policy or '?'} ({tl.source}): "
+                 f"{tl.end - t0:.1f} s, {len(tl.spans)} requests, {tokens:,} tokens{shown}",
+                 fontsize=10)
+    present = [o for o in LABELS if any(s.outcome == o for s in tl.spans)]
+    handles = [Patch(color=COLOURS[o], label=LABELS[o]) for o in present]
+    handles.append(Patch(facecolor="white", edgecolor="black", hatch="///",
+                         label="resumed a partial"))
+    if any(s.admitted is not None and s.admitted > s.start for s in tl.spans):
+        handles.append(Patch(color="#dddddd", label="queued at the engine"))
+    ax.legend(handles=handles, fontsize=7, loc="lower right")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,182 @@
+"""Run the real RolloutManager, policies and buffer on simulated engines, in virtual time.
+
+    results = run_simulation(SimConfig(engines=4, profile=load_profile("h100-qwen3-4b-tp2-april")),
+                             trace, SyncPolicy(), steps=6, batch_size=32)
+
+builds, over one trace: a `ListPromptSource` of the trace's prompts (in the trace's order), a
+`RolloutBuffer`, `SimEngines` wrapped in `TraceReplayEngines`, a reward that passes with
+probability 1 - difficulty (deterministic per response), and a `RolloutManager` driving the
+given policy; then runs a synchronous driver loop (rollout step, train, weight sync; the
+trainer's time comes from a `TrainTimeModel`) for `steps` steps and measures each step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from buffers.buffer import RolloutBuffer
+from buffers.group import Group
+from buffers.sample import Sample
+from buffers.source import ListPromptSource
+from rollout.config import SamplingConfig
+from rollout.manager import RolloutManager, RolloutPolicy
+from rollout.rewards import RewardScheduler
+from rollout.sim.clock import run_virtual
+from rollout.sim.engine import Segment, SimConfig, SimEngines, SimWorker, WorkerStats
+from rollout.sim.replay import BufferPrompts, TraceReplayEngines
+from rollout.sim.timeline import Span, StepTimeline, append_step
+from rollout.sim.trace import Trace
+from rollout.sim.train_time import TrainTimeModel
+
+
+@dataclass
+class StepResult:
+    """One simulated step. Times in (virtual) seconds, throughputs in tokens/s."""
+
+    step: int
+    policy: str
+    rollout_s: float
+    tokens_generated: int  # by this step's requests (the manager's count)
+    engine_tokens: int  # decoded by the engines in this step (must equal the above)
+    tokens_in_batch: int  # response tokens of the groups completed this step (any step made them)
+    throughput: float  # tokens_generated / rollout_s
+    idle_share: float  # engine time with nothing running / (engines x rollout_s)
+    mean_context: float  # KV tokens each decoded token attended to, on average
+    bound_s: float  # engine_tokens / (engines x peak throughput at mean_context)
+    bound_ratio: float  # rollout_s / bound_s (1.0 = bubble-free)
+    train_tokens: int  # prompt + response tokens of the trained batch
+    train_s: float
+    sync_s: float
+    step_s: float  # end to end: rollout + train + sync (synchronous driver)
+    groups_completed: int
+    groups_resumed: int
+    groups_carried_over: int
+    resumed_token_share: float
+    max_versions_per_sample: int
+    tokens_discarded: int
+    preemptions: int
+    prefill_s: float  # summed over engines
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def trace_reward(trace: Trace, seed: int = 0):
+    """Reward 1 with probability 1 - difficulty, else 0; deterministic per response."""
+
+    async def score(sample: Sample, group: Group) -> float:
+        p = group.prompt
+        u = random.Random(f"{seed}:{p.source_index}:{p.epoch}:{sample.slot}").random()
+        return 1.0 if u < 1.0 - trace.difficulty(p.source_index) else 0.0
+
+    return score
+
+
+async def simulate(
+    cluster: SimConfig,
+    trace: Trace,
+    policy: RolloutPolicy,
+    *,
+    steps: int,
+    batch_size: int | None = None,
+    max_new_tokens: int | None = None,
+    train: TrainTimeModel | None = None,
+    max_staleness: int = 1000,
+    timeline_path: str | Path | None = None,
+    seed: int = 0,
+    observer: Callable[[SimWorker, str], None] | None = None,
+    on_batch: Callable[[int, list[Group]], None] | None = None,
+) -> list[StepResult]:
+    """The coroutine behind `run_simulation` (run it on a VirtualTimeLoop). `observer` sees
+    every simulated worker at every event; `on_batch(step, groups)` each trained batch."""
+    batch = batch_size or trace.batch_size
+    cap = max_new_tokens or trace.cap
+    loop = asyncio.get_running_loop()
+    source = ListPromptSource(trace.prompt_records(), seed=trace.order_seed, shuffle=True,
+                              name=f"trace:{trace.name}")
+    buffer = RolloutBuffer(source, n_samples_per_prompt=trace.group_size,
+                           max_staleness=max_staleness)
+    engines = SimEngines(cluster, observer=observer)
+    replay = TraceReplayEngines(engines, trace, BufferPrompts(buffer))
+    sampling = SamplingConfig(max_new_tokens=cap, temperature=1.0)
+    manager = RolloutManager(buffer, replay, policy, sampling,
+                             RewardScheduler(trace_reward(trace, seed)))
+    results: list[StepResult] = []
+    try:
+        for step in range(steps):
+            before = engines.stats()
+            t0 = loop.time()
+            report = await manager.run_step(batch, version=step)
+            t1 = loop.time()
+            after = engines.stats()
+            trained = buffer.take_nowait(batch)
+            if on_batch is not None:
+                on_batch(step, trained)
+            train_tokens = sum(len(s.prompt_ids) + len(s.response_ids)
+                               for g in trained for s in g.samples)
+            train_s = train.train_s(train_tokens) if train else 0.0
+            sync_s = train.sync_s() if train else 0.0
+            results.append(_measure(step, policy.name, cluster, report, before, after,
+                                    train_tokens, train_s, sync_s))
+            segments = engines.drain_segments()
+            if timeline_path is not None:
+                append_step(timeline_path, StepTimeline(
+                    step, policy.name, t0, t1, engines.workers(), "sim",
+                    [_span(step, s, cap) for s in segments],
+                ))
+            if train_s + sync_s > 0:
+                await asyncio.sleep(train_s + sync_s)  # engines idle while the trainer runs
+            buffer.set_version(step + 1)
+    finally:
+        await engines.aclose()
+    return results
+
+
+def run_simulation(cluster: SimConfig, trace: Trace, policy: RolloutPolicy, **kwargs: Any
+                   ) -> list[StepResult]:
+    """Simulate `steps` synchronous-driver steps in virtual time (see `simulate`)."""
+    return run_virtual(simulate(cluster, trace, policy, **kwargs))
+
+
+def _measure(step: int, policy: str, cluster: SimConfig, report: Any,
+             before: dict[str, WorkerStats], after: dict[str, WorkerStats],
+             train_tokens: int, train_s: float, sync_s: float) -> StepResult:
+    def delta(field: str) -> float:
+        return sum(getattr(after[w], field) - getattr(before[w], field) for w in after)
+
+    engines = len(after)
+    tokens = int(delta("tokens"))
+    rollout_s = report.seconds
+    mean_ctx = delta("context_token_sum") / tokens if tokens else 0.0
+    peak, _ = cluster.profile.peak_throughput(mean_ctx, kv_capacity=cluster.capacity,
+                                              batch_limit=cluster.batch_limit)
+    bound_s = tokens / (engines * peak) if tokens else 0.0
+    return StepResult(
+        step=step, policy=policy, rollout_s=rollout_s,
+        tokens_generated=report.tokens_generated, engine_tokens=tokens,
+        tokens_in_batch=report.tokens_in_batch,
+        throughput=report.tokens_generated / rollout_s if rollout_s > 0 else 0.0,
+        idle_share=1.0 - delta("busy_s") / (engines * rollout_s) if rollout_s > 0 else 0.0,
+        mean_context=mean_ctx, bound_s=bound_s,
+        bound_ratio=rollout_s / bound_s if bound_s > 0 else float("nan"),
+        train_tokens=train_tokens, train_s=train_s, sync_s=sync_s,
+        step_s=rollout_s + train_s + sync_s,
+        groups_completed=len(report.completed), groups_resumed=report.groups_resumed,
+        groups_carried_over=report.groups_carried_over,
+        resumed_token_share=report.resumed_token_share,
+        max_versions_per_sample=report.max_versions_per_sample,
+        tokens_discarded=report.tokens_discarded, preemptions=int(delta("preemptions")),
+        prefill_s=delta("prefill_s"),
+    )
+
+
+def _span(step: int, s: Segment, cap: int) -> Span:
+    outcome = s.outcome
+    if outcome == "length" and s.response_before + s.tokens < cap:
+        outcome = "stop"  # ended at its traced natural length (TraceReplayEngines)
+    return Span(step, s.worker, s.group_id, s.sample_index, s.enqueued, s.end, s.tokens,
+                outcome, s.admitted, s.response_before)

@@ -1,0 +1,71 @@
+"""Timelines: the simulator's and the real driver's lines read back; the Gantt picture."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rlkit.cli import main
+from rlkit.commands.plot_timeline import assign_lanes
+from rollout.manager import RequestSpan
+from rollout.policies import PartialPolicy
+from rollout.sim.engine import SimConfig
+from rollout.sim.harness import run_simulation
+from rollout.sim.profile import constant_profile
+from rollout.sim.timeline import TimelineError, read_timeline
+from rollout.sim.trace import TraceSpec, generate_trace
+
+
+def test_simulated_run_timeline_roundtrip_and_plot(tmp_path):
+    trace = generate_trace(TraceSpec(rows=64, epochs=2, cap=1024, group_size=4, batch_size=4))
+    cluster = SimConfig(2, constant_profile([0.005, 0.01], [1, 32], prefill_s_per_token=1e-5))
+    results = run_simulation(cluster, trace, PartialPolicy(2.0), steps=3, batch_size=4,
+                             timeline_path=tmp_path / "timeline.jsonl")
+    steps = read_timeline(tmp_path)
+    assert [s.step for s in steps] == [0, 1, 2]
+    for tl, r in zip(steps, results):
+        assert tl.workers == ["sim-0", "sim-1"] and tl.source == "sim"
+        assert tl.end - tl.start == pytest.approx(r.rollout_s)
+        assert sum(s.tokens for s in tl.spans) == r.engine_tokens
+        assert all(tl.start - 1e-9 <= s.start <= s.end <= tl.end + 1e-9 for s in tl.spans)
+        assert {s.outcome for s in tl.spans} <= {"stop", "length", "abort", "cancel", "preempt"}
+    assert any(s.outcome == "abort" for s in steps[0].spans)  # partial parks the tail
+    assert any(s.response_before > 0 for s in steps[1].spans)  # and resumes it
+    assert main(["plot", "timeline", str(tmp_path), "--step", "all"]) == 0
+    for k in range(3):
+        png = tmp_path / f"timeline_step{k}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_real_driver_lines_are_read(tmp_path):
+    """rlkit.tracking writes {"step": k, **RequestSpan.to_json()} with no step line."""
+    spans = [RequestSpan("http://a", 1, 10, 5.0, 9.0, 40, "stop"),
+             RequestSpan("http://b", 1, 11, 5.5, 12.0, 70, "abort"),
+             RequestSpan(None, 2, 12, 6.0, 6.5, 0, "cancelled")]
+    path = tmp_path / "timeline.jsonl"
+    path.write_text("".join(json.dumps({"step": 3, **s.to_json()}) + "\n" for s in spans))
+    [tl] = read_timeline(path)
+    assert (tl.step, tl.start, tl.end, tl.source) == (3, 5.0, 12.0, "real")
+    assert tl.workers == ["http://a", "http://b"]
+    assert [s.admitted for s in tl.spans] == [None, None, None]
+    out = tmp_path / "x.png"
+    assert main(["plot", "timeline", str(path), "--out", str(out)]) == 0
+    assert out.exists()
+
+
+def test_bad_lines_are_named(tmp_path):
+    path = tmp_path / "timeline.jsonl"
+    path.write_text('{"step": 0, "worker": "a"}\n')
+    with pytest.raises(TimelineError, match="timeline.jsonl:1"):
+        read_timeline(path)
+
+
+def test_lanes_never_overlap():
+    intervals = [(0, 5), (1, 2), (2, 3), (4, 9), (5, 6), (0, 1), (8, 10)]
+    lanes = assign_lanes(intervals)
+    for i, (a, b) in enumerate(intervals):
+        for j, (c, d) in enumerate(intervals):
+            if i < j and lanes[i] == lanes[j]:
+                assert b <= c or d <= a
+    assert max(lanes) + 1 == 2  # the most intervals open at once (half-open intervals)
