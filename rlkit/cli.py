@@ -21,6 +21,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("plot", "timeline"), "rlkit.commands.plot_timeline", "per-engine Gantt chart of a step"),
     (("export",), "rlkit.commands.export", "write a trainer checkpoint as an HF model folder"),
     (("check-reward",), "rlkit.commands.check_reward", "check a reward plugin against the contract"),
+    (("prepare-model",), "rlkit.demo_models", "build a demo model (tiny, tiny-llama, smollm2) into the cache"),
+    (("bench", "engine"), "rlkit.bench.engine", "engine tokens/s through the router vs model.generate; PTL profile"),
 ]
 
 

@@ -27,7 +27,7 @@ from typing import Any, Iterable, Sequence
 
 import aiohttp
 
-from buffers.sample import Sample, SampleError
+from buffers.sample import Sample, SampleError, SampleStatus
 from rollout.config import SamplingConfig
 from rollout.engine_api import EngineError
 from rollout.protocol import (
@@ -37,14 +37,14 @@ from rollout.protocol import (
     SERVER_INFO_PATHS,
     WEIGHT_VERSION_PATHS,
     GenerateRequest,
-    GenerateResponse,
     PauseMode,
     ProtocolError,
     SamplingParams,
     error_message,
     is_abort_failure,
     new_output_entries,
-    parse_sse_line,
+    parse_output,
+    SSEDecoder,
     total_requests,
 )
 
@@ -297,7 +297,7 @@ class EngineClient:
                     return await self._consume_stream(resp, sample, version, flight)
                 payload = await _read_body(resp)
                 self._apply_chunk(sample, payload, 0, version, flight)
-                if sample.status.value == "running":
+                if sample.status is SampleStatus.RUNNING:
                     sample.interrupt()
                     raise EngineError(f"/generate at {flight.url} answered without a finish reason")
                 return None
@@ -314,13 +314,17 @@ class EngineClient:
     async def _consume_stream(self, resp: aiohttp.ClientResponse, sample: Sample, version: int,
                               flight: _Inflight) -> str | None:
         received = 0
-        async for line in resp.content:
-            payload = parse_sse_line(line)
-            if payload is None:
-                continue
-            received = self._apply_chunk(sample, payload, received, version, flight)
-            if sample.status.value != "running":
-                return None  # finished or aborted
+        decoder = SSEDecoder()
+        async for block in resp.content.iter_any():
+            try:
+                payloads = decoder.feed(block)
+            except ProtocolError as e:
+                sample.interrupt()
+                raise EngineError(f"/generate stream from {flight.url}: {e}") from None
+            for payload in payloads:
+                received = self._apply_chunk(sample, payload, received, version, flight)
+                if sample.status is not SampleStatus.RUNNING:
+                    return None  # finished or aborted
         # The stream closed without a finish reason: the worker died or the router gave up.
         sample.interrupt()
         if flight.aborted:
@@ -343,11 +347,11 @@ class EngineClient:
                 return received
             raise EngineError(f"/generate at {flight.url} (rid {flight.rid}) failed: {err}")
         try:
-            chunk = GenerateResponse.model_validate(payload)
+            chunk = parse_output(payload)
             ids, lps = new_output_entries(chunk, received)
-        except (ValueError, ProtocolError) as e:
+        except ProtocolError as e:
             sample.interrupt()
-            raise EngineError(f"/generate at {flight.url}: unparseable answer: {e}") from None
+            raise EngineError(f"/generate at {flight.url}: {e}") from None
         stamped = chunk.weight_version_int(version)
         if ids:
             if len(lps) != len(ids):
@@ -361,7 +365,7 @@ class EngineClient:
                 raise EngineError(f"/generate at {flight.url}: {e}") from None
             received += len(ids)
             flight.tokens += len(ids)
-        finish = chunk.meta_info.finish_reason
+        finish = chunk.finish
         if finish is not None:
             if finish.type == "abort":
                 if finish.status_code and finish.status_code >= 500 and not flight.aborted:

@@ -22,9 +22,10 @@ Version quirks handled here and nowhere else:
 
 from __future__ import annotations
 
-import json
+from dataclasses import dataclass
 from typing import Any, Literal
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 SERVER_INFO_PATHS = ("/server_info", "/get_server_info")
@@ -241,16 +242,58 @@ class GenerateResponse(BaseModel):
             return default
 
 
-def new_output_entries(
-    chunk: GenerateResponse, received: int
-) -> tuple[list[int], list[float]]:
+@dataclass(frozen=True)
+class OutputChunk:
+    """What the client needs of one /generate answer or stream chunk."""
+
+    ids: list[int]
+    logprobs: list[float]  # empty when the answer carries no logprobs
+    completion_tokens: int
+    finish: FinishReason | None
+    weight_version: str | None
+
+    def weight_version_int(self, default: int) -> int:
+        """The stamp as an int (rlkit stamps ints as strings); `default` when missing (aborted
+        outputs may lack it) or not an integer (SGLang's initial "default")."""
+        try:
+            return int(self.weight_version) if self.weight_version is not None else default
+        except ValueError:
+            return default
+
+
+def parse_output(payload: Any) -> OutputChunk:
+    """Parse a /generate answer or chunk by hand: this runs once per streamed token per
+    request, where building a pydantic model per chunk costs more than the rest of the client.
+    Token ids come from output_token_logprobs when present (a real SGLang answer's output_ids
+    can be longer than completion_tokens), else from output_ids."""
+    try:
+        meta = payload["meta_info"]
+        entries = meta.get("output_token_logprobs")
+        if entries is not None:
+            ids = [int(e[1]) for e in entries]
+            lps = [float(e[0]) if e[0] is not None else float("nan") for e in entries]
+        else:
+            ids, lps = [int(t) for t in payload.get("output_ids") or ()], []
+        fr = meta.get("finish_reason")
+        version = meta.get("weight_version")
+        return OutputChunk(
+            ids=ids, logprobs=lps, completion_tokens=int(meta.get("completion_tokens") or 0),
+            finish=FinishReason.model_validate(fr) if fr is not None else None,
+            weight_version=None if version is None else str(version),
+        )
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise ProtocolError(f"unparseable /generate answer ({type(e).__name__}: {e}): "
+                            f"{str(payload)[:200]}") from None
+
+
+def new_output_entries(chunk: OutputChunk, received: int) -> tuple[list[int], list[float]]:
     """The output tokens of a stream chunk not received before (`received` tokens so far).
 
     Works for cumulative chunks (SGLang's default: every chunk repeats all entries) and
     incremental ones: `completion_tokens` is cumulative in both modes, so the new tokens are the
     last `completion_tokens - received` entries of the chunk."""
-    ids, lps = chunk.output_entries()
-    total = chunk.meta_info.completion_tokens or (received + len(ids) if ids else received)
+    ids, lps = chunk.ids, chunk.logprobs
+    total = chunk.completion_tokens or (received + len(ids))
     fresh = max(0, total - received)
     if fresh > len(ids):
         raise ProtocolError(
@@ -259,22 +302,50 @@ def new_output_entries(
         )
     if fresh == 0:
         return [], []
-    return ids[-fresh:], lps[-fresh:] if lps else []
+    return ids[len(ids) - fresh:], lps[len(lps) - fresh:] if lps else []
 
 
 def parse_sse_line(line: bytes | str) -> dict[str, Any] | None:
     """One SSE line -> its JSON payload; None for blank/comment lines and `data: [DONE]`."""
-    text = line.decode() if isinstance(line, bytes) else line
-    text = text.strip()
-    if not text.startswith("data:"):
+    raw = line.encode() if isinstance(line, str) else line
+    raw = raw.strip()
+    if not raw.startswith(b"data:"):
         return None
-    data = text[5:].strip()
-    if not data or data == "[DONE]":
+    data = raw[5:].strip()
+    if not data or data == b"[DONE]":
         return None
     try:
-        return json.loads(data)
-    except json.JSONDecodeError as e:
-        raise ProtocolError(f"malformed SSE data line {text[:200]!r}: {e}") from None
+        return orjson.loads(data)
+    except orjson.JSONDecodeError as e:
+        raise ProtocolError(f"malformed SSE data line {raw[:200]!r}: {e}") from None
+
+
+class SSEDecoder:
+    """Incremental SSE parser: feed raw bytes as they arrive, get the JSON payloads of the
+    complete `data:` lines (reading a stream block-wise costs far less than line by line)."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+
+    def feed(self, block: bytes) -> list[dict[str, Any]]:
+        self._buffer += block
+        *lines, self._buffer = self._buffer.split(b"\n")
+        out = []
+        for line in lines:
+            payload = parse_sse_line(line)
+            if payload is not None:
+                out.append(payload)
+        return out
+
+    def close(self) -> list[dict[str, Any]]:
+        rest, self._buffer = self._buffer, b""
+        payload = parse_sse_line(rest)
+        return [payload] if payload is not None else []
+
+
+def dumps(obj: Any) -> bytes:
+    """Compact JSON bytes (orjson: several times faster than json on the streaming hot path)."""
+    return orjson.dumps(obj)
 
 
 def error_message(body: Any) -> str | None:

@@ -54,6 +54,10 @@ class DecodeParams:
     seed: int | None = None
 
 
+def _no_notify() -> None:
+    """Default progress callback (module-level so requests pickle across processes)."""
+
+
 @dataclass(eq=False)
 class DecodeRequest:
     """One generation. The decoder thread is the only writer of the output fields; readers on
@@ -63,7 +67,7 @@ class DecodeRequest:
     rid: str
     input_ids: list[int]
     params: DecodeParams
-    notify: Callable[[], None] = lambda: None
+    notify: Callable[[], None] = _no_notify
     stream: bool = False
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
@@ -129,8 +133,13 @@ class BatchedDecoder:
         context_length: int | None = None,
         seed: int = 0,
         weight_version: str = "0",
+        on_progress: Callable[[list[DecodeRequest]], None] | None = None,
     ) -> None:
         self.model = model
+        # Called on the decoder thread once per loop iteration with every request that got
+        # tokens or finished (one IPC message per step instead of one wake-up per request).
+        self.on_progress = on_progress
+        self._progressed: list[DecodeRequest] = []
         self.config = model.config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -255,6 +264,7 @@ class BatchedDecoder:
             while not self._stop:
                 self._run_commands()
                 self._apply_aborts()
+                self._report_progress()
                 if self._pause_mode is not None or (not self._running and not self._waiting):
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
@@ -263,10 +273,12 @@ class BatchedDecoder:
                     self._admit()
                     if self._running:
                         self._decode_step()
+                self._report_progress()
         except BaseException as e:  # a bug or OOM: fail every request loudly, stop serving
             self.crashed = f"{type(e).__name__}: {e}"
             log.error("hf decoder crashed:\n%s", traceback.format_exc())
             self._fail_everything(f"engine crashed: {self.crashed}")
+            self._report_progress()
 
     def _run_commands(self) -> None:
         while True:
@@ -400,8 +412,10 @@ class BatchedDecoder:
             if reason is not None:
                 self._finish(r, reason)
                 done.append(row)
-            elif r.stream:
-                r.notify()
+            else:
+                self._progressed.append(r)
+                if r.stream:
+                    r.notify()
         self._drop_rows(done)
 
     def _row_sampling(self, r: DecodeRequest) -> RowSampling:
@@ -439,7 +453,14 @@ class BatchedDecoder:
             r.weight_version = self.weight_version
         r.finished_at = time.monotonic()
         r.finish_reason = reason
+        self._progressed.append(r)
         r.notify()
+
+    def _report_progress(self) -> None:
+        if self._progressed:
+            progressed, self._progressed = self._progressed, []
+            if self.on_progress is not None:
+                self.on_progress(progressed)
 
     def _drop_rows(self, rows: list[int]) -> None:
         if not rows:

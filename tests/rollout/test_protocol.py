@@ -7,6 +7,8 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from buffers.sample import Sample
@@ -19,10 +21,12 @@ from rollout.protocol import (
     InitWeightsUpdateGroupRequest,
     ProtocolError,
     SamplingParams,
+    SSEDecoder,
     UpdateWeightsFromDistributedRequest,
     error_message,
     is_abort_failure,
     new_output_entries,
+    parse_output,
     parse_sse_line,
     total_requests,
 )
@@ -93,7 +97,8 @@ def test_logprob_answer_prefers_output_token_logprobs():
     r = GenerateResponse.model_validate(fixture_json("generate_logprobs.json"))
     # this real answer's output_ids is longer than completion_tokens; logprob entries are right
     assert r.output_entries() == ([5338], [-0.014046513475477695])
-    assert new_output_entries(r, 0) == ([5338], [-0.014046513475477695])
+    assert new_output_entries(parse_output(fixture_json("generate_logprobs.json")), 0) == (
+        [5338], [-0.014046513475477695])
 
 
 @pytest.mark.parametrize("name", ["generate_stream_cumulative.sse", "generate_stream_incremental.sse"])
@@ -103,22 +108,25 @@ def test_stream_chunks_yield_each_token_once(name):
         payload = parse_sse_line(line)
         if payload is None:
             continue
-        chunk = GenerateResponse.model_validate(payload)
+        chunk = parse_output(payload)
         new_ids, new_lps = new_output_entries(chunk, received)
         ids += new_ids
         lps += new_lps
         received += len(new_ids)
-        finish = chunk.meta_info.finish_reason
+        finish = chunk.finish
+        # the pydantic model reads every chunk the same way
+        assert GenerateResponse.model_validate(payload).meta_info.completion_tokens == chunk.completion_tokens
     assert ids == [576, 4226, 374, 220, 19]
     assert lps == [-0.51, -1.25, -0.02, -0.3, -0.01]
     assert finish.type == "stop" and finish.matched == 151645
 
 
 def test_a_chunk_that_lost_tokens_is_an_error():
-    chunk = GenerateResponse.model_validate(
-        {"meta_info": {"completion_tokens": 5, "output_token_logprobs": [[-1.0, 3, None]]}})
+    chunk = parse_output({"meta_info": {"completion_tokens": 5, "output_token_logprobs": [[-1.0, 3, None]]}})
     with pytest.raises(ProtocolError, match="lost"):
         new_output_entries(chunk, 2)
+    with pytest.raises(ProtocolError, match="unparseable"):
+        parse_output({"meta_info": {"output_token_logprobs": [["x"]]}})
 
 
 def test_sse_lines():
@@ -197,3 +205,15 @@ def test_control_payloads_validate_against_sglang_schema():
     io_struct.UpdateWeightsFromDistributedReqInput(names=["a"], dtypes=["float32"], shapes=[[2]],
                                                    group_name="g", flush_cache=False,
                                                    weight_version="3")
+
+
+@given(st.lists(st.integers(1, 97), min_size=1, max_size=60))
+def test_sse_decoder_is_indifferent_to_block_boundaries(cuts):
+    raw = fixture_text("generate_stream_cumulative.sse").encode()
+    whole = [p for p in (parse_sse_line(line) for line in raw.splitlines()) if p is not None]
+    decoder, got, pos = SSEDecoder(), [], 0
+    for cut in cuts:
+        got += decoder.feed(raw[pos:pos + cut])
+        pos += cut
+    got += decoder.feed(raw[pos:]) + decoder.close()
+    assert got == whole

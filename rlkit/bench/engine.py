@@ -1,0 +1,282 @@
+"""`rlkit bench engine`: output tokens/s of the built-in engine through the real router, beside
+plain `model.generate` on the same batch, in the same run; and the engine's PTL(BS) profile.
+
+For each model and concurrency C, interleaved for `--rounds` rounds:
+- generate: `model.generate` on C identical-length prompts in this process (sampling at
+  temperature 1, no top-k/top-p, exactly N new tokens, no EOS);
+- engine: C concurrent EngineClient.generate calls through sglang-router to one hf engine
+  server (another process), streamed like the RolloutManager streams, `ignore_eos` and
+  `max_new_tokens=N` so every request makes exactly N tokens (trace replay).
+Both sides use the same torch thread count; while one side runs the other is idle. Tokens/s is
+C x N over the wall time of the whole batch (first request sent to last token received), so the
+router, HTTP, SSE parsing and `Sample.append` are included on the engine side.
+
+The profile pass then runs B in (1, 2, 4, ...) requests and reads the engine's own per-step
+timings (GET /rlkit/decode_stats) to write PTL(BS) - seconds per decode step at batch size B -
+in the simulator's EngineProfile format (rollout/sim/profile.py), plus the per-token prefill
+cost and a KV-context slope from a second pass at a longer context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_NEW_TOKENS = {"tiny": 128, "tiny-llama": 128, "smollm2": 32}
+
+
+@dataclass
+class Measurement:
+    model: str
+    concurrency: int
+    new_tokens: int
+    generate_tok_s: list[float] = field(default_factory=list)
+    engine_tok_s: list[float] = field(default_factory=list)
+    load_avg: list[float] = field(default_factory=list)
+
+    @property
+    def ratio(self) -> float:
+        return statistics.mean(self.engine_tok_s) / statistics.mean(self.generate_tok_s)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models", default="tiny,smollm2", help="comma-separated demo models or paths")
+    parser.add_argument("--concurrency", default="1,8,16,32,64", help="comma-separated levels")
+    parser.add_argument("--new-tokens", type=int, default=None,
+                        help="tokens per request (default: tiny 128, smollm2 32)")
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved repetitions per level")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads, both sides")
+    parser.add_argument("--no-stream", action="store_true", help="non-streaming /generate")
+    parser.add_argument("--stream-interval", type=int, default=None,
+                        help="tokens per streamed chunk (default: EngineConfig's, 8; SGLang's is 1)")
+    parser.add_argument("--profile-batch-sizes", default="1,2,4,8,16,32,64")
+    parser.add_argument("--profile-dir", default="docs/profiles",
+                        help="where PTL profiles are written ('' to skip the profile pass)")
+    parser.add_argument("--out", default=None, help="also write all measurements as JSON here")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    results: list[Measurement] = []
+    profiles: list[str] = []
+    levels = [int(x) for x in args.concurrency.split(",") if x]
+    for model in [m for m in args.models.split(",") if m]:
+        n = args.new_tokens or DEFAULT_NEW_TOKENS.get(model, 64)
+        rows, profile_path = bench_model(model, levels, n, args)
+        results += rows
+        if profile_path:
+            profiles.append(profile_path)
+        print(render_table([r for r in rows]), flush=True)
+    from rollout.engines.config import EngineConfig
+
+    conditions = load_conditions(args.threads) | {
+        "stream": not args.no_stream,
+        "stream_interval": args.stream_interval or EngineConfig().stream_interval,
+        "engines": 1, "prompt_len": args.prompt_len,
+    }
+    report = {
+        "command": "rlkit bench engine " + " ".join(_argv_of(args)),
+        "conditions": conditions,
+        "results": [asdict(r) | {"ratio": r.ratio} for r in results],
+        "profiles": profiles,
+    }
+    print("\n" + render_table(results))
+    print(f"\nload conditions: {json.dumps(report['conditions'])}")
+    for p in profiles:
+        print(f"PTL profile: {p}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def _argv_of(args: argparse.Namespace) -> list[str]:
+    out = [f"--models {args.models}", f"--concurrency {args.concurrency}",
+           f"--prompt-len {args.prompt_len}", f"--rounds {args.rounds}", f"--threads {args.threads}"]
+    if args.new_tokens:
+        out.append(f"--new-tokens {args.new_tokens}")
+    if args.no_stream:
+        out.append("--no-stream")
+    if args.stream_interval:
+        out.append(f"--stream-interval {args.stream_interval}")
+    return out
+
+
+def load_conditions(threads: int) -> dict[str, Any]:
+    return {
+        "cpu_count": os.cpu_count(),
+        "load_avg_1m_5m_15m": [round(x, 2) for x in os.getloadavg()],
+        "torch_threads_per_side": threads,
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+    }
+
+
+def render_table(rows: list[Measurement]) -> str:
+    lines = ["| model | concurrency | new tokens | generate tok/s | engine via router tok/s | engine / generate | load avg |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        g, e = statistics.mean(r.generate_tok_s), statistics.mean(r.engine_tok_s)
+        lines.append(f"| {r.model} | {r.concurrency} | {r.new_tokens} | {g:,.0f} | {e:,.0f} | "
+                     f"{r.ratio:.2f} | {statistics.mean(r.load_avg):.2f} |")
+    return "\n".join(lines)
+
+
+# -- one model ----------------------------------------------------------------------------------
+def bench_model(model_name: str, levels: list[int], n: int, args: argparse.Namespace) -> tuple[list[Measurement], str | None]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlkit.demo_models import resolve_model_path
+    from rollout.engines.config import EngineConfig, RouterConfig
+    from rollout.engines.fleet import EngineFleet
+
+    path = resolve_model_path(model_name)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 attn_implementation="sdpa").eval()
+    vocab = model.get_input_embeddings().weight.shape[0]
+    g = torch.Generator().manual_seed(0)
+    max_c = max(levels + [int(x) for x in args.profile_batch_sizes.split(",") if x])
+    prompts = torch.randint(10, vocab - 10, (max_c, args.prompt_len), generator=g)
+
+    engine = EngineConfig(num_engines=1, cpu_threads=args.threads, max_running_requests=max_c,
+                          startup_timeout_s=600)
+    if args.stream_interval:
+        engine = engine.model_copy(update={"stream_interval": args.stream_interval})
+    rows = []
+    with EngineFleet(path, engine, RouterConfig()) as fleet:
+        for c in levels:
+            m = Measurement(model_name, c, n)
+            batch = prompts[:c]
+            # warm both sides at this batch size (allocator, thread pools, KV buffers)
+            plain_generate(model, batch, min(n, 8))
+            asyncio.run(engine_generate(fleet, batch.tolist(), min(n, 8), not args.no_stream))
+            for _ in range(args.rounds):
+                m.load_avg.append(os.getloadavg()[0])
+                m.generate_tok_s.append(c * n / plain_generate(model, batch, n))
+                m.engine_tok_s.append(c * n / asyncio.run(
+                    engine_generate(fleet, batch.tolist(), n, not args.no_stream)))
+            print(f"{model_name} C={c}: generate {statistics.mean(m.generate_tok_s):,.0f} tok/s, "
+                  f"engine {statistics.mean(m.engine_tok_s):,.0f} tok/s, ratio {m.ratio:.2f}",
+                  flush=True)
+            rows.append(m)
+        profile_path = None
+        if args.profile_dir:
+            profile_path = write_profile(fleet, model_name, prompts.tolist(), n, args)
+    return rows, profile_path
+
+
+def plain_generate(model: Any, prompts: Any, n: int) -> float:
+    """Seconds for HF generate to sample exactly n tokens for every prompt."""
+    import torch
+
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=n,
+                       min_new_tokens=n, do_sample=True, temperature=1.0, top_k=None, top_p=None,
+                       eos_token_id=None, pad_token_id=0)
+    return time.perf_counter() - t0
+
+
+async def engine_generate(fleet: Any, prompts: list[list[int]], n: int, stream: bool) -> float:
+    """Seconds for the engine, through the router, to generate exactly n tokens per prompt."""
+    from buffers.sample import Sample
+    from rollout.config import SamplingConfig
+
+    sampling = SamplingConfig(max_new_tokens=n, ignore_eos=True, temperature=1.0)
+    async with fleet.client(stream=stream) as client:
+        samples = [Sample(index=i, group_id=i, prompt_ids=p) for i, p in enumerate(prompts)]
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client.generate(s, sampling, max_new_tokens=n, version=0)
+                               for s in samples))
+        seconds = time.perf_counter() - t0
+    made = sum(len(s.response_ids) for s in samples)
+    if made != n * len(prompts):
+        raise RuntimeError(f"engine made {made} tokens, expected {n * len(prompts)}")
+    return seconds
+
+
+# -- the PTL(BS) profile -------------------------------------------------------------------------
+def _decode_stats(url: str) -> dict[str, Any]:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/rlkit/decode_stats", timeout=30) as r:
+        return json.loads(r.read())
+
+
+def _step_seconds(before: dict[str, Any], after: dict[str, Any], batch: int) -> tuple[float, float]:
+    """(mean seconds per decode step, mean context tokens) of steps at exactly `batch` rows
+    between two decode_stats snapshots."""
+    def row(stats: dict[str, Any]) -> dict[str, Any]:
+        return next((r for r in stats["decode"] if r["batch_size"] == batch),
+                    {"steps": 0, "seconds": 0.0, "mean_context_tokens": 0.0})
+    a, b = row(before), row(after)
+    steps = b["steps"] - a["steps"]
+    if steps <= 0:
+        raise RuntimeError(f"no decode step ran at batch size {batch}")
+    ctx = (b["mean_context_tokens"] * b["steps"] - a["mean_context_tokens"] * a["steps"]) / steps
+    return (b["seconds"] - a["seconds"]) / steps, ctx
+
+
+def measure_ptl(fleet: Any, prompts: list[list[int]], sizes: list[int], n: int) -> tuple[list[float], list[float], float]:
+    url = fleet.worker_urls[0]
+    ptl, ctx = [], []
+    prefill_before = _decode_stats(url)["prefill"]
+    for b in sizes:
+        before = _decode_stats(url)
+        asyncio.run(engine_generate(fleet, prompts[:b], n, stream=True))
+        s, c = _step_seconds(before, _decode_stats(url), b)
+        ptl.append(s)
+        ctx.append(c)
+    prefill_after = _decode_stats(url)["prefill"]
+    prefill = (prefill_after["seconds"] - prefill_before["seconds"]) / max(
+        1, prefill_after["tokens"] - prefill_before["tokens"])
+    return ptl, ctx, prefill
+
+
+def write_profile(fleet: Any, model_name: str, prompts: list[list[int]], n: int,
+                  args: argparse.Namespace) -> str:
+    from rollout.sim.profile import EngineProfile, save_profile
+
+    sizes = [int(x) for x in args.profile_batch_sizes.split(",") if x]
+    ptl, ctx, prefill = measure_ptl(fleet, prompts, sizes, n)
+    # KV slope: the same batch sizes with a 4x longer prompt; seconds per extra context token.
+    long_prompts = [p * 4 for p in prompts]
+    ptl_long, ctx_long, _ = measure_ptl(fleet, long_prompts, sizes, n)
+    slopes = [(pl - ps) / (cl - cs) for ps, pl, cs, cl in zip(ptl, ptl_long, ctx, ctx_long) if cl > cs]
+    kv_slope = max(0.0, statistics.median(slopes)) if slopes else 0.0
+    # ptl_s is reported at zero context: the measured step minus the context term.
+    base = [max(p - kv_slope * c, 0.5 * p) for p, c in zip(ptl, ctx)]
+    label = Path(model_name).name or model_name  # a demo name, or a folder's name
+    profile = EngineProfile(
+        name=f"cpu-{label}-t{args.threads}",
+        source=(f"rlkit bench engine: hf engine (rollout.engines.hf_server), {args.threads} torch "
+                f"thread(s), float32, {os.cpu_count()}-core CPU, load avg "
+                f"{os.getloadavg()[0]:.2f}; ptl_s = mean decode-step seconds at each batch size "
+                f"(prompt {args.prompt_len} tokens, {n} new) minus kv_s_per_token x context; "
+                f"kv slope from a 4x-longer-prompt pass"),
+        device=f"cpu ({platform.machine()}, {os.cpu_count()} cores)",
+        model=label,
+        batch_sizes=tuple(sizes),
+        ptl_s=tuple(base),
+        prefill_s_per_token=prefill,
+        kv_s_per_token=kv_slope,
+        max_running_requests=max(sizes),
+        extra={"measured": {"ptl_s_at_context": ptl, "mean_context_tokens": ctx,
+                            "ptl_s_long_context": ptl_long, "mean_context_tokens_long": ctx_long}},
+    )
+    out = Path(args.profile_dir) / f"{profile.name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_profile(profile, out)
+    return str(out)

@@ -1,0 +1,48 @@
+"""Incremental detokenization for streamed text: O(1) work per token instead of decoding the
+whole output at every chunk.
+
+The window technique of vLLM/SGLang's detokenizers: decode a few tokens before the unread ones
+as context (so merges across the boundary are right), emit only what the new tokens add, and
+hold back text that ends in an incomplete UTF-8 sequence until the next token completes it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, *, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.text = ""  # everything emitted so far
+        self._prefix_offset = 0  # start of the context window
+        self._read_offset = 0  # tokens already turned into text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def update(self, ids: list[int]) -> str:
+        """Feed the full output so far; return the text it adds since the last call."""
+        if len(ids) <= self._read_offset:
+            return ""
+        prefix = self._decode(ids[self._prefix_offset:self._read_offset])
+        full = self._decode(ids[self._prefix_offset:])
+        if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more tokens
+            return ""
+        new = full[len(prefix):] if full.startswith(prefix) else full
+        self.text += new
+        self._prefix_offset = max(0, len(ids) - _CONTEXT_TOKENS)
+        self._read_offset = len(ids)
+        return new
+
+    def finish(self, ids: list[int]) -> str:
+        """The last piece: whatever a full decode of the output has beyond what was emitted
+        (text held back for an incomplete character, or a merge the window missed)."""
+        full = self._decode(ids)
+        rest = full[len(self.text):] if full.startswith(self.text) else ""
+        self.text += rest
+        self._read_offset = len(ids)
+        return rest

@@ -1,0 +1,86 @@
+"""Process lifecycle: clear errors for a missing router, a port clash, a bad model; nothing is
+left running. The SGLang launcher builds the right command and refuses clearly without sglang."""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+
+import psutil
+import pytest
+
+from rollout.engines.config import EngineConfig, RouterConfig
+from rollout.engines.process import ProcessStartError, free_port, start_hf_server
+from rollout.engines.sglang_launcher import (
+    SGLangNotInstalled,
+    passthrough_args,
+    require_sglang,
+    sglang_server_argv,
+)
+from rollout.router import Router, RouterError
+
+
+def test_missing_router_binary_is_a_clear_error(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "sglang_router" else real(name, *a))
+    with pytest.raises(RouterError, match="sglang-router is not installed"):
+        Router().start([])
+
+
+def test_router_port_clash_is_a_clear_error():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(RouterError, match=f"port {port} .* in use"):
+            Router(RouterConfig(port=port)).start([])
+
+
+@pytest.mark.integration
+def test_router_lifecycle_leaves_nothing_behind():
+    router = Router(RouterConfig())
+    router.start([])
+    pid = router.process.pid
+    assert router.alive() and router.list_workers() == []
+    with pytest.raises(RouterError, match="does not answer /health"):
+        router.add_worker(f"http://127.0.0.1:{free_port()}")
+    router.stop()
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.integration
+def test_a_bad_model_path_fails_with_the_engines_log(tmp_path):
+    with pytest.raises(ProcessStartError, match="(?s)exited with code.*log"):
+        start_hf_server(str(tmp_path / "no-model"), EngineConfig(startup_timeout_s=60))
+
+
+@pytest.mark.integration
+def test_stopping_an_engine_stops_its_core_process(tiny_model_dir):
+    engine = start_hf_server(str(tiny_model_dir), EngineConfig(startup_timeout_s=120), threads=1)
+    family = [psutil.Process(engine.pid), *psutil.Process(engine.pid).children(recursive=True)]
+    assert len(family) >= 2  # the HTTP process and the engine core
+    engine.stop()
+    gone, alive = psutil.wait_procs(family, timeout=10)
+    assert alive == []
+
+
+def test_sglang_command_line():
+    config = EngineConfig(kind="sglang", gpus_per_engine=2, max_running_requests=128, seed=3,
+                          sglang_args={"mem_fraction_static": 0.8, "enable_metrics": True,
+                                       "disable_radix_cache": False, "cuda_graph_bs": [1, 2]})
+    argv = sglang_server_argv("/models/qwen", config, index=1, port=31000)
+    line = " ".join(argv)
+    assert "-m sglang.launch_server --model-path /models/qwen" in line
+    assert "--tp-size 2 --base-gpu-id 2 --random-seed 4" in line
+    assert "--incremental-streaming-output" in argv and "--skip-server-warmup" in argv
+    assert line.endswith("--mem-fraction-static 0.8 --enable-metrics --cuda-graph-bs 1 2")
+    assert passthrough_args({"x": None, "y": False}) == []
+    with pytest.raises(ValueError, match="tp_size"):
+        sglang_server_argv("/m", EngineConfig(kind="sglang", sglang_args={"tp_size": 4}), index=0, port=1)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang is installed")
+def test_without_sglang_the_launcher_says_so():
+    with pytest.raises(SGLangNotInstalled, match="kind=hf"):
+        require_sglang()
