@@ -23,6 +23,8 @@ from typing import Callable
 
 DEMO_MODELS = ("tiny", "tiny-llama", "smollm2")
 _COMPLETE_MARKER = ".rlkit-complete"
+# Bumped when a builder's output changes, so caches made by an older rlkit are rebuilt once.
+BUILD_VERSION = {"tiny": "2", "tiny-llama": "2", "smollm2": "1"}
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Tiny architecture: small enough that a forward pass is dominated by framework overhead, big
@@ -63,7 +65,8 @@ def model_dir(name: str) -> Path:
 
 
 def is_prepared(name: str) -> bool:
-    return (model_dir(name) / _COMPLETE_MARKER).is_file()
+    marker = model_dir(name) / _COMPLETE_MARKER
+    return marker.is_file() and marker.read_text().strip() == f"build {BUILD_VERSION[name]}"
 
 
 def prepare_model(name: str, *, force: bool = False) -> Path:
@@ -80,7 +83,7 @@ def prepare_model(name: str, *, force: bool = False) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
         builders[name](staging)
-        (staging / _COMPLETE_MARKER).write_text("ok\n")
+        (staging / _COMPLETE_MARKER).write_text(f"build {BUILD_VERSION[name]}\n")
         if target.exists():
             shutil.rmtree(target)
         staging.rename(target)
@@ -124,13 +127,25 @@ def tiny_corpus() -> list[str]:
     return lines
 
 
+# Qwen2's pre-tokenization (transformers' Qwen2Tokenizer imposes it on any qwen2 model's
+# tokenizer.json when loading). Training with it makes the tokenizer identical whichever way it is
+# loaded (AutoTokenizer for qwen2 or llama, or the tokenizers library) and uses its merges well.
+QWEN2_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
 def build_tiny_tokenizer(directory: Path):
     """Train a byte-level BPE tokenizer of TINY_VOCAB tokens and save it as a HF fast tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=TINY_VOCAB,

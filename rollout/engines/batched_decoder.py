@@ -32,58 +32,11 @@ from typing import Any, Callable
 import torch
 
 from rollout.engines.kv_cache import SlotKVCache, prefill_mask
+from rollout.engines.requests import DecodeParams, DecodeRequest
 from rollout.engines.sampler import RowSampling, sample
 from rollout.protocol import FinishReason, PauseMode
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class DecodeParams:
-    """Validated per-request generation parameters (what the decoder needs of SamplingParams)."""
-
-    max_new_tokens: int
-    min_new_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    stop_token_ids: frozenset[int] = frozenset()
-    stop_strings: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    seed: int | None = None
-
-
-def _no_notify() -> None:
-    """Default progress callback (module-level so requests pickle across processes)."""
-
-
-@dataclass(eq=False)
-class DecodeRequest:
-    """One generation. The decoder thread is the only writer of the output fields; readers on
-    other threads see whole appends (list.append is atomic under the GIL) and must read
-    `finish_reason` before the outputs to see a consistent final state."""
-
-    rid: str
-    input_ids: list[int]
-    params: DecodeParams
-    notify: Callable[[], None] = _no_notify
-    stream: bool = False
-    output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
-    weight_version: str = "0"  # version of the weights that produced the latest token
-    finish_reason: FinishReason | None = None
-    created: float = field(default_factory=time.monotonic)
-    first_token_at: float | None = None
-    finished_at: float | None = None
-    retractions: int = 0
-    # decoder-private
-    _rng: random.Random | None = None
-    _abort_message: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 @dataclass

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout.engines.batched_decoder import DecodeParams, DecodeRequest
+from rollout.engines.requests import DecodeParams, DecodeRequest
 from rollout.engines.engine_core import CoreConfig, run_engine_core
 from rollout.protocol import FinishReason
 
@@ -61,6 +61,11 @@ class EngineCoreClient:
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def start(self, timeout_s: float = 600.0) -> None:
+        self.launch()
+        await self.wait_ready(timeout_s)
+
+    def launch(self) -> None:
+        """Spawn the core process (it starts loading the model at once)."""
         ctx = mp.get_context("spawn")  # no fork: torch threads and CUDA do not survive it
         parent, child = ctx.Pipe(duplex=True)
         self._process = ctx.Process(target=run_engine_core, args=(child, self.config),
@@ -68,8 +73,13 @@ class EngineCoreClient:
         self._process.start()
         child.close()
         self._conn = parent
+
+    async def wait_ready(self, timeout_s: float = 600.0) -> None:
+        """Wait for the core's "ready" message; then read its messages on the event loop."""
+        assert self._process is not None and self._conn is not None, "launch() first"
+        parent = self._conn
         deadline = time.monotonic() + timeout_s
-        while not parent.poll(0.1):
+        while not await asyncio.to_thread(parent.poll, 0.1):
             if not self._process.is_alive():
                 raise CoreDied(f"engine core exited with code {self._process.exitcode} while "
                                "loading the model (see the log above)")

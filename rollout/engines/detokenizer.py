@@ -1,14 +1,38 @@
-"""Incremental detokenization for streamed text: O(1) work per token instead of decoding the
-whole output at every chunk.
+"""Text for the HTTP process: the tokenizer, and incremental detokenization for streams.
 
-The window technique of vLLM/SGLang's detokenizers: decode a few tokens before the unread ones
-as context (so merges across the boundary are right), emit only what the new tokens add, and
-hold back text that ends in an incomplete UTF-8 sequence until the next token completes it.
+`load_tokenizer` is transformers' AutoTokenizer, exactly what the trainer and the data side use:
+transformers may replace parts of a tokenizer.json by model-specific logic (Qwen2's pre-tokenizer,
+added BOS), so reading tokenizer.json directly would tokenize some text prompts differently.
+
+`IncrementalDetokenizer`: O(1) work per token instead of decoding the whole output at every
+chunk. The window technique of vLLM/SGLang's detokenizers: decode a few tokens before the unread
+ones as context (so merges across the boundary are right), emit only what the new tokens add,
+and hold back text that ends in an incomplete UTF-8 sequence until the next token completes it.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+
+class TextCodec:
+    """encode/decode over a transformers tokenizer."""
+
+    def __init__(self, path: str) -> None:
+        from transformers import AutoTokenizer
+
+        self._tok = AutoTokenizer.from_pretrained(path)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok(text)["input_ids"])
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def load_tokenizer(path: str) -> TextCodec:
+    return TextCodec(path)
+
 
 _CONTEXT_TOKENS = 5
 

@@ -28,9 +28,9 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 from pydantic import ValidationError
 
-from rollout.engines.batched_decoder import DecodeParams
+from rollout.engines.requests import DecodeParams
 from rollout.engines.core_client import CoreDied, CoreError, EngineCoreClient, RemoteRequest
-from rollout.engines.detokenizer import IncrementalDetokenizer
+from rollout.engines.detokenizer import IncrementalDetokenizer, load_tokenizer
 from rollout.engines.engine_core import CoreConfig
 from rollout.protocol import (
     ENGINE_URL_HEADER,
@@ -101,13 +101,11 @@ class EngineServer:
     """The HTTP layer: builds the aiohttp app over an EngineCoreClient."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from transformers import AutoTokenizer
-
         self.args = args
         self.model_path = args.model
         self.tokenizer_path = args.tokenizer or args.model
         self.served_model_name = args.served_model_name or args.model
-        self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+        self.tokenizer: Any = None  # loaded while the core loads the model (see _serve)
         self.core = EngineCoreClient(CoreConfig(
             model_path=args.model, tokenizer_path=self.tokenizer_path, device=args.device,
             dtype=args.dtype, threads=args.threads,
@@ -253,7 +251,7 @@ class EngineServer:
         if req.top_logprobs_num:
             raise RequestError(f"top_logprobs_num is not supported by the {ENGINE_NAME} engine")
         if req.text is not None:
-            input_ids = self.tokenizer(req.text)["input_ids"]
+            input_ids = self.tokenizer.encode(req.text)
             if not input_ids:
                 raise RequestError("text tokenizes to no tokens")
         else:
@@ -496,7 +494,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 async def _serve(server: EngineServer, host: str, port: int, port_file: str | None,
                  startup_timeout_s: float) -> None:
-    await server.core.start(startup_timeout_s)  # the model is loaded before we listen
+    # Spawn the core first: it imports torch and loads the model while we load the tokenizer.
+    server.core.launch()
+    server.tokenizer = await asyncio.to_thread(load_tokenizer, server.tokenizer_path)
+    await server.core.wait_ready(startup_timeout_s)  # the model is loaded before we listen
     runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port)

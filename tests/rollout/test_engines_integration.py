@@ -310,3 +310,28 @@ async def test_a_killed_worker_is_reported_and_the_router_retries_elsewhere(tiny
                 break
             await asyncio.sleep(0.5)
         assert health == {victim.url: False, survivor: True}
+
+
+async def test_the_trainers_weight_sender_drives_these_engines(fleet, tiny_model, tmp_path):
+    """Contract test with the other side: train/weight_sync's WeightSender (what the trainer
+    runs) updates the built-in engines over the distributed and the disk path."""
+    sender_mod = pytest.importorskip("train.weight_sync.sender")
+    sender = sender_mod.WeightSender(bucket_mb=1, pause_mode="retract", timeout_s=120)
+    try:
+        async with fleet.client() as c:
+            before = await _greedy(c)
+            torch.manual_seed(3)
+            new = [(n, t + 0.05 * torch.randn_like(t)) for n, t in tiny_model.state_dict().items()
+                   if n != "lm_head.weight"]
+            report = await asyncio.to_thread(sender.sync_distributed, fleet.worker_urls, new, 11)
+            after = await _greedy(c)
+            await asyncio.to_thread(sender.sync_from_disk, fleet.worker_urls, tmp_path / "w12", 12,
+                                    write=lambda p: tiny_model.save_pretrained(p))
+            restored = await _greedy(c)
+    finally:
+        await asyncio.to_thread(sender.close)
+    assert report.tensors == len(new)
+    assert [s.response_ids for s in after] != [s.response_ids for s in before]
+    assert all(s.versions == [11] * 12 for s in after)
+    assert [s.response_ids for s in restored] == [s.response_ids for s in before]
+    assert all(s.versions == [12] * 12 for s in restored)
