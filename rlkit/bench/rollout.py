@@ -1,0 +1,161 @@
+"""`rlkit bench rollout --policy sync,partial`: rollout throughput of scheduling policies on
+the real engines (router + built-in engine servers), side by side in one run.
+
+Every policy gets its own RolloutBuffer over the same prompts, and the same long-tail length
+trace is replayed through `ignore_eos` (rollout.sim.replay), so each response is exactly as
+long under every policy: the policies differ only in how they schedule the same work. Steps of
+the policies alternate (sync step 1, partial step 1, sync step 2, ...) so a change in machine
+load hits them alike. Throughput = tokens generated / rollout wall time (APRIL's measure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+from pathlib import Path
+from typing import Any
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--policy", default="sync,partial", help="comma-separated policies")
+    parser.add_argument("--model", default="tiny", help="demo model name or HF folder")
+    parser.add_argument("--engines", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=8, help="groups per step")
+    parser.add_argument("--n", type=int, default=4, help="samples per prompt")
+    parser.add_argument("--cap", type=int, default=256, help="max_new_tokens (trace cap)")
+    parser.add_argument("--over-provision", type=float, default=2.0)
+    parser.add_argument("--steps", type=int, default=6, help="steps per policy")
+    parser.add_argument("--warmup-steps", type=int, default=1, help="steps per policy not counted")
+    parser.add_argument("--p-hard", type=float, default=0.15, help="share of long-tail prompts")
+    parser.add_argument("--easy-frac", type=float, default=0.08,
+                        help="median length of ordinary prompts, as a fraction of the cap")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trace-out", help="also write the trace (jsonl) here")
+    parser.add_argument("--out", help="write the results as JSON here")
+
+
+def run(args: argparse.Namespace) -> int:
+    result = asyncio.run(bench_rollout(args))
+    print(format_table(result))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def make_trace(args: argparse.Namespace, rows: int) -> Any:
+    from rollout.sim.trace import TraceSpec, generate_trace
+
+    spec = TraceSpec(
+        rows=rows, epochs=4, group_size=args.n, cap=args.cap, seed=args.seed,
+        batch_size=args.batch_size, p_hard=args.p_hard, easy_median_frac=args.easy_frac,
+        prompt_median=24, prompt_min=8, prompt_max=64,
+    )
+    return generate_trace(spec)
+
+
+async def bench_rollout(args: argparse.Namespace) -> dict[str, Any]:
+    from buffers import ListPromptSource, PromptRecord, RolloutBuffer
+    from rlkit.demo_models import resolve_model_path
+    from rollout.config import SamplingConfig
+    from rollout.engines.config import EngineConfig, RouterConfig
+    from rollout.engines.fleet import EngineFleet
+    from rollout.manager import RolloutManager
+    from rollout.policies import PartialPolicy, SyncPolicy
+    from rollout.rewards import RewardScheduler
+    from rollout.sim.replay import BufferPrompts, TraceReplayEngines
+
+    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    for p in policies:
+        if p not in ("sync", "partial"):
+            raise SystemExit(f"--policy: unknown policy {p!r} (sync, partial)")
+    model_path = resolve_model_path(args.model)
+    vocab = _vocab_size(model_path)
+    rows = max(64, args.batch_size * (args.steps + args.warmup_steps) * 3)
+    trace = make_trace(args, rows)
+    if args.trace_out:
+        trace.save(args.trace_out)
+    rng = random.Random(args.seed)
+    records = [
+        PromptRecord(ids=tuple(rng.randrange(3, vocab) for _ in range(trace.records[(i, 0)].prompt_len)),
+                     text="", source_index=i)
+        for i in range(rows)
+    ]
+    sampling = SamplingConfig(max_new_tokens=args.cap, temperature=1.0)
+
+    async def score(sample, group) -> float:
+        return 0.0
+
+    engine_cfg = EngineConfig(num_engines=args.engines, max_running_requests=256)
+    with EngineFleet(model_path, engine_cfg, RouterConfig()) as fleet:
+        async with fleet.client() as client:
+            runs = {}
+            for name in policies:
+                buf = RolloutBuffer(ListPromptSource(records, seed=args.seed),
+                                    n_samples_per_prompt=args.n, max_staleness=1000)
+                engines = TraceReplayEngines(client, trace, BufferPrompts(buf))
+                policy = SyncPolicy() if name == "sync" else PartialPolicy(args.over_provision)
+                runs[name] = (buf, RolloutManager(buf, engines, policy, sampling, RewardScheduler(score)))
+            steps: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
+            for step in range(args.warmup_steps + args.steps):
+                for name, (buf, manager) in runs.items():
+                    report = await manager.run_step(args.batch_size, version=0)
+                    buf.take_nowait(len(report.completed))
+                    if step >= args.warmup_steps:
+                        steps[name].append({
+                            "seconds": report.seconds, "tokens": report.tokens_generated,
+                            "completed": len(report.completed),
+                            "resumed_token_share": report.resumed_token_share,
+                            "carried_over": report.groups_carried_over,
+                            "discarded": report.tokens_discarded,
+                        })
+    return summarise(steps, vars(args), trace)
+
+
+def summarise(steps: dict[str, list[dict[str, Any]]], args: dict[str, Any], trace: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"config": {k: v for k, v in args.items() if not callable(v)},
+                           "trace": trace.name, "policies": {}}
+    base = None
+    for name, rows in steps.items():
+        seconds = sum(r["seconds"] for r in rows)
+        tokens = sum(r["tokens"] for r in rows)
+        tput = tokens / seconds if seconds else 0.0
+        base = base if base is not None else tput
+        out["policies"][name] = {
+            "steps": len(rows),
+            "groups": sum(r["completed"] for r in rows),
+            "rollout_s": seconds,
+            "tokens": tokens,
+            "throughput_tok_s": tput,
+            "ratio_to_first": tput / base if base else 0.0,
+            "step_s_median": statistics.median(r["seconds"] for r in rows) if rows else 0.0,
+            "resumed_token_share": statistics.mean(r["resumed_token_share"] for r in rows) if rows else 0.0,
+            "tokens_discarded": sum(r["discarded"] for r in rows),
+        }
+    return out
+
+
+def format_table(r: dict[str, Any]) -> str:
+    c = r["config"]
+    lines = [
+        f"rollout bench: model {c['model']}, {c['engines']} engines, {c['batch_size']} groups x "
+        f"{c['n']} per step, cap {c['cap']}, over-provision {c['over_provision']}, "
+        f"{c['steps']} steps per policy (+{c['warmup_steps']} warm-up), trace {r['trace']}",
+        "",
+        "| policy | groups | rollout s | tokens | tok/s | vs first | median step s | resumed share | discarded |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, p in r["policies"].items():
+        lines.append(
+            f"| {name} | {p['groups']} | {p['rollout_s']:.1f} | {p['tokens']:,} | "
+            f"{p['throughput_tok_s']:,.0f} | {p['ratio_to_first']:.2f}x | {p['step_s_median']:.2f} | "
+            f"{p['resumed_token_share']:.0%} | {p['tokens_discarded']} |"
+        )
+    return "\n".join(lines)
+
+
+def _vocab_size(model_path: str) -> int:
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    return int(cfg["vocab_size"])

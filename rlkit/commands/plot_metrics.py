@@ -1,0 +1,54 @@
+"""`rlkit plot metrics RUN [--key K ...]`: curves of a run's per-step metrics as a PNG."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+DEFAULT_KEYS = ["batch/reward_mean", "rollout/reward_mean"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run", type=Path, help="run folder (with metrics.jsonl) or the file itself")
+    parser.add_argument("--key", action="append", help=f"metric to plot (default: {DEFAULT_KEYS})")
+    parser.add_argument("--out", type=Path, help="PNG to write (default: <run>/metrics.png)")
+    parser.add_argument("--title", help="chart title")
+
+
+def load_metrics(path: Path) -> list[dict]:
+    path = path / "metrics.jsonl" if path.is_dir() else path
+    if not path.is_file():
+        raise SystemExit(f"{path}: no metrics.jsonl")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_metrics(rows: list[dict], keys: list[str], out: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key in keys:
+        pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+        if not pts:
+            raise SystemExit(f"no values for {key!r} (keys: {sorted(rows[0]) if rows else []})")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=key)
+    ax.set_xlabel("step")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    rows = load_metrics(args.run)
+    out = args.out or ((args.run if args.run.is_dir() else args.run.parent) / "metrics.png")
+    title = args.title or f"{args.run.name}: per-step metrics"
+    print(f"wrote {plot_metrics(rows, args.key or DEFAULT_KEYS, out, title)}")
+    return 0
