@@ -7,7 +7,8 @@ tails takes seconds of real time.
 Model of one worker (an SGLang-like server):
 
 - Continuous batching. Running requests all advance one token per decode step; a step with B
-  running requests holding K tokens of KV takes `profile.ptl(B, K)` seconds. Requests join and
+  running requests whose attention reads K KV tokens takes `profile.ptl(B, K)` seconds
+  (K = sum of contexts with a paged KV cache, B x the longest context with a padded one). Requests join and
   leave the batch only between steps.
 - Decode is simulated analytically between events, never token by token: from the running set
   the worker computes how many steps remain until the next event (a request reaches its
@@ -28,6 +29,11 @@ Model of one worker (an SGLang-like server):
 - Abort. `abort_all` ends every running and queued request at the next step boundary with its
   tokens kept (the sample is left PARTIAL or PENDING) and returns when every worker is idle.
   Cancelling the task awaiting `generate` does the same for one request, immediately.
+- Overheads of the serving stack (both 0 by default, set for CPU validation): every request
+  reaches its worker `request_latency_s` after it is sent (HTTP, router, tokenizer; the
+  engine is not busy meanwhile; a request still on its way when `abort_all` is called is
+  aborted on arrival, as the client's repeated abort does), and `abort_all` returns
+  `abort_latency_s` after the workers are idle (the client polls /v1/loads until idle).
 - Sampling. Simulated engines know no text: a request generates exactly its budget
   (`max_new_tokens`) and finishes with 'length'. Natural lengths come from a trace through
   `TraceReplayEngines` (rollout.sim.replay), exactly as on real engines.
@@ -65,6 +71,12 @@ class SimConfig:
     reserve_ratio: float = 0.3  # SGLang's new-token ratio decays from 0.7 to 0.1
     reserve_clip_tokens: int = 4096  # SGLang's clip_max_new_tokens_estimation
     stream_spans: bool = True  # append tokens at every event (False: only when a request ends)
+    request_latency_s: float = 0.0  # send -> queued at the worker
+    abort_latency_s: float = 0.0  # workers idle -> abort_all returns
+    # How attention reads the KV cache: 'paged' (SGLang, vLLM: each request its own context,
+    # K = sum of contexts) or 'padded' (rlkit's hf engine: rows left-padded to the longest, so
+    # K = batch x longest context). None: the profile's "kv_layout" key, else 'paged'.
+    kv_layout: Literal["paged", "padded"] | None = None
 
     def __post_init__(self) -> None:
         if self.engines < 1:
@@ -73,6 +85,10 @@ class SimConfig:
             raise ValueError(f"unknown router policy {self.router!r}")
         if not 0 <= self.reserve_ratio <= 1:
             raise ValueError("reserve_ratio must be in [0, 1]")
+        if self.request_latency_s < 0 or self.abort_latency_s < 0:
+            raise ValueError("latencies must be >= 0")
+        if self.layout not in ("paged", "padded"):
+            raise ValueError(f"unknown kv_layout {self.layout!r}")
 
     @property
     def capacity(self) -> int | None:
@@ -82,6 +98,10 @@ class SimConfig:
     @property
     def batch_limit(self) -> int:
         return self.max_running_requests or self.profile.batch_limit
+
+    @property
+    def layout(self) -> str:
+        return self.kv_layout or str(self.profile.extra.get("kv_layout", "paged"))
 
 
 @dataclass
@@ -190,6 +210,7 @@ class SimWorker:
         self.reserve_ratio = cfg.reserve_ratio
         self.reserve_clip = cfg.reserve_clip_tokens
         self.stream_spans = cfg.stream_spans
+        self.padded = cfg.layout == "padded"
         self.stats = WorkerStats()
         self.segments: list[Segment] = []
         self.running: dict[int, _Request] = {}  # admission order
@@ -320,7 +341,11 @@ class SimWorker:
         if self.capacity is not None:
             steps = min(steps, (self.capacity - self.kv_used) // batch)
         assert steps >= 1, "boundary processing leaves room for one step"
-        return _Plan(now, steps, batch, self.kv_used, self.profile.step_base_s(batch),
+        # Attention reads K KV cells per step; every row grows by one token per step, so K
+        # grows by `batch` per step in both layouts.
+        kv_read = batch * max(r.kv for r in self.running.values()) if self.padded \
+            else self.kv_used
+        return _Plan(now, steps, batch, kv_read, self.profile.step_base_s(batch),
                      self.profile.kv_s_per_token)
 
     def _advance(self, plan: _Plan, steps: int) -> None:
@@ -440,6 +465,7 @@ class SimEngines:
         self._order = list(self._workers.values())
         self._next_rr = 0
         self._next_rid = 0
+        self._aborts = 0  # abort_all calls so far: requests on their way see it on arrival
 
     # -- Engines ----------------------------------------------------------------------------
     def workers(self) -> list[str]:
@@ -466,6 +492,16 @@ class SimEngines:
         w.start()
         loop = asyncio.get_running_loop()
         sample.start_request()
+        if self.cfg.request_latency_s > 0:
+            aborts = self._aborts
+            try:
+                await asyncio.sleep(self.cfg.request_latency_s)
+            except asyncio.CancelledError:
+                sample.interrupt()
+                raise
+            if self._aborts != aborts:  # aborted while on its way: never reaches the engine
+                sample.interrupt()
+                return w.id
         req = _Request(self._next_rid, sample, max_new_tokens, context, version,
                        loop.create_future(), loop.time())
         self._next_rid += 1
@@ -481,10 +517,13 @@ class SimEngines:
         return w.id
 
     async def abort_all(self) -> None:
+        self._aborts += 1
         for w in self._order:
             w.request_abort()
         for w in self._order:
             await w.idle.wait()
+        if self.cfg.abort_latency_s > 0:
+            await asyncio.sleep(self.cfg.abort_latency_s)
 
     async def loads(self) -> dict[str, int]:
         return {wid: w.load() for wid, w in self._workers.items()}

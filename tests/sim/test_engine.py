@@ -207,3 +207,49 @@ def test_routing():
     served, pinned = run_virtual(main)
     assert served == ["sim-0", "sim-1", "sim-2"] * 2
     assert pinned == "sim-2"
+
+
+def test_serving_overheads_delay_requests_and_aborts():
+    prof = constant_profile(0.01)
+    cfg = SimConfig(1, prof, request_latency_s=0.05, abort_latency_s=0.2)
+
+    async def main():
+        engines = SimEngines(cfg)
+        loop = asyncio.get_running_loop()
+        a = Sample(0, 0, [1])
+        await engines.generate(a, SAMPLING, max_new_tokens=10, version=0)
+        t_one = loop.time()
+        b, c = Sample(1, 1, [1]), Sample(2, 2, [1])
+        tb = asyncio.create_task(engines.generate(b, SAMPLING, max_new_tokens=100, version=0))
+        await asyncio.sleep(0.1)
+        tc = asyncio.create_task(engines.generate(c, SAMPLING, max_new_tokens=100, version=0))
+        await asyncio.sleep(0.01)  # c is still on its way
+        t0 = loop.time()
+        await engines.abort_all()
+        t_abort = loop.time() - t0
+        await asyncio.gather(tb, tc)
+        return t_one, t_abort, a, b, c
+
+    t_one, t_abort, a, b, c = run_virtual(main)
+    assert t_one == pytest.approx(0.05 + 10 * 0.01)
+    assert 0.2 <= t_abort <= 0.2 + 0.01 + 1e-9
+    assert len(a.response_ids) == 10
+    # on the engine from 0.05 s, aborted at 0.11 s: 6 steps done and the 7th in progress
+    assert b.status is SampleStatus.PARTIAL and len(b.response_ids) == 7
+    assert c.status is SampleStatus.PENDING and c.response_ids == []
+
+
+def test_padded_kv_layout_charges_every_row_the_longest_context():
+    prof = constant_profile(0.01, kv_s_per_token=1e-5)
+
+    async def run_layout(layout):
+        engines = SimEngines(SimConfig(1, prof, kv_layout=layout))
+        loop = asyncio.get_running_loop()
+        await generate_all(engines, [1000, 10], [10, 10])
+        return loop.time()
+
+    paged = run_virtual(run_layout("paged"))
+    padded = run_virtual(run_layout("padded"))
+    # K per step: paged 1010 + 2i, padded 2 x (1000 + i)
+    assert paged == pytest.approx(10 * 0.01 + 1e-5 * (10 * 1010 + 2 * 45))
+    assert padded == pytest.approx(10 * 0.01 + 1e-5 * (10 * 2000 + 2 * 45))
