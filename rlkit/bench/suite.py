@@ -74,6 +74,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="engine profile: a packaged name or a JSON file")
     c.add_argument("--engines", type=int, default=4, help="engines (each of the profile's GPUs)")
     c.add_argument("--router", default="round_robin", choices=["round_robin", "least_load"])
+    c.add_argument("--abort-latency", type=float, default=0.2,
+                   help="seconds abort_all takes once engines are idle (rlkit's client polls "
+                        "/v1/loads every 0.2 s)")
+    c.add_argument("--request-latency", type=float, default=0.0,
+                   help="seconds from sending a request to its arrival at the engine")
     c.add_argument("--train-params", type=float, default=4.02e9, help="trained parameters")
     c.add_argument("--train-gpus", type=int, default=8, help="trainer GPUs")
     c.add_argument("--train-mfu", type=float, default=0.35)
@@ -97,7 +102,9 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     profile = load_profile(args.profile)
-    cluster = SimConfig(args.engines, profile, router=args.router)
+    cluster = SimConfig(args.engines, profile, router=args.router,
+                        abort_latency_s=args.abort_latency,
+                        request_latency_s=args.request_latency)
     train = TrainTimeModel(params=args.train_params, gpus=args.train_gpus, mfu=args.train_mfu)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for p in policies:
@@ -217,7 +224,8 @@ def describe(suite: SuiteSpec, traces: list[Any], wall_s: float) -> str:
     lines = [
         f"Cluster: {c.engines} engines x {p.device}, profile `{p.name}` ({p.model}); "
         f"KV capacity {c.capacity or 'unlimited'} tokens/engine, batch limit {c.batch_limit}, "
-        f"router {c.router}.",
+        f"router {c.router}; abort latency {c.abort_latency_s:g} s, request latency "
+        f"{c.request_latency_s:g} s.",
         f"Workload: {suite.batch_size} groups x {traces[0].group_size} responses per step; "
         + "; ".join(f"trace `{tr.name}` (cap {tr.cap})" for tr in traces) + ".",
         f"Trainer: {t.params / 1e9:.2f}B params on {t.gpus} GPUs at MFU {t.mfu:g} "
