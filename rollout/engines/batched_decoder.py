@@ -357,6 +357,7 @@ class BatchedDecoder:
         for row, r, tok, lp in zip(rows, requests, tokens, logprobs):
             r.output_ids.append(tok)
             r.output_logprobs.append(lp)
+            r.output_versions.append(self.weight_version)
             r.weight_version = self.weight_version
             if r.first_token_at is None:
                 r.first_token_at = now

@@ -41,6 +41,7 @@ class RemoteRequest:
     stream: bool = False
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_versions: list[str] = field(default_factory=list)
     weight_version: str = "0"
     finish_reason: FinishReason | None = None
     created: float = field(default_factory=time.monotonic)
@@ -128,12 +129,13 @@ class EngineCoreClient:
     def _dispatch(self, message: tuple) -> None:
         kind = message[0]
         if kind == "progress":
-            for rid, ids, lps, version, finish in message[1]:
+            for rid, ids, lps, versions, version, finish in message[1]:
                 r = self.requests.get(rid)
                 if r is None:
                     continue
                 r.output_ids.extend(ids)
                 r.output_logprobs.extend(lps)
+                r.output_versions.extend(versions)
                 r.weight_version = version
                 if finish is not None:
                     r.finish_reason = FinishReason.model_validate(finish)

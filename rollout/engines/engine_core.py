@@ -13,7 +13,8 @@ Messages (pickled tuples). HTTP -> core:
     ("stop",)
 Core -> HTTP:
     ("ready", info)                    once the model is loaded
-    ("progress", [(rid, new_ids, new_logprobs, weight_version, finish_wire | None), ...])
+    ("progress", [(rid, new_ids, new_logprobs, new_versions, weight_version, finish_wire | None),
+                  ...])   new_versions: the weight version of each new token
     ("result", call_id, ok, value_or_error_message)
     ("crashed", message)
 """
@@ -48,6 +49,7 @@ class CoreConfig:
     seed: int = 0
     weight_version: str = "0"
     weight_group_timeout_s: float = 600.0
+    stream_interval: int = 1  # tokens per streamed chunk: the core reports no more often
     log_level: str = "warning"
 
 
@@ -123,19 +125,28 @@ class EngineCore:
             self.conn.send_bytes(data)
 
     def _report(self, requests: list[Any]) -> None:
-        """Decoder thread, once per step: the new tokens of every request that progressed."""
+        """Decoder thread, once per step: the new tokens of the requests that progressed, for
+        each request only when the HTTP side has something to do with them (a streamed chunk is
+        due, the weight version changed under it, or it finished). The finishing report always
+        carries every remaining token."""
         entries = []
+        interval = max(1, self.config.stream_interval)
         for r in requests:
             n = len(r.output_ids)
             sent = self._reported.get(r.rid, 0)
             finish = r.finish_reason.wire() if r.finish_reason is not None else None
-            entries.append((r.rid, r.output_ids[sent:n], r.output_logprobs[sent:n],
+            versions = r.output_versions[sent:n]
+            version_changed = bool(versions) and versions[0] != versions[-1]
+            if finish is None and not version_changed and (not r.stream or n - sent < interval):
+                continue
+            entries.append((r.rid, r.output_ids[sent:n], r.output_logprobs[sent:n], versions,
                             r.weight_version, finish))
             if finish is None:
                 self._reported[r.rid] = n
             else:
                 self._reported.pop(r.rid, None)
-        self.send(("progress", entries))
+        if entries:
+            self.send(("progress", entries))
         if self.decoder.crashed and not self._crash_reported:
             self._crash_reported = True
             self.send(("crashed", self.decoder.crashed))

@@ -30,6 +30,19 @@ def start_engine(model_path: str, c: EngineConfig, index: int,
     return start_hf_server(model_path, c, seed=c.seed + index, threads=threads, log_path=log_path)
 
 
+def start_engine(model_path: str, config: EngineConfig, index: int,
+                 log_dir: Path | None = None) -> ManagedProcess:
+    """Start engine `index` of a fleet (hf or sglang per `config.kind`) and wait until it is
+    healthy. Engine i samples unseeded requests from seed + i; hf engines split the cores
+    (`cpu_threads`, or cores // num_engines). Its log is `log_dir/engine-<index>.log`."""
+    log_path = log_dir / f"engine-{index}.log" if log_dir else None
+    if config.kind == "sglang":
+        return start_sglang_server(model_path, config, index=index, log_path=log_path)
+    threads = config.cpu_threads or default_threads(config.num_engines)
+    return start_hf_server(model_path, config, seed=config.seed + index, threads=threads,
+                           log_path=log_path)
+
+
 class EngineFleet:
     def __init__(self, model_path: str, engine: EngineConfig | None = None,
                  router: RouterConfig | None = None, *, log_dir: Path | None = None) -> None:

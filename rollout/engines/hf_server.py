@@ -113,7 +113,8 @@ class EngineServer:
             max_total_tokens=args.max_total_tokens, max_prefill_tokens=args.max_prefill_tokens,
             context_length=args.context_length, seed=args.random_seed,
             weight_version=args.weight_version,
-            weight_group_timeout_s=args.weight_group_timeout_s, log_level=args.log_level,
+            weight_group_timeout_s=args.weight_group_timeout_s,
+            stream_interval=args.stream_interval, log_level=args.log_level,
         ))
         self.weight_version = args.weight_version  # mirrors the core's (set only through it)
         self.update_session_open = False
@@ -291,15 +292,18 @@ class EngineServer:
 
     def _payload(self, r: RemoteRequest, req: GenerateRequest, upto: int, since: int,
                  finished: bool, text: str) -> dict[str, Any]:
-        """A /generate answer (or stream chunk) carrying output tokens [since, upto)."""
+        """A /generate answer (or stream chunk) carrying output tokens [since, upto), stamped
+        with the weight version of its last token (callers never mix versions in one chunk,
+        except the single non-streamed answer, which reports the latest)."""
         finish = r.finish_reason if finished else None
+        version = r.output_versions[upto - 1] if upto > 0 else r.weight_version
         meta: dict[str, Any] = {
             "id": r.rid,
             "finish_reason": finish.wire() if finish is not None else None,
             "prompt_tokens": len(r.input_ids),
             "completion_tokens": upto,
             "cached_tokens": 0,
-            "weight_version": r.weight_version,
+            "weight_version": version,
             "e2e_latency": time.monotonic() - r.created,
         }
         ids = r.output_ids[since:upto]
@@ -350,14 +354,22 @@ class EngineServer:
             r.progressed.clear()
             finished = r.finish_reason is not None
             n = len(r.output_ids)
-            if finished or n - sent >= interval:
-                piece = detok.update(r.output_ids)
-                if finished:
+            versions = r.output_versions
+            new_version = n > sent and versions[sent] != versions[n - 1]
+            if not (finished or new_version or n - sent >= interval):
+                continue
+            # One chunk per weight version: a chunk's weight_version is true of all its tokens.
+            cuts = [i for i in range(sent + 1, n) if versions[i] != versions[i - 1]] + [n]
+            for upto in cuts:
+                last = upto == n
+                piece = detok.update(r.output_ids[:upto])
+                if finished and last:
                     piece += detok.finish(r.output_ids)
                 text = piece if incremental else detok.text
-                chunk = self._payload(r, req, n, sent if incremental else 0, finished, text)
+                chunk = self._payload(r, req, upto, sent if incremental else 0,
+                                      finished and last, text)
                 await resp.write(b"data: " + dumps(chunk) + b"\n\n")
-                sent = n
+                sent = upto
             if finished:
                 break
         await resp.write(b"data: [DONE]\n\n")

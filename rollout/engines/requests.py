@@ -47,6 +47,7 @@ class DecodeRequest:
     stream: bool = False
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_versions: list[str] = field(default_factory=list)  # weights that produced each token
     weight_version: str = "0"  # version of the weights that produced the latest token
     finish_reason: FinishReason | None = None
     created: float = field(default_factory=time.monotonic)

@@ -335,3 +335,36 @@ async def test_the_trainers_weight_sender_drives_these_engines(fleet, tiny_model
     assert all(s.versions == [11] * 12 for s in after)
     assert [s.response_ids for s in restored] == [s.response_ids for s in before]
     assert all(s.versions == [12] * 12 for s in restored)
+
+
+async def test_each_token_carries_the_version_of_the_weights_that_made_it(fleet, tiny_model,
+                                                                          tiny_model_dir, tmp_path):
+    """A weight update in the middle of a streamed request (pause retract -> update -> continue):
+    tokens before it carry the old version and old-weight logprobs, tokens after it the new
+    ones, even though a chunk holds several tokens (stream interval 8)."""
+    from transformers import AutoModelForCausalLM
+
+    new_dir = _perturbed_copy(tiny_model_dir, tmp_path / "v77")
+    new_model = AutoModelForCausalLM.from_pretrained(new_dir, dtype=torch.float32).eval()
+    sampling = SamplingConfig(max_new_tokens=160, ignore_eos=True)
+    async with fleet.client() as c:
+        old_version = int((await c.weight_versions())[fleet.worker_urls[0]])
+        s = samples(1)[0]
+        task = asyncio.create_task(c.generate(s, sampling, max_new_tokens=160, version=0,
+                                              worker=fleet.worker_urls[0]))
+        while len(s.response_ids) < 20:
+            await asyncio.sleep(0.005)
+        await c.pause("retract")
+        await c.flush_cache()
+        await c.update_weights_from_disk(new_dir, 77)
+        await c.continue_generation()
+        await task
+        await c.pause("abort")  # restore the original weights for the other tests
+        await c.update_weights_from_disk(str(tiny_model_dir), old_version + 1)
+        await c.continue_generation()
+    k = s.versions.index(77)
+    assert k >= 20 and s.versions == [old_version] * k + [77] * (160 - k)
+    old_ref = teacher_forced_logprobs(tiny_model, s.prompt_ids, s.response_ids[:k])
+    assert max(abs(a - b) for a, b in zip(old_ref, s.logprobs[:k])) < LOGPROB_TOLERANCE
+    new_ref = teacher_forced_logprobs(new_model, s.prompt_ids, s.response_ids)[k:]
+    assert max(abs(a - b) for a, b in zip(new_ref, s.logprobs[k:])) < LOGPROB_TOLERANCE
