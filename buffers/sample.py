@@ -103,8 +103,8 @@ class Sample:
                 f"expected one of {sorted(FINISH_REASON_STATUS)}"
             )
         n = len(token_ids)
-        self.response_ids.extend(int(t) for t in token_ids)
-        self.logprobs.extend(float(x) for x in logprobs)
+        self.response_ids.extend(map(int, token_ids))
+        self.logprobs.extend(map(float, logprobs))
         self.versions.extend([version] * n)
         self.loss_mask.extend([1 if trainable else 0] * n)
         if finish_reason is not None:
@@ -120,6 +120,16 @@ class Sample:
             raise SampleError(f"sample {self.index}: cannot start a request, status {self.status.value}")
         self.status = SampleStatus.RUNNING
         self.requests += 1
+
+    def relabel_finish(self, finish_reason: str) -> None:
+        """Correct how a finished sample ended (stop <-> length), e.g. a replayed trace whose
+        response reached its natural length below the cap: a stop, not a truncation."""
+        if self.status not in (SampleStatus.DONE, SampleStatus.TRUNCATED):
+            raise SampleError(f"sample {self.index}: relabel of a {self.status.value} sample")
+        if finish_reason not in ("stop", "length"):
+            raise SampleError(f"sample {self.index}: relabel to {finish_reason!r}; stop or length")
+        self.finish_reason = finish_reason
+        self.status = FINISH_REASON_STATUS[finish_reason]
 
     def interrupt(self) -> None:
         """The in-flight request ended without a finish reason (abort, lost connection)."""

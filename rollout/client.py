@@ -399,6 +399,7 @@ class EngineClient:
     async def _abort_until_idle(self, worker: str) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.abort_timeout_s
+        delay = 0.01
         while True:
             await self._call("POST", worker, "/abort_request", {"rid": "", "abort_all": True},
                              policy="abort")
@@ -408,7 +409,10 @@ class EngineClient:
             if loop.time() > deadline:
                 raise EngineError(f"{worker} still has {left} requests {self.abort_timeout_s:.0f} s "
                                   "after abort_all")
-            await asyncio.sleep(self.abort_poll_interval_s)
+            # An abort lands within a decode step: check again soon, then back off, so a short
+            # step does not pay a whole poll interval (it did: 0.2 s on 0.3 s CPU steps).
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, self.abort_poll_interval_s)
 
     async def worker_load(self, worker: str) -> int:
         body = await self._call_first("GET", worker, LOADS_PATHS, policy="loads")

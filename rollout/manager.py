@@ -20,6 +20,7 @@ Only asyncio primitives and `loop.time()` are used, so a step runs unchanged in 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -376,8 +377,9 @@ class Step:
         for g in self._completed:
             for s in g.samples:
                 r.tokens_in_batch += len(s.response_ids)
-                r.tokens_from_earlier += sum(1 for v in s.versions if v < self.version)
-                r.max_versions_per_sample = max(r.max_versions_per_sample, len(set(s.versions)))
+                # versions are sorted along a sample: count and distinct by bisection
+                r.tokens_from_earlier += bisect.bisect_left(s.versions, self.version)
+                r.max_versions_per_sample = max(r.max_versions_per_sample, _distinct_sorted(s.versions))
                 if s.reward is not None:
                     rewards.append(s.reward)
         r.reward_mean = sum(rewards) / len(rewards) if rewards else math.nan
@@ -386,3 +388,11 @@ class Step:
             r.seconds = self._loop.time() - self._t0
         return r
 
+
+def _distinct_sorted(values: list[int]) -> int:
+    """Distinct values of a sorted list, in O(distinct x log n)."""
+    n, i = 0, 0
+    while i < len(values):
+        n += 1
+        i = bisect.bisect_right(values, values[i], i)
+    return n

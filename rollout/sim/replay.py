@@ -120,8 +120,5 @@ def _span_version(sample: Sample, version: int) -> int:
 
 def _mark_stopped(sample: Sample) -> None:
     """The engine stopped the response at its budget ('length'), which the replay set to the
-    traced natural length: the traced response ended there with EOS. Sample has no mutator
-    for re-labelling a finish reason, so this sets the two fields the finish reason drives
-    (see the report to the lead: a `Sample` method would be the better home)."""
-    sample.finish_reason = "stop"
-    sample.status = SampleStatus.DONE
+    traced natural length: the traced response ended there with EOS."""
+    sample.relabel_finish("stop")
