@@ -286,9 +286,15 @@ class Step:
                 run.scoring.add(s.index)
                 if not await self._m.rewards.score(s, run.group):
                     self.report_.reward_failures += 1
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bug or an unexpected engine failure: fail the step loudly
+            if self._error is None:
+                self._error = e
+            s.interrupt()
         finally:
             run.scoring.discard(s.index)
-            self._check(run)
+            self._check(run, finishing=asyncio.current_task())
 
     async def _generate(self, run: _GroupRun, s: Sample) -> None:
         remaining = s.remaining_tokens(self._m.sampling.max_new_tokens)
@@ -317,14 +323,15 @@ class Step:
                 worker, run.group.group_id, s.index, start, self._loop.time(), tokens, outcome
             ))
 
-    def _check(self, run: _GroupRun) -> None:
-        """After any sample of the group changed: settle the group if it can be settled."""
+    def _check(self, run: _GroupRun, finishing: asyncio.Task | None = None) -> None:
+        """After any sample of the group changed: settle the group if it can be settled.
+        `finishing` is the sample task calling from its `finally` (not done() yet)."""
         if not run.settled:
-            self._settle(run)
-        if run.settled:
+            self._settle(run, finishing)
+        if run.settled or self._error is not None:
             self._event.set()
 
-    def _settle(self, run: _GroupRun) -> None:
+    def _settle(self, run: _GroupRun, finishing: asyncio.Task | None = None) -> None:
         g = run.group
         if run.settled:
             return
@@ -357,7 +364,9 @@ class Step:
                     f"{[s.error for s in failed][-1]}"
                 )
             return
-        if not self._stopping and run.tasks and all(t.done() for t in run.tasks.values()):
+        if not self._stopping and run.tasks and all(
+            t.done() or t is finishing for t in run.tasks.values()
+        ):
             # Every request ended without completing the group (an abort from outside the
             # step): park it rather than wait for nothing.
             run.settled = True

@@ -223,3 +223,39 @@ async def test_timeline_records_every_request():
     assert sum(s.tokens for s in r.timeline) == r.tokens_generated
     assert {s.outcome for s in r.timeline} <= {"stop", "length", "abort", "cancelled"}
     assert all(s.end >= s.start for s in r.timeline)
+
+
+async def test_a_group_whose_requests_all_end_unfinished_is_parked_not_waited_for():
+    """An engine that aborts requests on its own (restart, preemption): the step must not hang
+    waiting for a group nothing works on any more."""
+    class AbortingEngines(FakeEngines):
+        async def generate(self, sample, sampling, *, max_new_tokens, version, worker=None):
+            if sample.group_id == 0 and sample.requests == 0:
+                sample.start_request()
+                sample.append([1, 2], [-0.1, -0.2], version, finish_reason="abort")
+                return "fake0"
+            return await super().generate(sample, sampling, max_new_tokens=max_new_tokens,
+                                          version=version, worker=worker)
+
+    buf = RolloutBuffer(ListPromptSource(records_from_token_lists([[1, i] for i in range(9)]),
+                                         shuffle=False), n_samples_per_prompt=2)
+    mgr = RolloutManager(buf, AbortingEngines(lambda s: 6), SyncPolicy(), SamplingConfig(max_new_tokens=50),
+                         RewardScheduler(constant_reward))
+    r = await asyncio.wait_for(mgr.run_step(target=3, version=0), 10)
+    # parked, then resumed first (with its two tokens) and finished in the same step
+    assert sorted(r.completed) == [0, 1, 2]
+    assert r.groups_launched == 4 and r.groups_resumed == 1
+    g0 = next(g for g in buf.take_nowait(3) if g.group_id == 0)
+    assert g0.samples[0].response_ids[:2] == [1, 2] and len(g0.samples[0].response_ids) == 6
+
+
+async def test_an_unexpected_error_in_an_engine_fails_the_step_loudly():
+    class Broken(FakeEngines):
+        async def generate(self, sample, *a, **k):
+            raise KeyError("bug in an engine wrapper")
+
+    buf = RolloutBuffer(ListPromptSource(records_from_token_lists([[1]])), n_samples_per_prompt=1)
+    mgr = RolloutManager(buf, Broken(lambda s: 3), SyncPolicy(), SamplingConfig(), RewardScheduler(constant_reward))
+    with pytest.raises(KeyError, match="bug in an engine wrapper"):
+        await asyncio.wait_for(mgr.run_step(target=1, version=0), 10)
+    assert buf.stats()["balanced"] and buf.stats()["in_flight"] == 0
