@@ -112,12 +112,17 @@ class TrainConfig(BaseModel):
         "(batch_size x n_samples_per_prompt), i.e. one step per rollout.",
     )
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig, description="How new weights reach the engines after each step.")
+    packing: bool = Field(
+        True,
+        description="Pack several samples of a micro-batch into one row (block-diagonal causal "
+        "attention, no padding between them); false gives one padded row per sample.",
+    )
     pack_row_tokens: int = Field(
-        2048,
+        0,
         ge=0,
-        description="Samples of a micro-batch are packed into rows of at most this many tokens "
-        "(block-diagonal attention, no padding between samples); 0 gives one padded row per "
-        "sample. Attention cost grows with the square of the row length.",
+        description="Row capacity when packing; 0 means the longest sample of the micro-batch "
+        "(never more work than padding). Larger rows mean fewer of them, but attention cost grows "
+        "with the square of the row length.",
     )
     seed: int = Field(1234, description="Seed of the trainer's torch/python RNGs.")
 

@@ -5,11 +5,14 @@ packed the other way: several samples share one row, and a block-diagonal causal
 attending to each other. RoPE needs no position reset: attention scores depend only on the
 relative position of query and key, which packing does not change (only float rounding differs).
 
-Rows are filled first-fit-decreasing up to `row_tokens` (a sample longer than that gets a row of
-its own) and padded to the longest row. `row_tokens=0` puts each sample in its own row: the
-classic padded batch, kept so the cost of both schemes can be measured (`rlkit bench train`).
-Cost model: linear layers (most of the FLOPs at these lengths) see `slots` = rows x longest row
-tokens, of which `tokens` are real; attention costs sum over rows of (row length)^2.
+Rows are filled first-fit-decreasing up to a capacity and padded to the longest row. The
+default capacity is the longest sample of the micro-batch: that never needs more rows, slots or
+attention work than one padded row per sample, and removes most of the padding. A larger
+`row_tokens` packs more per row (fewer, longer rows: attention work grows with the square of the
+row length, which dominates for small models). `pack=False` puts each sample in its own row: the
+classic padded batch, kept so both schemes can be measured (`rlkit bench train`).
+Cost model: linear layers see `slots` = rows x longest row tokens, of which `tokens` are real;
+attention costs the sum over rows of (row length)^2.
 """
 
 from __future__ import annotations
@@ -37,9 +40,9 @@ class PackedRows:
         return 1.0 - self.tokens / self.slots if self.slots else 0.0
 
 
-def assign_rows(lengths: Sequence[int], row_tokens: int) -> list[list[int]]:
+def assign_rows(lengths: Sequence[int], row_tokens: int = 0, pack: bool = True) -> list[list[int]]:
     """Sample indices per row: first-fit-decreasing bins of capacity max(row_tokens, longest)."""
-    if row_tokens <= 0:
+    if not pack:
         return [[i] for i in range(len(lengths))]
     capacity = max([row_tokens, *lengths])
     rows: list[list[int]] = []
@@ -57,7 +60,12 @@ def assign_rows(lengths: Sequence[int], row_tokens: int) -> list[list[int]]:
 
 
 def pack_samples(
-    tokens: Sequence[torch.Tensor], prompt_lengths: Sequence[int], row_tokens: int, pad_id: int = 0
+    tokens: Sequence[torch.Tensor],
+    prompt_lengths: Sequence[int],
+    row_tokens: int = 0,
+    *,
+    pack: bool = True,
+    pad_id: int = 0,
 ) -> PackedRows:
     """Pack sequences (prompt + response token ids) whose first `prompt_lengths[i]` are prompt."""
     lengths = [int(t.numel()) for t in tokens]
@@ -67,7 +75,7 @@ def pack_samples(
                 f"sample {i}: prompt length {p} must be in [1, {n}] (the first response token "
                 "is predicted from the last prompt token)"
             )
-    rows = assign_rows(lengths, row_tokens)
+    rows = assign_rows(lengths, row_tokens, pack)
     width = max(sum(lengths[i] for i in row) for row in rows)
     n_rows = len(rows)
     input_ids = torch.full((n_rows, width), pad_id, dtype=torch.long)

@@ -6,20 +6,21 @@ fixed synthetic batch whose response lengths follow a long-tailed (log-normal) d
 One warm-up step, then the median of the timed steps; tokens/s counts prompt + response tokens
 of the batch.
 
-Packing: in this process (TP=1), forward+backward of the same batch packed into rows
-(`pack_row_tokens=2048`, block-diagonal attention) and padded (one row per sample,
-`pack_row_tokens=0`), alternated A/B/A/B so that load changes on a shared machine hit both alike;
-the ratio of the medians is the figure.
+Packing: in this process (TP=1), forward+backward of the same batch in three layouts: packed
+into rows as long as the micro-batch's longest sample (the default), packed into rows of up to
+2048 tokens, and padded (one row per sample); alternated round-robin so that load changes on a
+shared machine hit all alike. Ratios of medians to the padded time are the figures.
 
 Models: `tiny` (2 layers, hidden 64), `smollm2` (SmolLM2-135M-Instruct; 9 heads / 3 KV heads, so
 it cannot be split over TP=2) and `smollm2-shaped` (random weights, SmolLM2's sizes with 12
 heads x 48 / 4 KV heads: the same parameter count and FLOPs, shardable over TP=2).
 
-Weight sync: the HF weights of the trainer are pushed to `--engines` (engine worker URLs) or,
-without them, to loopback receivers (local processes that join the broadcast group and receive
-every tensor, or read the safetensors folder, exactly as an engine's receive side would, but do
-not load the weights into a model). Seconds per GB = wall time of one whole update (write +
-pause/flush/update/continue) / GB sent.
+Weight sync: the trainer's HF weights are pushed by broadcast and through disk to (a) loopback
+receivers (local processes that join the broadcast group and receive every tensor, or read the
+safetensors folder, as an engine's receive side does, without a model: the transport alone) and
+(b) one built-in engine server (rollout/engines/hf_server.py) that also loads the weights into
+its model. Seconds per GB = wall time of one whole update (write + pause/flush/update/continue)
+divided by the GB sent; the first distributed update, which forms the group, is reported apart.
 """
 
 from __future__ import annotations
@@ -48,7 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-padding-compare", action="store_true", help="skip the padded-rows runs")
     parser.add_argument("--sync-model", default="smollm2", help="model whose weights are synced ('' skips)")
     parser.add_argument("--sync-rounds", type=int, default=2, help="updates per sync method")
-    parser.add_argument("--engines", nargs="*", default=None, help="engine worker URLs (default: loopback)")
+    parser.add_argument(
+        "--sync-receivers", default="loopback,engine",
+        help="comma list: 'loopback' (receive-only processes), 'engine' (a built-in engine server "
+        "started here), or engine worker URLs given as url1+url2",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -61,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         compare_padding=not args.no_padding_compare,
         sync_model=args.sync_model,
         sync_rounds=args.sync_rounds,
-        engines=args.engines,
+        sync_receivers=[r.replace("+", ",") for r in args.sync_receivers.split(",") if r],
     )
     print(json.dumps(result, indent=2) if args.json else format_table(result))
     return 0
@@ -121,14 +126,13 @@ def synthetic_batch(name: str, vocab: int, seed: int = 0):
 
 
 # -- measurements ------------------------------------------------------------------------------
-def time_training(path: str, name: str, tp: int, steps: int, cpus: int, pack_row_tokens: int) -> dict:
+def time_training(path: str, name: str, tp: int, steps: int, cpus: int) -> dict:
     from train.config import TrainConfig
     from train.hf_io import read_config
     from train.ray_group import TrainerGroup
 
     cfg = TrainConfig.model_validate(
-        {"device": "cpu", "parallelism": {"tensor": tp}, "micro_batch_size": 8,
-         "pack_row_tokens": pack_row_tokens, "optimizer": {"lr": 1e-6}}
+        {"device": "cpu", "parallelism": {"tensor": tp}, "micro_batch_size": 8, "optimizer": {"lr": 1e-6}}
     )
     batch = synthetic_batch(name, int(read_config(path)["vocab_size"]))
     per_worker = max(1, cpus // tp)
@@ -151,15 +155,22 @@ def time_training(path: str, name: str, tp: int, steps: int, cpus: int, pack_row
         group.shutdown()
     step_s = statistics.median(times)
     return {
-        "model": name, "tp": tp, "pack_row_tokens": pack_row_tokens, "samples": len(batch),
+        "model": name, "tp": tp, "samples": len(batch),
         "tokens": batch.tokens, "padding_fraction": first["train/padding_fraction"],
         "step_s": step_s, "train_tokens_per_s": batch.tokens / step_s,
         "forward_tokens_per_s": batch.tokens / forward_s, "setup_s": setup_s,
     }
 
 
+PACKING_LAYOUTS = {  # name -> (packing, pack_row_tokens)
+    "packed-longest": (True, 0),
+    "packed-2048": (True, 2048),
+    "padded": (False, 0),
+}
+
+
 def compare_packing(path: str, name: str, rounds: int) -> dict:
-    """Median fwd+bwd seconds of the batch packed vs padded, alternated in one trainer."""
+    """Median fwd+bwd seconds of the batch in each layout, alternated in one trainer."""
     from train.config import TrainConfig
     from train.hf_io import read_config
     from train.megatron.trainer import MegatronTrainer
@@ -167,49 +178,62 @@ def compare_packing(path: str, name: str, rounds: int) -> dict:
 
     batch = synthetic_batch(name, int(read_config(path)["vocab_size"]))
     trainer = MegatronTrainer.single_process(path, TrainConfig(device="cpu", micro_batch_size=8))
-    times: dict[int, list[float]] = {2048: [], 0: []}
-    fractions = {}
+    times: dict[str, list[float]] = {k: [] for k in PACKING_LAYOUTS}
+    padding: dict[str, float] = {}
     for _ in range(rounds):
-        for rows in (2048, 0):
-            trainer.config.pack_row_tokens = rows
+        for layout, (pack, row_tokens) in PACKING_LAYOUTS.items():
+            trainer.config.packing, trainer.config.pack_row_tokens = pack, row_tokens
             t = time.perf_counter()
             trainer.accumulate(batch)
-            times[rows].append(time.perf_counter() - t)
+            times[layout].append(time.perf_counter() - t)
             trainer.model.zero_grad_buffer()
             trainer._reset_accumulation()
-            mbs = batch.micro_batches(8)
-            packed = [pack_samples([s.tokens for s in m.samples], [s.prompt_length for s in m.samples], rows) for m in mbs]
-            fractions[rows] = 1 - sum(p.tokens for p in packed) / sum(p.slots for p in packed)
-    packed_s, padded_s = statistics.median(times[2048]), statistics.median(times[0])
+            rows = [
+                pack_samples([s.tokens for s in m.samples], [s.prompt_length for s in m.samples], row_tokens, pack=pack)
+                for m in batch.micro_batches(8)
+            ]
+            padding[layout] = 1 - sum(r.tokens for r in rows) / sum(r.slots for r in rows)
+    medians = {k: statistics.median(v) for k, v in times.items()}
     return {
         "model": name, "tokens": batch.tokens, "rounds": rounds,
-        "packed_s": packed_s, "padded_s": padded_s,
-        "packed_tokens_per_s": batch.tokens / packed_s, "padded_tokens_per_s": batch.tokens / padded_s,
-        "padded_padding_fraction": fractions[0], "packed_padding_fraction": fractions[2048],
-        "speedup": padded_s / packed_s,
+        "layouts": {
+            k: {"seconds": medians[k], "tokens_per_s": batch.tokens / medians[k],
+                "padding_fraction": padding[k], "speedup_vs_padded": medians["padded"] / medians[k]}
+            for k in PACKING_LAYOUTS
+        },
     }
 
 
-def time_weight_sync(path: str, rounds: int, engines: list[str] | None, workdir: Path) -> list[dict]:
+def time_weight_sync(path: str, rounds: int, receivers: str, workdir: Path) -> list[dict]:
+    """Seconds per update and per GB, both methods, to `receivers`: 'loopback', 'engine' (one
+    built-in engine server started here on the same model) or a comma list of engine URLs."""
     from train.config import TrainConfig
     from train.megatron.trainer import MegatronTrainer
     from train.weight_sync.loopback import LoopbackEngines
     from train.weight_sync.sender import WeightSender
 
     trainer = MegatronTrainer.single_process(path, TrainConfig(device="cpu"))
-    loopback = None if engines else LoopbackEngines(1)
-    urls = engines or loopback.urls  # type: ignore[union-attr]
-    if loopback is not None:
+    loopback, engine_proc = None, None
+    if receivers == "loopback":
+        loopback = LoopbackEngines(1)
+        urls = loopback.urls
         trainer.attach_sender(WeightSender(bucket_mb=trainer.config.weight_sync.bucket_mb, control_factory=loopback.control))
+    elif receivers == "engine":
+        from rollout.engines.config import EngineConfig
+        from rollout.engines.process import start_hf_server
+
+        engine_proc = start_hf_server(path, EngineConfig(num_engines=1, cpu_threads=1, startup_timeout_s=300))
+        urls = [engine_proc.url]
+    else:
+        urls = [u for u in receivers.split(",") if u]
     out = []
     try:
         for method in ("distributed", "disk"):
             reports = [trainer.sync_weights(urls, method=method, folder=workdir / "sync") for _ in range(rounds)]
             steady = reports[1:] or reports  # the first distributed update also forms the group
-            gb = steady[0].bytes / 1e9
             out.append({
-                "method": method, "receivers": "engines" if engines else "loopback",
-                "gb": gb, "buckets": steady[0].buckets,
+                "method": method, "receivers": receivers if receivers in ("loopback", "engine") else "urls",
+                "engines": len(urls), "gb": steady[0].bytes / 1e9, "buckets": steady[0].buckets,
                 "seconds": statistics.median(r.seconds_total for r in steady),
                 "seconds_per_gb": statistics.median(r.seconds_per_gb for r in steady),
                 "paused_seconds": statistics.median(r.seconds_paused for r in steady),
@@ -219,12 +243,14 @@ def time_weight_sync(path: str, rounds: int, engines: list[str] | None, workdir:
         trainer.close()
         if loopback is not None:
             loopback.close()
+        if engine_proc is not None:
+            engine_proc.stop()
     return out
 
 
 def bench_train(
     *, models: list[str], tps: list[int], steps: int, cpus: int, compare_padding: bool,
-    sync_model: str, sync_rounds: int, engines: list[str] | None,
+    sync_model: str, sync_rounds: int, sync_receivers: list[str],
 ) -> dict:
     import ray
 
@@ -242,7 +268,7 @@ def bench_train(
                     if name == "smollm2" and tp > 1:
                         result["training"].append({"model": name, "tp": tp, "skipped": "9 heads / 3 KV heads do not split over TP=2; see smollm2-shaped"})
                         continue
-                    result["training"].append(time_training(path, name, tp, steps, cpus, 2048))
+                    result["training"].append(time_training(path, name, tp, steps, cpus))
         finally:
             ray.shutdown()
         if compare_padding:
@@ -250,7 +276,9 @@ def bench_train(
                 compare_packing(model_path(name, workdir), name, max(2, steps)) for name in models if name != "smollm2-shaped"
             ]
         if sync_model:
-            result["weight_sync"] = time_weight_sync(model_path(sync_model, workdir), sync_rounds, engines, workdir)
+            sync_path = model_path(sync_model, workdir)
+            for receivers in sync_receivers:
+                result["weight_sync"] += time_weight_sync(sync_path, sync_rounds, receivers, workdir)
     result["conditions"] = {
         "cpus": os.cpu_count(), "ray_cpus": cpus, "loadavg_before": load_before,
         "loadavg_after": os.getloadavg(), "wall_s": time.perf_counter() - t_start,
@@ -260,24 +288,24 @@ def bench_train(
 
 
 def format_table(result: dict) -> str:
-    lines = ["model            TP  rows      tokens  pad%   step s   train tok/s  fwd tok/s"]
+    lines = ["model            TP   tokens  pad%   step s   train tok/s  fwd tok/s"]
     for r in result["training"]:
         if "skipped" in r:
             lines.append(f"{r['model']:<16} {r['tp']:>2}  skipped: {r['skipped']}")
             continue
-        rows = "packed" if r["pack_row_tokens"] else "padded"
         lines.append(
-            f"{r['model']:<16} {r['tp']:>2}  {rows:<8} {r['tokens']:>7} {100 * r['padding_fraction']:5.1f} "
+            f"{r['model']:<16} {r['tp']:>2}  {r['tokens']:>7} {100 * r['padding_fraction']:5.1f} "
             f"{r['step_s']:8.2f} {r['train_tokens_per_s']:12.1f} {r['forward_tokens_per_s']:10.1f}"
         )
     if result["packing"]:
         lines.append("")
-        lines.append("packing (TP=1, fwd+bwd, alternated)  tokens  packed s  padded s  padded pad%  speedup")
+        lines.append("packing (TP=1, fwd+bwd, alternated)   layout          pad%  seconds  tok/s   vs padded")
         for r in result["packing"]:
-            lines.append(
-                f"{r['model']:<36} {r['tokens']:>6} {r['packed_s']:9.2f} {r['padded_s']:9.2f} "
-                f"{100 * r['padded_padding_fraction']:11.1f} {r['speedup']:8.2f}x"
-            )
+            for layout, v in r["layouts"].items():
+                lines.append(
+                    f"{r['model']:<16} {r['tokens']:>6} tokens        {layout:<15} {100 * v['padding_fraction']:5.1f} "
+                    f"{v['seconds']:8.2f} {v['tokens_per_s']:7.1f} {v['speedup_vs_padded']:8.2f}x"
+                )
     if result["weight_sync"]:
         lines.append("")
         lines.append("sync method   receivers   GB      s/update  s/GB    paused s  first update s")

@@ -9,7 +9,9 @@ from train.packing import assign_rows, pack_samples
 def test_first_fit_decreasing_rows():
     assert assign_rows([5, 3, 4, 2], row_tokens=8) == [[0, 1], [2, 3]]
     assert assign_rows([10, 3], row_tokens=8) == [[0], [1]]  # a long sample gets its own row
-    assert assign_rows([3, 3], row_tokens=0) == [[0], [1]]  # padding scheme: one row per sample
+    assert assign_rows([3, 3], pack=False) == [[0], [1]]  # padding scheme: one row per sample
+    # default capacity: the longest sample, so never more rows than samples
+    assert assign_rows([5, 3, 2, 4, 1]) == [[0], [3, 4], [1, 2]]
 
 
 def test_pack_indices_targets_and_mask():
@@ -30,7 +32,7 @@ def test_pack_indices_targets_and_mask():
 
 
 def test_padding_scheme_costs_slots():
-    p = pack_samples([torch.arange(6), torch.arange(2)], [1, 1], row_tokens=0)
+    p = pack_samples([torch.arange(6), torch.arange(2)], [1, 1], pack=False)
     assert p.input_ids.shape == (2, 6)
     assert p.padding_fraction == pytest.approx(4 / 12)
     assert p.logit_index.tolist() == [0, 1, 2, 3, 4, 6]

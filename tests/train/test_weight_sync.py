@@ -95,3 +95,17 @@ def test_distributed_broadcast_reaches_every_engine_in_buckets():
         assert calls.count("init_group") == 1 and calls.count("pause") == 2
         assert calls[1:4] == ["pause", "flush", "begin"] and calls[-3:] == ["end", "continue", "destroy"]
         assert ("bucket", 1, 3) in log and ("bucket", 2, 4) in log  # every bucket carries its version
+
+
+def test_an_unreachable_engine_fails_the_group_at_once_naming_it():
+    import time
+
+    from train.weight_sync.engine_control import HttpEngineControl
+    from train.weight_sync.sender import WeightSender
+
+    sender = WeightSender(timeout_s=120, control_factory=lambda u: HttpEngineControl(u, timeout_s=5))
+    t0 = time.perf_counter()
+    with pytest.raises(WeightSyncError, match=r"init_weights_update_group failed on http://127.0.0.1:9: .*refused"):
+        sender.sync_distributed(["http://127.0.0.1:9/"], [("w", torch.zeros(3))], version=1)
+    assert time.perf_counter() - t0 < 20  # not the 120 s rendezvous timeout
+    sender.close()

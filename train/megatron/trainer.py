@@ -141,6 +141,7 @@ class MegatronTrainer:
             [s.tokens for s in samples],
             [s.prompt_length for s in samples],
             self.config.pack_row_tokens,
+            pack=self.config.packing,
         )
 
     def _forward(self, packed: PackedRows, *, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,6 +18,7 @@ weight versions) and WeightSyncError says which engine failed at which step.
 from __future__ import annotations
 
 import shutil
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -175,22 +176,40 @@ class WeightSender:
             (c, self._pool.submit(c.init_group, self.master_address, port, 1 + i, world, name, backend))
             for i, c in enumerate(controls)
         ]
-        try:
-            group = join_weight_group(
-                backend=backend,
-                master_address=self.master_address,
-                master_port=port,
-                world_size=world,
-                rank=0,
-                group_name=name,
-                timeout_s=self.timeout_s,
-            )
-        except Exception as e:
-            errors = [f"{c.url}: {f.exception()}" for c, f in futures if f.done() and f.exception()]
+        # Join in a thread so that an engine whose init call fails is reported at once instead of
+        # after the rendezvous timeout (the abandoned join then times out on its own).
+        joined: dict[str, object] = {}
+
+        def join() -> None:
+            try:
+                joined["group"] = join_weight_group(
+                    backend=backend,
+                    master_address=self.master_address,
+                    master_port=port,
+                    world_size=world,
+                    rank=0,
+                    group_name=name,
+                    timeout_s=self.timeout_s,
+                )
+            except Exception as e:  # noqa: BLE001 - reported below
+                joined["error"] = e
+
+        joiner = threading.Thread(target=join, name="weight-group-join", daemon=True)
+        joiner.start()
+        while joiner.is_alive():
+            joiner.join(0.05)
+            failed = [f"{c.url}: {f.exception()}" for c, f in futures if f.done() and f.exception()]
+            if failed:
+                raise WeightSyncError(
+                    f"forming the weight-update group {name}: init_weights_update_group failed on "
+                    + "; ".join(failed)
+                )
+        if "error" in joined:
             raise WeightSyncError(
-                f"forming the weight-update group {name} with {len(controls)} engine(s) failed: {e}"
-                + (f" (engine errors: {'; '.join(errors)})" if errors else "")
-            ) from e
+                f"forming the weight-update group {name} with {len(controls)} engine(s) failed: "
+                f"{joined['error']}"
+            ) from joined["error"]  # type: ignore[misc]
+        group = joined["group"]  # type: ignore[assignment]
         for c, f in futures:
             try:
                 f.result(timeout=self.timeout_s)
