@@ -77,7 +77,7 @@ class StepReport:
     groups_carried_over: int = 0  # parked at the end of the step, with their tokens
     tokens_generated: int = 0  # by requests of this step
     tokens_in_batch: int = 0  # in the groups completed this step
-    tokens_from_earlier: int = 0  # of those, generated under older policy versions
+    tokens_from_earlier: int = 0  # of those, generated in earlier steps (resumed partials)
     max_versions_per_sample: int = 0
     tokens_discarded: int = 0  # generated but never to be trained on (buffer's count)
     dropped: dict[str, int] = field(default_factory=dict)
@@ -178,6 +178,7 @@ class Step:
         self._discarded0 = self.buffer.stats()["discarded_tokens"]
         self._completed: list[Group] = []
         self._cancelled: list[asyncio.Task] = []  # awaited by stop(): their spans count too
+        self._tokens_at_launch: dict[int, int] = {}  # sample index -> response length at launch
         self.report_ = StepReport(version, target, manager.policy.name)
 
     # -- what policies use ------------------------------------------------------------
@@ -203,6 +204,8 @@ class Step:
             self.buffer.extend(group, responses - len(group.samples))
         run = _GroupRun(group, worker)
         self._runs[group.group_id] = run
+        for s in group.samples:  # what each response had before this step (resumed partials)
+            self._tokens_at_launch.setdefault(s.index, len(s.response_ids))
         self.report_.groups_launched += 1
         if group.has_tokens:
             self.report_.groups_resumed += 1
@@ -386,8 +389,7 @@ class Step:
         for g in self._completed:
             for s in g.samples:
                 r.tokens_in_batch += len(s.response_ids)
-                # versions are sorted along a sample: count and distinct by bisection
-                r.tokens_from_earlier += bisect.bisect_left(s.versions, self.version)
+                r.tokens_from_earlier += self._tokens_at_launch.get(s.index, 0)
                 r.max_versions_per_sample = max(r.max_versions_per_sample, _distinct_sorted(s.versions))
                 if s.reward is not None:
                     rewards.append(s.reward)

@@ -25,7 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engines", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=8, help="groups per step")
     parser.add_argument("--n", type=int, default=4, help="samples per prompt")
-    parser.add_argument("--cap", type=int, default=256, help="max_new_tokens (trace cap)")
+    parser.add_argument("--cap", type=int, default=1024,
+                        help="max_new_tokens (trace cap); short caps make steps so brief that "
+                        "fixed costs (abort round trips) dominate")
     parser.add_argument("--over-provision", type=float, default=2.0)
     parser.add_argument("--steps", type=int, default=6, help="steps per policy")
     parser.add_argument("--warmup-steps", type=int, default=1, help="steps per policy not counted")
@@ -101,7 +103,7 @@ async def bench_rollout(args: argparse.Namespace) -> dict[str, Any]:
             steps: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
             for step in range(args.warmup_steps + args.steps):
                 for name, (buf, manager) in runs.items():
-                    report = await manager.run_step(args.batch_size, version=0)
+                    report = await manager.run_step(args.batch_size, version=0)  # no training
                     buf.take_nowait(len(report.completed))
                     if step >= args.warmup_steps:
                         steps[name].append({
