@@ -101,9 +101,8 @@ class TrainWorker:
     def finalize_grads_for_test(self) -> dict[str, torch.Tensor]:
         return self.trainer.finalize_grads_for_test()
 
-    def reset_grads_for_test(self) -> None:
-        self.trainer.model.zero_grad_buffer()
-        self.trainer._reset_accumulation()
+    def discard_gradients(self) -> None:
+        self.trainer.discard_gradients()
 
     def hf_weights(self) -> dict[str, torch.Tensor] | None:
         weights = dict(self.trainer.iter_hf_weights())

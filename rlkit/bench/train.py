@@ -186,8 +186,7 @@ def compare_packing(path: str, name: str, rounds: int) -> dict:
             t = time.perf_counter()
             trainer.accumulate(batch)
             times[layout].append(time.perf_counter() - t)
-            trainer.model.zero_grad_buffer()
-            trainer._reset_accumulation()
+            trainer.discard_gradients()
             rows = [
                 pack_samples([s.tokens for s in m.samples], [s.prompt_length for s in m.samples], row_tokens, pack=pack)
                 for m in batch.micro_batches(8)

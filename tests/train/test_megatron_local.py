@@ -66,8 +66,7 @@ def test_streamed_accumulation_equals_one_synchronous_batch(tiny_qwen2_dir, aggr
 
     trainer.accumulate(batch)
     sync_grads = trainer.finalize_grads_for_test()
-    trainer.model.zero_grad_buffer()
-    trainer._reset_accumulation()
+    trainer.discard_gradients()
 
     order = list(range(len(batch)))
     random.Random(0).shuffle(order)
@@ -75,8 +74,7 @@ def test_streamed_accumulation_equals_one_synchronous_batch(tiny_qwen2_dir, aggr
     for part in arrivals:
         trainer.accumulate(batch.subset(part))
     stream_grads = trainer.finalize_grads_for_test()
-    trainer.model.zero_grad_buffer()
-    trainer._reset_accumulation()
+    trainer.discard_gradients()
 
     scale = max(float(g.abs().max()) for g in sync_grads.values())
     for name, g in sync_grads.items():

@@ -129,8 +129,7 @@ def load_checkpoint(trainer: "MegatronTrainer", path: Path) -> None:
         seed_everything(trainer.config.seed + r.rank + 7919 * meta["step"])
     trainer.step_count = int(meta["step"])
     trainer.version = int(meta["version"])
-    trainer.model.zero_grad_buffer()
-    trainer._reset_accumulation()
+    trainer.discard_gradients()
 
 
 def checkpoint_hf_shards(path: Path) -> tuple[dict, list[dict[str, torch.Tensor]]]:

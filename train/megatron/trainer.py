@@ -328,6 +328,11 @@ class MegatronTrainer:
         self._tokens = 0
         self._slots = 0
 
+    def discard_gradients(self) -> None:
+        """Drop everything accumulated since the last step (gradients, denominators, metrics)."""
+        self.model.zero_grad_buffer()
+        self._reset_accumulation()
+
     @property
     def pending_samples(self) -> int:
         """Samples accumulated since the last step."""
