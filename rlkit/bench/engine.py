@@ -49,7 +49,8 @@ class Measurement:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", default="tiny,smollm2", help="comma-separated demo models or paths")
-    parser.add_argument("--concurrency", default="1,8,16,32,64", help="comma-separated levels")
+    parser.add_argument("--concurrency", default="1,8,16,32,64",
+                        help="comma-separated levels ('' to write only the profile)")
     parser.add_argument("--new-tokens", type=int, default=None,
                         help="tokens per request (default: tiny 128, smollm2 32)")
     parser.add_argument("--prompt-len", type=int, default=32)
@@ -208,41 +209,31 @@ async def engine_generate(fleet: Any, prompts: list[list[int]], n: int, stream: 
 
 
 # -- the PTL(BS) profile -------------------------------------------------------------------------
-def _decode_stats(url: str) -> dict[str, Any]:
+def _decode_stats(url: str, reset: bool = False) -> dict[str, Any]:
     import urllib.request
 
-    with urllib.request.urlopen(f"{url}/rlkit/decode_stats", timeout=30) as r:
+    with urllib.request.urlopen(f"{url}/rlkit/decode_stats?reset={int(reset)}", timeout=60) as r:
         return json.loads(r.read())
 
 
-def _step_seconds(before: dict[str, Any], after: dict[str, Any], batch: int) -> tuple[float, float]:
-    """(mean seconds per decode step, mean context tokens) of steps at exactly `batch` rows
-    between two decode_stats snapshots."""
-    def row(stats: dict[str, Any]) -> dict[str, Any]:
-        return next((r for r in stats["decode"] if r["batch_size"] == batch),
-                    {"steps": 0, "seconds": 0.0, "mean_context_tokens": 0.0})
-    a, b = row(before), row(after)
-    steps = b["steps"] - a["steps"]
-    if steps <= 0:
-        raise RuntimeError(f"no decode step ran at batch size {batch}")
-    ctx = (b["mean_context_tokens"] * b["steps"] - a["mean_context_tokens"] * a["steps"]) / steps
-    return (b["seconds"] - a["seconds"]) / steps, ctx
-
-
 def measure_ptl(fleet: Any, prompts: list[list[int]], sizes: list[int], n: int) -> tuple[list[float], list[float], float]:
+    """For each batch size B: B requests of n tokens in lockstep; the median engine-side step
+    time at exactly B rows (robust to spikes from other processes) and the mean context."""
     url = fleet.worker_urls[0]
     ptl, ctx = [], []
-    prefill_before = _decode_stats(url)["prefill"]
+    prefill_s = prefill_tokens = 0.0
     for b in sizes:
-        before = _decode_stats(url)
+        _decode_stats(url, reset=True)
         asyncio.run(engine_generate(fleet, prompts[:b], n, stream=True))
-        s, c = _step_seconds(before, _decode_stats(url), b)
-        ptl.append(s)
-        ctx.append(c)
-    prefill_after = _decode_stats(url)["prefill"]
-    prefill = (prefill_after["seconds"] - prefill_before["seconds"]) / max(
-        1, prefill_after["tokens"] - prefill_before["tokens"])
-    return ptl, ctx, prefill
+        stats = _decode_stats(url, reset=True)
+        row = next((r for r in stats["decode"] if r["batch_size"] == b), None)
+        if row is None:
+            raise RuntimeError(f"no decode step ran at batch size {b}")
+        ptl.append(row["median_seconds"])
+        ctx.append(row["mean_context_tokens"])
+        prefill_s += stats["prefill"]["seconds"]
+        prefill_tokens += stats["prefill"]["tokens"]
+    return ptl, ctx, prefill_s / max(1.0, prefill_tokens)
 
 
 def write_profile(fleet: Any, model_name: str, prompts: list[list[int]], n: int,
@@ -263,7 +254,7 @@ def write_profile(fleet: Any, model_name: str, prompts: list[list[int]], n: int,
         name=f"cpu-{label}-t{args.threads}",
         source=(f"rlkit bench engine: hf engine (rollout.engines.hf_server), {args.threads} torch "
                 f"thread(s), float32, {os.cpu_count()}-core CPU, load avg "
-                f"{os.getloadavg()[0]:.2f}; ptl_s = mean decode-step seconds at each batch size "
+                f"{os.getloadavg()[0]:.2f}; ptl_s = median decode-step seconds at each batch size "
                 f"(prompt {args.prompt_len} tokens, {n} new) minus kv_s_per_token x context; "
                 f"kv slope from a 4x-longer-prompt pass"),
         device=f"cpu ({platform.machine()}, {os.cpu_count()} cores)",

@@ -23,6 +23,7 @@ import collections
 import concurrent.futures
 import logging
 import random
+import statistics
 import threading
 import time
 import traceback
@@ -41,11 +42,15 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class DecodeStepStats:
-    """Per batch size: decode steps run and their total wall time (the PTL(BS) profile)."""
+    """Per batch size: decode steps run, their total wall time, and the most recent step times
+    (their median resists the spikes other processes cause on a shared machine). This is what
+    the PTL(BS) profile is made of."""
 
     steps: dict[int, int] = field(default_factory=lambda: collections.defaultdict(int))
     seconds: dict[int, float] = field(default_factory=lambda: collections.defaultdict(float))
     context_tokens: dict[int, int] = field(default_factory=lambda: collections.defaultdict(int))
+    recent: dict[int, collections.deque] = field(
+        default_factory=lambda: collections.defaultdict(lambda: collections.deque(maxlen=1024)))
     prefill_forwards: int = 0
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
@@ -54,11 +59,13 @@ class DecodeStepStats:
         self.steps[batch] += 1
         self.seconds[batch] += seconds
         self.context_tokens[batch] += context
+        self.recent[batch].append(seconds)
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "decode": [
                 {"batch_size": b, "steps": self.steps[b], "seconds": self.seconds[b],
+                 "median_seconds": statistics.median(self.recent[b]),
                  "mean_context_tokens": self.context_tokens[b] / self.steps[b]}
                 for b in sorted(self.steps)
             ],
@@ -135,6 +142,11 @@ class BatchedDecoder:
         self._thread: threading.Thread | None = None
         self.crashed: str | None = None
         self.stats = DecodeStepStats()
+
+    def reset_stats(self) -> dict[str, Any]:
+        """The statistics so far; counting starts again (runs between two steps)."""
+        old, self.stats = self.stats, DecodeStepStats()
+        return old.as_dict()
 
     # -- thread-safe API ----------------------------------------------------------------------
     def start(self) -> None:

@@ -187,7 +187,9 @@ class EngineCore:
     def cmd_loads(self) -> dict[str, Any]:
         return self.decoder.loads()
 
-    def cmd_stats(self) -> dict[str, Any]:
+    def cmd_stats(self, reset: bool = False) -> dict[str, Any]:
+        if reset:
+            return self.decoder.call(self.decoder.reset_stats).result()
         return self.decoder.stats.as_dict()
 
     def cmd_pause(self, mode: str) -> int:

@@ -236,7 +236,8 @@ class EngineServer:
         })
 
     async def decode_stats(self, request: web.Request) -> web.Response:
-        return web.json_response(await self.core.call("stats"))
+        reset = request.query.get("reset", "0") in ("1", "true")
+        return web.json_response(await self.core.call("stats", reset=reset))
 
     # -- generate -------------------------------------------------------------------------------------
     def _remote_request(self, req: GenerateRequest) -> RemoteRequest:
@@ -500,12 +501,24 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="stream chunks carry only new tokens (SGLang's flag of the same name)")
     p.add_argument("--weight-group-timeout-s", type=float, default=600.0)
     p.add_argument("--startup-timeout-s", type=float, default=600.0)
+    p.add_argument("--parent-pid", type=int, default=None,
+                   help="exit when this process (the launcher) is gone: no orphaned engines")
     p.add_argument("--log-level", default="warning")
     return p
 
 
+async def _watch_parent(parent_pid: int, stop: asyncio.Event) -> None:
+    """Stop when re-parented: the launcher died without stopping us (getppid is pid-reuse safe)."""
+    while not stop.is_set():
+        if os.getppid() != parent_pid:
+            log.warning("launcher (pid %d) is gone: stopping", parent_pid)
+            stop.set()
+            return
+        await asyncio.sleep(1.0)
+
+
 async def _serve(server: EngineServer, host: str, port: int, port_file: str | None,
-                 startup_timeout_s: float) -> None:
+                 startup_timeout_s: float, parent_pid: int | None = None) -> None:
     # Spawn the core first: it imports torch and loads the model while we load the tokenizer.
     server.core.launch()
     server.tokenizer = await asyncio.to_thread(load_tokenizer, server.tokenizer_path)
@@ -525,9 +538,12 @@ async def _serve(server: EngineServer, host: str, port: int, port_file: str | No
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    watchdog = asyncio.create_task(_watch_parent(parent_pid, stop)) if parent_pid else None
     try:
         await stop.wait()
     finally:
+        if watchdog is not None:
+            watchdog.cancel()
         await runner.cleanup()
         await server.core.stop()
 
@@ -537,7 +553,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("aiohttp.server").addFilter(_IgnoreHttp2Probes())
     server = EngineServer(args)
-    asyncio.run(_serve(server, args.host, args.port, args.port_file, args.startup_timeout_s))
+    asyncio.run(_serve(server, args.host, args.port, args.port_file, args.startup_timeout_s,
+                       args.parent_pid))
     return 0
 
 

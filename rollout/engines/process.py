@@ -169,6 +169,7 @@ def hf_server_argv(model_path: str, config: EngineConfig, *, port: int, port_fil
         "--max-prefill-tokens", str(config.max_prefill_tokens),
         "--random-seed", str(seed), "--weight-version", weight_version,
         "--stream-interval", str(config.stream_interval),
+        "--parent-pid", str(os.getpid()),  # the engine exits if its launcher dies
     ]
     if port_file:
         argv += ["--port-file", port_file]

@@ -84,3 +84,40 @@ def test_sglang_command_line():
 def test_without_sglang_the_launcher_says_so():
     with pytest.raises(SGLangNotInstalled, match="kind=hf"):
         require_sglang()
+
+
+@pytest.mark.integration
+def test_an_engine_whose_launcher_dies_exits(tiny_model_dir, tmp_path):
+    """The launcher is killed without stopping its engine: the engine stops by itself."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "launcher.py"
+    script.write_text(
+        "import time\n"
+        "from rollout.engines.config import EngineConfig\n"
+        "from rollout.engines.process import start_hf_server\n"
+        f"e = start_hf_server({str(tiny_model_dir)!r}, EngineConfig(startup_timeout_s=120), threads=1)\n"
+        "print(e.pid, flush=True)\n"
+        "time.sleep(600)\n")
+    repo = Path(__file__).resolve().parents[2]
+    launcher = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                                cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)})
+    engine_pid = None
+    try:
+        engine_pid = int(launcher.stdout.readline())
+        family = [psutil.Process(engine_pid), *psutil.Process(engine_pid).children(recursive=True)]
+        launcher.kill()
+        launcher.wait(10)
+        gone, alive = psutil.wait_procs(family, timeout=30)
+        assert alive == []
+    finally:
+        launcher.kill()
+        if engine_pid is not None:  # never leave the engine behind, even when the test fails
+            try:
+                os.killpg(engine_pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
