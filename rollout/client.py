@@ -241,6 +241,9 @@ class EngineClient:
         not: None). Records the request id in `sample.metadata["rid"]`. On EngineError or task
         cancellation the sample is left interrupted (PARTIAL with what arrived, or PENDING),
         never FAILED: the caller decides."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1 (the caller settles a sample whose "
+                             f"budget is spent), got {max_new_tokens}")
         base = (worker or self.router_url or "").rstrip("/")
         if not base:
             raise EngineError("generate without a router needs a worker URL")

@@ -35,6 +35,7 @@ from rollout.engines.engine_core import CoreConfig
 from rollout.protocol import (
     ENGINE_URL_HEADER,
     AbortRequest,
+    FinishReason,
     DestroyWeightsUpdateGroupRequest,
     GenerateRequest,
     InitWeightsUpdateGroupRequest,
@@ -326,7 +327,11 @@ class EngineServer:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         req = GenerateRequest.model_validate(await self._body(request))
         r = self._remote_request(req)
-        self.core.submit(r)
+        if r.params.max_new_tokens == 0:  # nothing to generate (SGLang answers at once, too)
+            r.finish_reason = FinishReason.of_length(0)
+            r.progressed.set()
+        else:
+            self.core.submit(r)
         try:
             if not req.stream:
                 while r.finish_reason is None:

@@ -263,6 +263,12 @@ async def test_bad_requests_get_4xx_with_a_message_and_the_server_keeps_serving(
             assert r.status == 400 and "JSON" in await r.text()
         async with http.post(f"{worker}/abort_request", json={}) as r:
             assert r.status == 400
+        for stream in (False, True):  # max_new_tokens 0: an immediate, empty answer
+            async with http.post(f"{worker}/generate", json={
+                    "input_ids": [1, 2], "stream": stream,
+                    "sampling_params": {"max_new_tokens": 0}}) as r:
+                text = await r.text()
+                assert r.status == 200 and '"length"' in text and '"completion_tokens":0' in text.replace(" ", "")
         for base in (worker, router):
             async with http.get(f"{base}/health") as r:
                 assert r.status == 200
