@@ -15,16 +15,16 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("train",), "rlkit.commands.train", "run a training job from a recipe"),
     (("config", "show"), "rlkit.commands.config_show", "print the resolved recipe"),
     (("config", "docs"), "rlkit.commands.config_docs", "regenerate docs/recipe-reference.md"),
-    (("bench", "buffer"), "rlkit.bench.buffer", "buffer group operations per second"),
-    (("bench", "train"), "rlkit.bench.train", "trainer tokens/s (TP=1, TP=2) and weight-sync s/GB"),
-    (("bench", "suite"), "rlkit.bench.suite", "policies side by side on a simulated cluster"),
+    (("prepare-model",), "rlkit.demo_models", "build a demo model (tiny, tiny-llama, smollm2) into the cache"),
+    (("check-reward",), "rlkit.commands.check_reward", "check a reward plugin against the contract"),
+    (("export",), "rlkit.commands.export", "write a trainer checkpoint as an HF model folder"),
     (("plot", "metrics"), "rlkit.commands.plot_metrics", "per-step metric curves of a run as a PNG"),
     (("plot", "timeline"), "rlkit.commands.plot_timeline", "per-engine Gantt chart of a step"),
-    (("export",), "rlkit.commands.export", "write a trainer checkpoint as an HF model folder"),
-    (("bench", "rollout"), "rlkit.bench.rollout", "rollout throughput of policies on the real engines"),
-    (("check-reward",), "rlkit.commands.check_reward", "check a reward plugin against the contract"),
-    (("prepare-model",), "rlkit.demo_models", "build a demo model (tiny, tiny-llama, smollm2) into the cache"),
+    (("bench", "buffer"), "rlkit.bench.buffer", "buffer group operations per second"),
     (("bench", "engine"), "rlkit.bench.engine", "engine tokens/s through the router vs model.generate; PTL profile"),
+    (("bench", "train"), "rlkit.bench.train", "trainer tokens/s (TP=1, TP=2) and weight-sync s/GB"),
+    (("bench", "rollout"), "rlkit.bench.rollout", "rollout throughput of policies on the real engines"),
+    (("bench", "suite"), "rlkit.bench.suite", "policies side by side on a simulated cluster"),
 ]
 
 
