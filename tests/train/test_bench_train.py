@@ -9,7 +9,7 @@ def test_bench_train_tiny(monkeypatch, tmp_path):
     from rlkit.bench.train import bench_train, format_table
 
     monkeypatch.setenv("RLKIT_CACHE", str(tmp_path))  # build the tiny model here, not in ~/.cache
-    result = bench_train(models=["tiny"], tps=[1], steps=1, cpus=2, compare_padding=True,
+    result = bench_train(models=["tiny"], tps=[1], steps=1, cpus=2, compare_padding=True, packing_rounds=2,
                          sync_model="tiny", sync_rounds=2, sync_receivers=["loopback", "engine"])
     (train,) = result["training"]
     assert train["train_tokens_per_s"] > 0 and 0.0 <= train["padding_fraction"] < 0.3

@@ -190,7 +190,8 @@ class MegatronTrainer:
             for mb in batch.micro_batches(self.config.micro_batch_size):
                 packed = self._pack(mb.samples)
                 lp, _ = self._forward(packed, with_entropy=False)
-                out.extend(lp.float().cpu().split(packed.response_lengths))
+                # clone: a view would pickle (Ray) the whole micro-batch's storage with each sample
+                out.extend(t.clone() for t in lp.float().cpu().split(packed.response_lengths))
         return out
 
     def accumulate(self, batch: TrainBatch) -> dict[str, float]:
@@ -262,9 +263,10 @@ class MegatronTrainer:
         denominator = torch.tensor([self._denominator], dtype=torch.float32, device=self.device)
         finalize_model_grads([self.model], num_tokens=denominator)  # DP sum, then / denominator
         present = [1.0 if k in self._metric_sums else 0.0 for k in self._metric_keys]
-        counters = torch.tensor(
+        counters = torch.tensor(  # on the device: NCCL reduces CUDA tensors only
             [self._samples, self._tokens, self._slots, *self._metric_sums_vector(), *present],
             dtype=torch.float64,
+            device=self.device,
         )
         if self.rank.dp_size > 1:
             dist.all_reduce(counters, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
@@ -278,6 +280,7 @@ class MegatronTrainer:
         self.model.zero_grad_buffer()
         if applied:
             self.step_count += 1
+        counters = counters.cpu()
         samples, tokens, slots = (float(x) for x in counters[:3])
         n_keys = len(self._metric_keys)
         sums, seen = counters[3 : 3 + n_keys], counters[3 + n_keys :]
