@@ -144,14 +144,8 @@ class RolloutBuffer:
 
         Returns fewer than k only when there is no source and the partial queue runs dry.
         """
-        out: list[Group] = []
         with self._lock:
-            while len(out) < k:
-                group = self._partial.pop()
-                if group is None:
-                    break
-                if self._fit_to_resume(group):
-                    out.append(group)
+            out = self._pop_fit(self._partial, k)
             while len(out) < k and self.source is not None:
                 out.append(self._new_group())
             for g in out:
@@ -160,14 +154,8 @@ class RolloutBuffer:
 
     def acquire_long(self, k: int) -> list[Group]:
         """Up to k groups from the long queue, oldest first (a long round)."""
-        out: list[Group] = []
         with self._lock:
-            while len(out) < k:
-                group = self._long.pop()
-                if group is None:
-                    break
-                if self._fit_to_resume(group):
-                    out.append(group)
+            out = self._pop_fit(self._long, k)
             for g in out:
                 self._hand_out(g)
         return out
@@ -494,9 +482,16 @@ class RolloutBuffer:
         self._counts["discarded_tokens"] += group.tokens
         return "dropped"
 
-    def _fit_to_resume(self, group: Group) -> bool:
-        """Staleness rule for a group just popped from the partial or long queue."""
-        return self._enforce_staleness(group) != "dropped"
+    def _pop_fit(self, queue: _OldestFirst, k: int) -> list[Group]:
+        """Up to k groups from a queue, oldest first, each through the staleness rule."""
+        out: list[Group] = []
+        while len(out) < k:
+            group = queue.pop()
+            if group is None:
+                break
+            if self._enforce_staleness(group) != "dropped":
+                out.append(group)
+        return out
 
     def _discard(self, samples: list[Sample]) -> None:
         self._counts["discarded_tokens"] += sum(len(s.response_ids) for s in samples)
