@@ -136,9 +136,13 @@ def simulate_same(args: argparse.Namespace, real: dict[str, Any]) -> dict[str, A
         profile_path = str(Path(__file__).resolve().parents[2] / "docs" / "profiles" / f"cpu-{args.model}-t1.json")
     rows = max(64, args.batch_size * (args.steps + args.warmup_steps) * 3)
     trace = make_trace(args, rows)
-    # the hf engine keeps a left-padded KV cache: every row reads the longest row's context
-    cluster = SimConfig(engines=args.engines, profile=load_profile(profile_path), kv_layout="padded",
-                        max_running_requests=256)
+    # The hf engine keeps a left-padded KV cache (every row reads the longest row's context)
+    # and pads its prefill forwards; the profile's "serving" object adds what
+    # `python -m rollout.sim.measure_hf` measured around the engines: the cores they share
+    # with the HTTP processes, router and client, CPU per streamed chunk, request and control
+    # round trips, the client's abort poll (docs/simulation.md, "Validation").
+    cluster = SimConfig.from_profile(args.engines, load_profile(profile_path), kv_layout="padded",
+                                     max_running_requests=256)
     out: dict[str, Any] = {"profile": profile_path, "policies": {}}
     for name in real["policies"]:
         policy = SyncPolicy() if name == "sync" else PartialPolicy(args.over_provision)

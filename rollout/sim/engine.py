@@ -16,8 +16,10 @@ Model of one worker (an SGLang-like server):
   tokens as one span. An arrival, a cancellation or an abort wakes it early; it then finishes
   the step in progress (steps are atomic) and re-plans.
 - Prefill. Admitted requests are prefilled (prompt + response so far, so a resumed partial
-  pays to recompute its KV: a weight update flushes the prefix cache) at
-  `prefill_s_per_token`; decode stalls meanwhile. Prefill yields no token.
+  pays to recompute its KV: a weight update flushes the prefix cache) in forwards of at most
+  `max_prefill_tokens` (padded: rows x longest context), one decode step between two
+  forwards, each forward costing `profile.prefill_forward_s` (fixed + linear + quadratic in
+  the contexts); decode stalls meanwhile. A prefill forward yields each request's first token.
 - KV capacity C (tokens). A request holds prompt + generated tokens. Admission is first come,
   first served, while the batch limit allows and `used + need + reserve <= C`, where the
   reserve (SGLang's new-token ratio) is `reserve_ratio x sum(min(remaining budget, clip))` over
@@ -33,7 +35,20 @@ Model of one worker (an SGLang-like server):
   reaches its worker `request_latency_s` after it is sent (HTTP, router, tokenizer; the
   engine is not busy meanwhile; a request still on its way when `abort_all` is called is
   aborted on arrival, as the client's repeated abort does), and `abort_all` returns
-  `abort_latency_s` after the workers are idle (the client polls /v1/loads until idle).
+  `abort_latency_s` after the workers are idle (the client polls /v1/loads until idle), or,
+  with `abort_poll_s`, exactly as rlkit's client does it: per worker, POST /abort_request and
+  GET /v1/loads (`control_rtt_s` each) until the worker is idle, sleeping between rounds
+  from `abort_poll_s[0]`, doubling up to `abort_poll_s[1]`.
+- Shared CPU (`cpu_cores`, for CPU engines; None: engines are independent, as GPUs are).
+  The engines, the serving stack and other work share `cpu_cores` cores by processor
+  sharing: a busy worker demands 1 core for its engine plus its serving stack's share
+  (`chunk_cpu_s` CPU seconds in the HTTP process, router and client per streamed chunk of
+  `stream_interval` tokens, per CPU second of its decode steps); `background_load` runnable
+  threads of other work demand 1 each. When the demand D exceeds the cores every engine runs
+  at `cpu_cores / D` of its profile's speed, and engines busy at the same time slow each
+  other by `cpu_interference` each (shared caches and memory bandwidth: a step costs
+  1 + cpu_interference x (busy engines - 1) times its profile's CPU); a worker going idle
+  speeds up the others (they re-plan at their next step boundary).
 - Sampling. Simulated engines know no text: a request generates exactly its budget
   (`max_new_tokens`) and finishes with 'length'. Natural lengths come from a trace through
   `TraceReplayEngines` (rollout.sim.replay), exactly as on real engines.
@@ -46,8 +61,8 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import deque
-from dataclasses import dataclass
-from typing import Callable, Literal
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Literal
 
 from buffers.sample import Sample
 from rollout.config import SamplingConfig
@@ -77,6 +92,28 @@ class SimConfig:
     # K = sum of contexts) or 'padded' (rlkit's hf engine: rows left-padded to the longest, so
     # K = batch x longest context). None: the profile's "kv_layout" key, else 'paged'.
     kv_layout: Literal["paged", "padded"] | None = None
+    max_prefill_tokens: int | None = None  # per prefill forward; None: the profile's (or no limit)
+    # Shared CPU (CPU engines; see the module docstring). None: every engine has its own device.
+    cpu_cores: float | None = None
+    background_load: float = 0.0  # runnable threads of other work on those cores
+    chunk_cpu_s: float = 0.0  # serving-stack CPU seconds per streamed chunk
+    cpu_interference: float = 0.0  # step CPU grows by this per other busy engine
+    stream_interval: int = 1  # tokens per streamed chunk
+    control_rtt_s: float = 0.0  # one control call (abort, loads) to a worker, round trip
+    abort_poll_s: tuple[float, float] | None = None  # the client's abort-until-idle back-off
+
+    @classmethod
+    def from_profile(cls, engines: int, profile: EngineProfile, **overrides: Any) -> "SimConfig":
+        """A cluster of `profile` engines with the serving stack and machine the profile
+        measured (its "serving" object: any SimConfig field, e.g. cpu_cores, chunk_cpu_s,
+        request_latency_s, abort_poll_s), then `overrides`."""
+        names = {f.name for f in fields(cls)} - {"engines", "profile"}
+        serving = profile.extra.get("serving") or {}
+        kw: dict[str, Any] = {k: v for k, v in serving.items() if k in names}
+        if kw.get("abort_poll_s") is not None:
+            kw["abort_poll_s"] = tuple(kw["abort_poll_s"])
+        kw.update(overrides)
+        return cls(engines=engines, profile=profile, **kw)
 
     def __post_init__(self) -> None:
         if self.engines < 1:
@@ -89,6 +126,18 @@ class SimConfig:
             raise ValueError("latencies must be >= 0")
         if self.layout not in ("paged", "padded"):
             raise ValueError(f"unknown kv_layout {self.layout!r}")
+        if self.cpu_cores is not None and self.cpu_cores <= 0:
+            raise ValueError("cpu_cores must be > 0")
+        if min(self.background_load, self.chunk_cpu_s, self.control_rtt_s,
+               self.cpu_interference) < 0:
+            raise ValueError("background_load, chunk_cpu_s, control_rtt_s and "
+                             "cpu_interference must be >= 0")
+        if self.stream_interval < 1:
+            raise ValueError("stream_interval must be >= 1")
+        if self.abort_poll_s is not None and not 0 < self.abort_poll_s[0] <= self.abort_poll_s[1]:
+            raise ValueError("abort_poll_s must be (first, max) with 0 < first <= max")
+        if self.prefill_limit is not None and self.prefill_limit < 1:
+            raise ValueError("max_prefill_tokens must be >= 1")
 
     @property
     def capacity(self) -> int | None:
@@ -102,6 +151,11 @@ class SimConfig:
     @property
     def layout(self) -> str:
         return self.kv_layout or str(self.profile.extra.get("kv_layout", "paged"))
+
+    @property
+    def prefill_limit(self) -> int | None:
+        return self.max_prefill_tokens if self.max_prefill_tokens is not None \
+            else self.profile.max_prefill_tokens
 
 
 @dataclass
@@ -197,14 +251,53 @@ class _Plan:
         return k
 
 
+class _CpuShare:
+    """Processor sharing of `cores` between the busy workers (each demanding 1 + its serving
+    stack's share) and `background` always-runnable threads of other work; busy workers also
+    slow each other by `interference` (caches, memory bandwidth)."""
+
+    TOLERANCE = 0.05  # demand changes smaller than this (relative) are not worth a re-plan
+
+    def __init__(self, cores: float, background: float, interference: float = 0.0) -> None:
+        self.cores = cores
+        self.background = background
+        self.interference = interference
+        self.demand: dict[str, float] = {}
+        self.workers: list["SimWorker"] = []
+
+    def factor(self) -> float:
+        d = self.background + sum(self.demand.values())
+        busy = sum(1 for x in self.demand.values() if x > 0)
+        share = 1.0 if d <= self.cores else self.cores / d
+        return share / (1.0 + self.interference * max(0, busy - 1))
+
+    def set(self, worker: "SimWorker", demand: float) -> float:
+        """Record `worker`'s demand; the others re-plan if their speed changes. Returns the
+        speed factor now."""
+        old = self.demand.get(worker.id, 0.0)
+        if demand != old and not (old > 0 and demand > 0
+                                  and abs(demand - old) <= self.TOLERANCE * old):
+            before = self.factor()
+            self.demand[worker.id] = demand
+            if abs(self.factor() - before) > 1e-12:
+                for w in self.workers:
+                    if w is not worker and w._plan is not None:
+                        w._wake()  # finishes its step in progress, then re-plans
+        return self.factor()
+
+
 class SimWorker:
     """One simulated engine server (see the module docstring for the model)."""
 
     def __init__(
-        self, wid: str, cfg: SimConfig, observer: Callable[["SimWorker", str], None] | None
+        self, wid: str, cfg: SimConfig, observer: Callable[["SimWorker", str], None] | None,
+        cpu: _CpuShare | None = None,
     ) -> None:
         self.id = wid
         self.profile = cfg.profile
+        self.prefill_limit = cfg.prefill_limit
+        self._cpu = cpu
+        self._chunk_cpu = cfg.chunk_cpu_s / cfg.stream_interval  # per token streamed
         self.capacity = cfg.capacity
         self.batch_limit = cfg.batch_limit
         self.reserve_ratio = cfg.reserve_ratio
@@ -221,6 +314,9 @@ class SimWorker:
         self._waiter: asyncio.Future | None = None
         self._abort = False
         self._in_prefill = False
+        self._prefilling: list[_Request] = []
+        self._prefill_blocked = False  # requests wait only for the next prefill forward
+        self._admit_skipped = False  # no admission before this step (a forward just ran)
         self.idle = asyncio.Event()
         self.idle.set()
         self._task: asyncio.Task | None = None
@@ -286,29 +382,39 @@ class SimWorker:
     # -- the worker loop ---------------------------------------------------------------------
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
+        decoded_since_prefill = True
         while True:
             self._boundary()
-            prefill_s = self._admit()
+            # Two prefill forwards are separated by one decode step of the running batch.
+            self._admit_skipped = not decoded_since_prefill and bool(self.running)
+            prefill_s = 0.0 if self._admit_skipped else self._admit()
             if self._observer is not None:
                 self._observer(self, "scheduled")
-            if prefill_s > 0:
+            if self._prefilling:
+                prefill_s /= self._share(1.0)
                 self._in_prefill = True
                 await asyncio.sleep(prefill_s)
                 self._in_prefill = False
                 self.stats.prefill_s += prefill_s
                 self.stats.busy_s += prefill_s
+                self._first_tokens()
+                decoded_since_prefill = False
                 continue  # aborts or cancellations may have arrived meanwhile
             self._update_idle()
             if not self.running:
+                self._share(0.0)
                 await self._sleep(None)
                 continue
             plan = self._make_plan(loop.time())
+            decoded_since_prefill = True
             self._plan = plan
             woken = await self._sleep(plan.duration(plan.steps))
             steps = plan.steps
-            if woken:  # finish the step in progress, then re-plan with the news
+            if woken:  # finish the step in progress (if one began), then re-plan with the news
                 elapsed = loop.time() - plan.t0
-                steps = min(plan.steps, plan.steps_done(elapsed) + 1)
+                done = plan.steps_done(elapsed)
+                in_progress = plan.duration(done) < elapsed - 1e-12 * max(1.0, elapsed)
+                steps = min(plan.steps, done + in_progress)
                 rest = plan.t0 + plan.duration(steps) - loop.time()
                 if rest > 0:
                     await asyncio.sleep(rest)
@@ -340,13 +446,37 @@ class SimWorker:
         steps = min(r.remaining for r in self.running.values())
         if self.capacity is not None:
             steps = min(steps, (self.capacity - self.kv_used) // batch)
+        if self.waiting and (self._prefill_blocked or self._admit_skipped):
+            steps = 1  # the next prefill forward comes after one decode step
         assert steps >= 1, "boundary processing leaves room for one step"
         # Attention reads K KV cells per step; every row grows by one token per step, so K
         # grows by `batch` per step in both layouts.
         kv_read = batch * max(r.kv for r in self.running.values()) if self.padded \
             else self.kv_used
-        return _Plan(now, steps, batch, kv_read, self.profile.step_base_s(batch),
-                     self.profile.kv_s_per_token)
+        base, kv_s = self.profile.step_base_s(batch), self.profile.kv_s(batch)
+        if self._cpu is not None:
+            step_cpu = base + kv_s * kv_read
+            speed = self._share(1.0 + self._chunk_cpu * batch / step_cpu)
+            base, kv_s = base / speed, kv_s / speed
+        return _Plan(now, steps, batch, kv_read, base, kv_s)
+
+    def _share(self, demand: float) -> float:
+        """Register this worker's CPU demand; the speed factor it runs at (1: full speed)."""
+        return 1.0 if self._cpu is None else self._cpu.set(self, demand)
+
+    def _first_tokens(self) -> None:
+        """A prefill forward samples the first token of each request it prefilled."""
+        s = self.stats
+        for r in self._prefilling:
+            if r.rid in self.running and r.remaining > 0:
+                s.tokens += 1
+                s.context_token_sum += r.kv
+                r.generated += 1
+                self.kv_used += 1
+        self._prefilling = []
+        s.max_kv_used = max(s.max_kv_used, self.kv_used)
+        if self._observer is not None:
+            self._observer(self, "advance")
 
     def _advance(self, plan: _Plan, steps: int) -> None:
         if steps <= 0:
@@ -400,9 +530,13 @@ class SimWorker:
                 self._flush(r, None)
 
     def _admit(self) -> float:
-        """Admit queued requests that fit; returns the prefill time they cost."""
-        prefill = 0
+        """Admit the queued requests that fit into one prefill forward (`self._prefilling`);
+        returns its seconds at full speed."""
         now = self._now()
+        admitted: list[_Request] = []
+        width = tokens = 0
+        limit = self.prefill_limit
+        self._prefill_blocked = False
         while self.waiting and len(self.running) < self.batch_limit:
             r = self.waiting[0]
             if self.running and self.capacity is not None:
@@ -411,17 +545,25 @@ class SimWorker:
                 )
                 if self.kv_used + r.kv + len(self.running) + 1 + reserve > self.capacity:
                     break
+            if limit is not None and admitted:
+                cost = (len(admitted) + 1) * max(width, r.kv) if self.padded else tokens + r.kv
+                if cost > limit:
+                    self._prefill_blocked = True
+                    break
             self.waiting.popleft()
             self.running[r.rid] = r
             self.kv_used += r.kv
             r.admitted = now
-            prefill += r.kv
-        if prefill:
-            s = self.stats
-            s.prefill_tokens += prefill
-            s.max_running = max(s.max_running, len(self.running))
-            s.max_kv_used = max(s.max_kv_used, self.kv_used)
-        return self.profile.prefill_s(prefill)
+            admitted.append(r)
+            width, tokens = max(width, r.kv), tokens + r.kv
+        self._prefilling = admitted
+        if not admitted:
+            return 0.0
+        s = self.stats
+        s.prefill_tokens += tokens
+        s.max_running = max(s.max_running, len(self.running))
+        s.max_kv_used = max(s.max_kv_used, self.kv_used)
+        return self.profile.prefill_forward_s([r.kv for r in admitted], self.padded)
 
     def _flush(self, r: _Request, finish_reason: str | None) -> None:
         k = r.generated - r.flushed
@@ -458,10 +600,14 @@ class SimEngines:
     ) -> None:
         self.cfg = cfg
         width = len(str(cfg.engines - 1))
+        cpu = None if cfg.cpu_cores is None else _CpuShare(cfg.cpu_cores, cfg.background_load,
+                                                          cfg.cpu_interference)
         self._workers = {
-            f"sim-{i:0{width}d}": SimWorker(f"sim-{i:0{width}d}", cfg, observer)
+            f"sim-{i:0{width}d}": SimWorker(f"sim-{i:0{width}d}", cfg, observer, cpu)
             for i in range(cfg.engines)
         }
+        if cpu is not None:
+            cpu.workers = list(self._workers.values())
         self._order = list(self._workers.values())
         self._next_rr = 0
         self._next_rid = 0
@@ -518,12 +664,31 @@ class SimEngines:
 
     async def abort_all(self) -> None:
         self._aborts += 1
+        if self.cfg.abort_poll_s is not None:
+            await asyncio.gather(*(self._abort_until_idle(w) for w in self._order))
+            return
         for w in self._order:
             w.request_abort()
         for w in self._order:
             await w.idle.wait()
         if self.cfg.abort_latency_s > 0:
             await asyncio.sleep(self.cfg.abort_latency_s)
+
+    async def _abort_until_idle(self, w: SimWorker) -> None:
+        """rlkit's client (EngineClient._abort_until_idle): abort, ask the load, back off."""
+        half = self.cfg.control_rtt_s / 2
+        assert self.cfg.abort_poll_s is not None
+        delay, longest = self.cfg.abort_poll_s
+        while True:
+            await asyncio.sleep(half)  # POST /abort_request reaches the worker
+            w.request_abort()
+            await asyncio.sleep(2 * half)  # its answer, then GET /v1/loads reaches it
+            idle = w.load() == 0
+            await asyncio.sleep(half)
+            if idle:
+                return
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, longest)
 
     async def loads(self) -> dict[str, int]:
         return {wid: w.load() for wid, w in self._workers.items()}

@@ -13,16 +13,42 @@ Optional keys, written by the GPU-like profiles derived from published figures (
     "kv_s_per_token": float   seconds a decode step takes per token held in the running
                               batch's KV cache (attention reads it all every step); 0 means
                               `ptl_s` already covers the context of the measurement
+    "kv_s_per_token_by_batch": [float, ...]  the same per batch size (aligned with
+                              batch_sizes, interpolated; replaces kv_s_per_token): on CPU the
+                              cost per KV token read grows with the batch
     "kv_capacity_tokens": int KV-cache capacity of one engine, prompt + generated tokens
     "max_running_requests": int  the engine's batch limit (default: the largest batch size)
 
+Optional prefill keys (measured on rlkit's hf CPU engine by `python -m rollout.sim.measure_hf`):
+
+    "prefill_s_per_forward": float   fixed seconds of one prefill forward
+    "prefill_s_per_token_sq": float  seconds per squared context token (attention over the
+                                     context: quadratic in it, dominant for small models)
+    "max_prefill_tokens": int        tokens one prefill forward may take (the hf engine: rows x
+                                     longest context, its --max-prefill-tokens); more waiting
+                                     requests are prefilled in later forwards, one decode step
+                                     between two forwards
+
 One decode step with B running requests holding K tokens of KV takes
 
-    ptl(B, K) = interp(batch_sizes, ptl_s)(B) + kv_s_per_token * K
+    ptl(B, K) = interp(batch_sizes, ptl_s)(B) + kv_s(B) * K
+
+(kv_s(B) = kv_s_per_token, or interp(batch_sizes, kv_s_per_token_by_batch)(B))
 
 with linear interpolation between measured batch sizes. Beyond the largest measured batch the
 engine never runs (max_running_requests defaults to it); below the smallest, the smallest
 batch's latency is used (a decode step never gets cheaper than one request's).
+
+One prefill forward over contexts n_1..n_R takes
+
+    prefill_s_per_forward + prefill_s_per_token * T1 + prefill_s_per_token_sq * T2
+
+with T1 = sum n_i, T2 = sum n_i^2 (paged KV: each request its own context) or T1 = R x max n,
+T2 = R x (max n)^2 (padded KV: every row padded to the longest).
+
+A profile may also carry a "serving" object: measured properties of the serving stack and the
+machine around the engines (CPU per streamed chunk, control round trip, cores), read by
+`SimConfig.from_profile` (rollout/sim/engine.py).
 """
 
 from __future__ import annotations
@@ -55,6 +81,10 @@ class EngineProfile:
     kv_s_per_token: float = 0.0
     kv_capacity_tokens: int | None = None
     max_running_requests: int | None = None
+    prefill_s_per_forward: float = 0.0
+    prefill_s_per_token_sq: float = 0.0
+    max_prefill_tokens: int | None = None
+    kv_s_per_token_by_batch: tuple[float, ...] | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -66,8 +96,15 @@ class EngineProfile:
             raise ProfileError(f"{where}: batch_sizes must be increasing integers >= 1, got {bs}")
         if any(not (p > 0 and math.isfinite(p)) for p in ptl):
             raise ProfileError(f"{where}: ptl_s must be positive and finite")
-        if self.prefill_s_per_token < 0 or self.kv_s_per_token < 0:
-            raise ProfileError(f"{where}: prefill_s_per_token and kv_s_per_token must be >= 0")
+        if min(self.prefill_s_per_token, self.kv_s_per_token, self.prefill_s_per_forward,
+               self.prefill_s_per_token_sq) < 0:
+            raise ProfileError(f"{where}: prefill and kv costs must be >= 0")
+        kvb = self.kv_s_per_token_by_batch
+        if kvb is not None and (len(kvb) != len(bs) or any(not (k >= 0 and math.isfinite(k))
+                                                            for k in kvb)):
+            raise ProfileError(f"{where}: kv_s_per_token_by_batch must be >= 0, one per batch size")
+        if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:
+            raise ProfileError(f"{where}: max_prefill_tokens must be >= 1")
         if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < 1:
             raise ProfileError(f"{where}: kv_capacity_tokens must be >= 1")
         if self.max_running_requests is not None and self.max_running_requests < 1:
@@ -82,12 +119,31 @@ class EngineProfile:
         """Seconds of one decode step of `batch` requests, without the KV-context term."""
         return float(np.interp(batch, self.batch_sizes, self.ptl_s))
 
+    def kv_s(self, batch: int) -> float:
+        """Seconds per KV token a decode step of `batch` requests reads."""
+        if self.kv_s_per_token_by_batch is None:
+            return self.kv_s_per_token
+        return float(np.interp(batch, self.batch_sizes, self.kv_s_per_token_by_batch))
+
     def ptl(self, batch: int, kv_tokens: int = 0) -> float:
         """Seconds of one decode step of `batch` requests holding `kv_tokens` of KV cache."""
-        return self.step_base_s(batch) + self.kv_s_per_token * kv_tokens
+        return self.step_base_s(batch) + self.kv_s(batch) * kv_tokens
 
     def prefill_s(self, tokens: int) -> float:
+        """Linear part only: seconds to prefill `tokens` tokens (no fixed or quadratic term)."""
         return self.prefill_s_per_token * tokens
+
+    def prefill_forward_s(self, contexts: Sequence[int], padded: bool = False) -> float:
+        """Seconds of one prefill forward over requests of these context lengths."""
+        if not contexts:
+            return 0.0
+        if padded:
+            w = max(contexts)
+            t1, t2 = len(contexts) * w, len(contexts) * w * w
+        else:
+            t1, t2 = sum(contexts), sum(c * c for c in contexts)
+        return (self.prefill_s_per_forward + self.prefill_s_per_token * t1
+                + self.prefill_s_per_token_sq * t2)
 
     def peak_throughput(
         self, mean_context: float = 0.0, *, kv_capacity: int | None = None,
@@ -123,6 +179,14 @@ class EngineProfile:
             out["kv_capacity_tokens"] = self.kv_capacity_tokens
         if self.max_running_requests is not None:
             out["max_running_requests"] = self.max_running_requests
+        if self.prefill_s_per_forward:
+            out["prefill_s_per_forward"] = self.prefill_s_per_forward
+        if self.prefill_s_per_token_sq:
+            out["prefill_s_per_token_sq"] = self.prefill_s_per_token_sq
+        if self.max_prefill_tokens is not None:
+            out["max_prefill_tokens"] = self.max_prefill_tokens
+        if self.kv_s_per_token_by_batch is not None:
+            out["kv_s_per_token_by_batch"] = list(self.kv_s_per_token_by_batch)
         return {**out, **self.extra}
 
     @classmethod
@@ -132,7 +196,9 @@ class EngineProfile:
         missing = [k for k in required if k not in data]
         if missing:
             raise ProfileError(f"{where}: missing key(s) {', '.join(missing)}")
-        known = set(required) | {"kv_s_per_token", "kv_capacity_tokens", "max_running_requests"}
+        known = set(required) | {"kv_s_per_token", "kv_capacity_tokens", "max_running_requests",
+                                 "prefill_s_per_forward", "prefill_s_per_token_sq",
+                                 "max_prefill_tokens", "kv_s_per_token_by_batch"}
         try:
             return cls(
                 name=str(data["name"]),
@@ -145,6 +211,11 @@ class EngineProfile:
                 kv_s_per_token=float(data.get("kv_s_per_token", 0.0)),
                 kv_capacity_tokens=_opt_int(data.get("kv_capacity_tokens")),
                 max_running_requests=_opt_int(data.get("max_running_requests")),
+                prefill_s_per_forward=float(data.get("prefill_s_per_forward", 0.0)),
+                prefill_s_per_token_sq=float(data.get("prefill_s_per_token_sq", 0.0)),
+                max_prefill_tokens=_opt_int(data.get("max_prefill_tokens")),
+                kv_s_per_token_by_batch=None if data.get("kv_s_per_token_by_batch") is None
+                else tuple(float(k) for k in data["kv_s_per_token_by_batch"]),
                 extra={k: v for k, v in data.items() if k not in known},
             )
         except (TypeError, ValueError) as e:
@@ -204,6 +275,7 @@ def constant_profile(
     kv_capacity_tokens: int | None = None,
     max_running_requests: int = 1024,
     name: str = "synthetic",
+    **prefill: Any,
 ) -> EngineProfile:
     """A hand-made profile (tests, what-if studies); PTL is flat beyond the last batch size."""
     ptl = (ptl_s,) * len(batch_sizes) if isinstance(ptl_s, (int, float)) else tuple(ptl_s)
@@ -212,4 +284,5 @@ def constant_profile(
         batch_sizes=tuple(batch_sizes), ptl_s=tuple(float(p) for p in ptl),
         prefill_s_per_token=prefill_s_per_token, kv_s_per_token=kv_s_per_token,
         kv_capacity_tokens=kv_capacity_tokens, max_running_requests=max_running_requests,
+        **prefill,
     )

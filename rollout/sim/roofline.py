@@ -16,7 +16,10 @@ One decode step of B requests holding K KV tokens, on an engine of `tp` GPUs:
               + K * kv_bytes_per_token / (tp * BW * eff_bw)
 
 (weights are streamed once per step, or the matmuls are compute-bound at large B; attention
-reads the whole KV cache every step). Prefill costs 2 P / (tp * FLOPS * eff_prefill) per token.
+reads the whole KV cache every step). Prefilling a context of n tokens costs
+(2 P n + 2 layers heads head_dim n^2) / (tp * FLOPS * eff_prefill): the matmuls, plus causal
+attention (QK^T and PV over half the n x n scores), which at 16k tokens adds about 60% for
+Qwen3-4B (a resumed partial rollout re-prefills its whole context).
 KV capacity follows SGLang's rule: `mem_fraction_static` of GPU memory holds weights + KV pool.
 The result is written in the shared profile format, with ptl_s tabulated over batch sizes and
 the K term as `kv_s_per_token`.
@@ -152,6 +155,8 @@ def derive_profile(
         batch_sizes=BATCH_GRID,
         ptl_s=ptl,
         prefill_s_per_token=2 * model.matmul_params / (flops * eff.prefill),
+        prefill_s_per_token_sq=2 * model.layers * model.heads * model.head_dim
+        / (flops * eff.prefill),
         kv_s_per_token=kv_per_tok / (bw * eff.bw),
         kv_capacity_tokens=kv_capacity_tokens,
         max_running_requests=max_running_requests,

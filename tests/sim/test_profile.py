@@ -69,3 +69,22 @@ def test_peak_throughput_respects_the_kv_capacity():
     tput, batch = p.peak_throughput(mean_context=100)
     assert batch == 10  # 10 requests x 100 tokens fill the cache
     assert tput == pytest.approx(10 / p.ptl(10, 1000))
+
+
+def test_prefill_forward_cost_and_kv_slope_per_batch(tmp_path):
+    prof = constant_profile([0.01, 0.02], [1, 5], prefill_s_per_forward=0.001,
+                            prefill_s_per_token=1e-5, prefill_s_per_token_sq=1e-7,
+                            max_prefill_tokens=64)
+    assert prof.prefill_forward_s([]) == 0.0
+    assert prof.prefill_forward_s([10, 30]) == pytest.approx(0.001 + 1e-5 * 40 + 1e-7 * 1000)
+    assert prof.prefill_forward_s([10, 30], padded=True) == pytest.approx(
+        0.001 + 1e-5 * 60 + 1e-7 * 1800)
+    by_batch = EngineProfile.from_json({**prof.to_json(), "kv_s_per_token_by_batch": [1e-6, 5e-6]})
+    assert by_batch.kv_s(3) == pytest.approx(3e-6)
+    assert by_batch.ptl(3, 100) == pytest.approx(0.015 + 3e-4)
+    path = tmp_path / "p.json"
+    save_profile(by_batch, path)
+    again = load_profile(path)
+    assert again == by_batch and again.max_prefill_tokens == 64
+    with pytest.raises(ProfileError, match="kv_s_per_token_by_batch"):
+        EngineProfile.from_json({**prof.to_json(), "kv_s_per_token_by_batch": [1e-6]})
