@@ -60,8 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stream-interval", type=int, default=None,
                         help="tokens per streamed chunk (default: EngineConfig's, 8; SGLang's is 1)")
     parser.add_argument("--profile-batch-sizes", default="1,2,4,8,16,32,64")
-    parser.add_argument("--profile-dir", default="docs/profiles",
-                        help="where PTL profiles are written ('' to skip the profile pass)")
+    parser.add_argument("--profile-dir", default="runs/bench-engine",
+                        help="where PTL profiles are written ('' to skip the profile pass). Not "
+                        "docs/profiles by default: the committed profiles also carry prefill and "
+                        "serving costs measured by `python -m rollout.sim.measure_hf` "
+                        "(docs/simulation.md), which this pass would drop")
     parser.add_argument("--out", default=None, help="also write all measurements as JSON here")
 
 
