@@ -4,16 +4,11 @@ from __future__ import annotations
 
 import torch
 
-TINY = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-    rms_norm_eps=1e-6,
-)
+from rlkit.demo_models import TINY_ARCH, TINY_VOCAB
+
+# The demo tiny architecture, with the tie and RoPE base left to each test.
+TINY = {k: v for k, v in TINY_ARCH.items() if k not in ("tie_word_embeddings", "rope_theta")}
+TINY.update(vocab_size=TINY_VOCAB, max_position_embeddings=1024)
 
 
 def make_hf_model(kind: str, tie: bool, seed: int = 0):
