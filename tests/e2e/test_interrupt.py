@@ -37,14 +37,21 @@ def listening_ports(pids: set[int]) -> set[int]:
     return ports
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_stops_every_process_and_the_run_resumes(tmp_path):
     env = {**os.environ, "RLKIT_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
     out = tmp_path / "runs"
     cmd = [sys.executable, "-m", "rlkit.cli", "train", str(ROOT / "recipes" / "grpo_tiny_ci.yaml"),
            f"run.output_dir={out}", "run.num_steps=200", "checkpoint.every_steps=1",
            "tracking.progress=false"]
-    # a new session, so the signal below reaches the whole foreground group as Ctrl-C does
+    # A new session, so the signal below reaches the whole foreground group as Ctrl-C does.
+    # SIGINT back to its default first: a shell without job control starts background jobs
+    # (`.ci/run &`) with SIGINT ignored, and Python then keeps ignoring it, as it should.
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True,
+                            preexec_fn=_default_sigint,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = out / "grpo-tiny" / "metrics.jsonl"
     deadline = time.monotonic() + 400
