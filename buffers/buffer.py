@@ -191,14 +191,9 @@ class RolloutBuffer:
         with self._lock:
             self._leave_flight(group, "complete")
             surplus = group.settle()
-            self._counts["discarded_tokens"] += sum(len(s.response_ids) for s in surplus)
+            self._discard(surplus)
             self._counts["completed"] += 1
-            verdict = self._enforce_staleness(group)
-            if verdict == "regenerated":
-                self._to_partial(group)
-            elif verdict != "dropped":
-                self._ready.append(group)
-                self._place[group.group_id] = Place.READY
+            if self._to_ready(group):
                 self._wake_consumers()
         return surplus
 
@@ -225,8 +220,7 @@ class RolloutBuffer:
             self._leave_flight(group, "defer")
             self._discard(group.trim())
             group.lane = Lane.LONG
-            self._long.push(group)
-            self._place[group.group_id] = Place.LONG
+            self._to_long(group)
             self._counts["deferred"] += 1
 
     def drop(self, group: Group, reason: str) -> None:
@@ -246,7 +240,6 @@ class RolloutBuffer:
             else:
                 self._ready.remove(group)
             self._end(group, reason)
-            self._counts["discarded_tokens"] += group.tokens
 
     # -- consumer side ------------------------------------------------------------------
     def take(self, n: int, timeout: float | None = None) -> list[Group]:
@@ -420,12 +413,9 @@ class RolloutBuffer:
             for g in partial:
                 self._to_partial(g)
             for g in long:
-                self._long.push(g)
-                self._place[g.group_id] = Place.LONG
+                self._to_long(g)
             for g in ready:
-                self._ready.append(g)
-                self._place[g.group_id] = Place.READY
-            self._sweep_ready()  # groups saved in flight never met the staleness rule
+                self._to_ready(g)  # groups saved in flight never met the staleness rule
 
     # -- internals (lock held) ----------------------------------------------------------
     def _new_group(self) -> Group:
@@ -451,8 +441,10 @@ class RolloutBuffer:
             raise BufferError(f"{what}: group {group.group_id} is not in flight: {where}")
 
     def _end(self, group: Group, reason: str) -> None:
+        """Drop the group under `reason`; its tokens count as discarded."""
         self._place.pop(group.group_id, None)
         self._dropped[reason] += 1
+        self._counts["discarded_tokens"] += group.tokens
 
     def _hand_to_trainer(self, group: Group) -> Group:
         del self._place[group.group_id]
@@ -474,12 +466,11 @@ class RolloutBuffer:
                 self._counts["stale_corrected"] += 1
             return "corrected"
         if policy is StalenessPolicy.REGENERATE:
-            self._counts["discarded_tokens"] += group.tokens
+            self._discard(group.samples)
             group.regenerate(self._version)
             self._counts["stale_regenerated"] += 1
             return "regenerated"
         self._end(group, "stale")
-        self._counts["discarded_tokens"] += group.tokens
         return "dropped"
 
     def _pop_fit(self, queue: _OldestFirst, k: int) -> list[Group]:
@@ -500,16 +491,27 @@ class RolloutBuffer:
         self._partial.push(group)
         self._place[group.group_id] = Place.PARTIAL
 
+    def _to_long(self, group: Group) -> None:
+        self._long.push(group)
+        self._place[group.group_id] = Place.LONG
+
+    def _to_ready(self, group: Group) -> bool:
+        """Queue a complete group as ready, through the staleness rule (a stale one goes back
+        to partial or is dropped instead). True if it was queued as ready."""
+        verdict = self._enforce_staleness(group)
+        if verdict == "regenerated":
+            self._to_partial(group)
+        elif verdict != "dropped":
+            self._ready.append(group)
+            self._place[group.group_id] = Place.READY
+            return True
+        return False
+
     def _sweep_ready(self) -> None:
         """After a version bump: apply the staleness rule to every ready group."""
-        kept: deque[Group] = deque()
-        for group in self._ready:
-            verdict = self._enforce_staleness(group)
-            if verdict in ("fit", "corrected"):
-                kept.append(group)
-            elif verdict == "regenerated":
-                self._to_partial(group)
-        self._ready = kept
+        waiting, self._ready = self._ready, deque()
+        for group in waiting:
+            self._to_ready(group)
 
     def _wake_consumers(self) -> None:
         self._ready_cond.notify_all()
