@@ -75,9 +75,6 @@ class Group:
         return self.target_n
 
     # -- progress -----------------------------------------------------------------------
-    def finished(self) -> list[Sample]:
-        return [s for s in self.samples if s.is_finished]
-
     @property
     def is_complete(self) -> bool:
         """At least target_n samples are terminal and rewarded (or failed)."""
@@ -103,14 +100,6 @@ class Group:
         """The policy version of the oldest generated token (None before any token)."""
         olds = [v for s in self.samples if (v := s.oldest_version()) is not None]
         return min(olds) if olds else None
-
-    def version_span(self) -> tuple[int, int] | None:
-        # versions never decrease along a sample, so its ends are its extremes
-        vs = [v for s in self.samples for v in (s.versions[:1] + s.versions[-1:])]
-        return (min(vs), max(vs)) if vs else None
-
-    def rewards(self) -> list[float | None]:
-        return [s.reward for s in self.samples]
 
     # -- shaping --------------------------------------------------------------------------
     def first_finished(self) -> list[Sample]:
