@@ -134,7 +134,11 @@ class Sample:
     def interrupt(self) -> None:
         """The in-flight request ended without a finish reason (abort, lost connection)."""
         if not self.status.terminal:
-            self.status = SampleStatus.PARTIAL if self.response_ids else SampleStatus.PENDING
+            self.status = self._parked_status()
+
+    def _parked_status(self) -> SampleStatus:
+        """Where a stopped request leaves the sample: PARTIAL with tokens, else PENDING."""
+        return SampleStatus.PARTIAL if self.response_ids else SampleStatus.PENDING
 
     def fail(self, error: str) -> None:
         """Record a failure (engine or reward). The sample is terminal and keeps its tokens."""
@@ -161,10 +165,6 @@ class Sample:
         self.finished_at = None
 
     # -- derived views ------------------------------------------------------------------
-    @property
-    def response_length(self) -> int:
-        return len(self.response_ids)
-
     @property
     def is_finished(self) -> bool:
         """Terminal and, unless failed, rewarded: nothing more will happen to it."""
@@ -206,7 +206,9 @@ class Sample:
             "versions": self.versions,
             "loss_mask": self.loss_mask,
             # A request in flight at save time is resumed later: RUNNING is saved as PARTIAL/PENDING.
-            "status": _at_rest(self).value,
+            "status": (
+                self._parked_status() if self.status is SampleStatus.RUNNING else self.status
+            ).value,
             "finish_reason": self.finish_reason,
             "reward": self.reward,
             "error": self.error,
@@ -236,9 +238,3 @@ class Sample:
         )
         s.check()
         return s
-
-
-def _at_rest(sample: Sample) -> SampleStatus:
-    if sample.status is SampleStatus.RUNNING:
-        return SampleStatus.PARTIAL if sample.response_ids else SampleStatus.PENDING
-    return sample.status
