@@ -123,8 +123,8 @@ def load_prompts(cfg: DataConfig, tokenizer: Tokenizer) -> PromptDataset:
     digest = hashlib.sha256()
     for chunk_start in range(0, len(kept), TOKENIZE_CHUNK):
         chunk = kept[chunk_start : chunk_start + TOKENIZE_CHUNK]
-        texts = [_render(prompt, cfg, tokenizer) for _, prompt, _, _ in chunk]
-        ids = _encode(texts, cfg, tokenizer)
+        texts = [_render(p, has_template, cfg.system_prompt, tokenizer) for _, p, _, _ in chunk]
+        ids = _encode(texts, has_template, tokenizer)
         for (i, _, label, meta), text, prompt_ids in zip(chunk, texts, ids):
             if len(prompt_ids) > cfg.max_prompt_tokens:
                 bad.add(
@@ -276,21 +276,23 @@ def _check_row(row: Any, cfg: DataConfig, has_template: bool) -> tuple[str, str]
     )
 
 
-def _render(prompt: str | list[dict], cfg: DataConfig, tokenizer: Tokenizer) -> str:
+def _render(
+    prompt: str | list[dict], has_template: bool, system_prompt: str | None, tokenizer: Tokenizer
+) -> str:
     """The exact prompt text the model sees (chat template applied if asked and available)."""
-    if not (cfg.apply_chat_template and getattr(tokenizer, "chat_template", None)):
+    if not has_template:
         assert isinstance(prompt, str)  # _check_row refused messages without a template
         return prompt
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-    if cfg.system_prompt and messages[0]["role"] != "system":
-        messages.insert(0, {"role": "system", "content": cfg.system_prompt})
+    if system_prompt and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
-def _encode(texts: Sequence[str], cfg: DataConfig, tokenizer: Tokenizer) -> list[list[int]]:
+def _encode(texts: Sequence[str], has_template: bool, tokenizer: Tokenizer) -> list[list[int]]:
     # A rendered chat template already holds its special tokens.
-    add_special = not (cfg.apply_chat_template and getattr(tokenizer, "chat_template", None))
-    return [list(ids) for ids in tokenizer(list(texts), add_special_tokens=add_special)["input_ids"]]
+    encoded = tokenizer(list(texts), add_special_tokens=not has_template)["input_ids"]
+    return [list(ids) for ids in encoded]
 
 
 def _json_cell(value: Any, row: int, what: str, bad: _BadRows) -> str | None:
