@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rlkit.rewards import RewardInput, RewardNotFound, call_reward
+    from rlkit.rewards import RewardInput, RewardNotFound, call_reward, is_async
     from rlkit.rewards.scoring import load_reward
     from rollout.rewards import check_reward_value
 
@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     cases = _load_samples(args.samples) if args.samples else SAMPLES
     call = call_reward(fn)
-    kind = "async" if asyncio.iscoroutinefunction(fn) else "sync (run in a worker thread)"
+    kind = "async" if is_async(fn) else "sync (run in a worker thread)"
     print(f"reward {args.reward!r}: {getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}, {kind}")
 
     problems = 0
@@ -79,9 +79,15 @@ def run(args: argparse.Namespace) -> int:
 
 def _load_samples(path: str) -> list[tuple[str, str, Any, str]]:
     out = []
-    for n, line in enumerate(Path(path).read_text().splitlines()):
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
         if line.strip():
-            row = json.loads(line)
-            out.append((row.get("prompt", ""), row["response"], row.get("label"),
-                        row.get("finish_reason", "stop")))
+            try:
+                row = json.loads(line)
+                out.append((row.get("prompt", ""), row["response"], row.get("label"),
+                            row.get("finish_reason", "stop")))
+            except (ValueError, KeyError, AttributeError) as e:
+                raise SystemExit(
+                    f"{path}:{n}: expected a JSON object with prompt, response, label"
+                    f"[, finish_reason] ({type(e).__name__}: {e})"
+                ) from None
     return out

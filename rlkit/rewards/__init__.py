@@ -111,13 +111,12 @@ def signature_problem(fn: Callable[..., Any]) -> str | None:
 def call_reward(fn: Callable[..., Any]) -> Callable[[RewardInput, dict[str, Any]], Awaitable[Any]]:
     """An async caller for fn: coroutines are awaited; sync functions run in a worker thread,
     so a slow reward never blocks generation."""
-    accepts_var_kw = _accepts_var_kwargs(fn)
     names = _keyword_names(fn)
 
     def kwargs_for(kwargs: dict[str, Any]) -> dict[str, Any]:
-        return kwargs if accepts_var_kw else {k: v for k, v in kwargs.items() if k in names}
+        return kwargs if names is None else {k: v for k, v in kwargs.items() if k in names}
 
-    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
+    if is_async(fn):
         async def call_async(sample: RewardInput, kwargs: dict[str, Any]) -> Any:
             return await fn(sample, **kwargs_for(kwargs))
 
@@ -132,16 +131,18 @@ def call_reward(fn: Callable[..., Any]) -> Callable[[RewardInput, dict[str, Any]
     return call_sync
 
 
-def _accepts_var_kwargs(fn: Callable[..., Any]) -> bool:
-    try:
-        return any(p.kind is p.VAR_KEYWORD for p in inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        return True
+def is_async(fn: Callable[..., Any]) -> bool:
+    """A coroutine function, or an object whose __call__ is one: awaited, not run in a thread."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
 
-def _keyword_names(fn: Callable[..., Any]) -> set[str]:
+def _keyword_names(fn: Callable[..., Any]) -> set[str] | None:
+    """The keyword arguments fn takes after the sample; None when it takes any (**kwargs, or a
+    signature inspect cannot read)."""
     try:
-        params = list(inspect.signature(fn).parameters.values())[1:]
+        params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
-        return set()
-    return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params[1:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
