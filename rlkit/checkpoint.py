@@ -18,6 +18,8 @@ from typing import Callable
 from buffers import RolloutBuffer, load_buffer
 
 STATE = "state.json"
+TRAINER_DIR = "trainer"
+BUFFER_FILE = "buffer.json.gz"
 
 
 class CheckpointError(RuntimeError):
@@ -32,11 +34,11 @@ class Checkpoint:
 
     @property
     def trainer_dir(self) -> Path:
-        return self.path / "trainer"
+        return self.path / TRAINER_DIR
 
     @property
     def buffer_file(self) -> Path:
-        return self.path / "buffer.json.gz"
+        return self.path / BUFFER_FILE
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
@@ -56,7 +58,7 @@ def list_checkpoints(run_dir: Path) -> list[Checkpoint]:
         try:
             state = json.loads(state_file.read_text())
             out.append(Checkpoint(d, int(state["step"]), int(state["version"])))
-        except (ValueError, KeyError) as e:
+        except (ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"{state_file}: unreadable checkpoint state ({e})") from None
     return sorted(out, key=lambda c: c.step)
 
@@ -80,10 +82,10 @@ def save_checkpoint(
     final = root / f"step_{step:06d}"
     tmp = root / f".step_{step:06d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    (tmp / "trainer").mkdir(parents=True)
-    save_trainer(tmp / "trainer")
+    (tmp / TRAINER_DIR).mkdir(parents=True)
+    save_trainer(tmp / TRAINER_DIR)
     if save_buffer is not None:
-        save_buffer(tmp / "buffer.json.gz")
+        save_buffer(tmp / BUFFER_FILE)
     (tmp / STATE).write_text(json.dumps({"step": step, "version": version}))
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)

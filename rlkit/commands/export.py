@@ -22,10 +22,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def trainer_checkpoint_dir(path: Path) -> Path:
+    from rlkit.checkpoint import TRAINER_DIR
+
     if (path / "meta.json").is_file():
         return path
-    if (path / "trainer" / "meta.json").is_file():
-        return path / "trainer"
+    if (path / TRAINER_DIR / "meta.json").is_file():
+        return path / TRAINER_DIR
     raise FileNotFoundError(f"{path}: neither a trainer checkpoint nor a run checkpoint with trainer/")
 
 
