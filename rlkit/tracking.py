@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from rlkit.config.schema import TrackingConfig
+from rollout.sim.timeline import TIMELINE_FILE
 
 
 class Tracker:
@@ -20,7 +21,7 @@ class Tracker:
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         self._metrics = open(run_dir / "metrics.jsonl", "a") if cfg.jsonl else None
-        self._timeline = open(run_dir / "timeline.jsonl", "a")
+        self._timeline = open(run_dir / TIMELINE_FILE, "a")
         self._wandb = None
         if cfg.wandb != "disabled":
             self._wandb = _start_wandb(cfg, run_dir, run_name, config)
