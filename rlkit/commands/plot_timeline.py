@@ -43,9 +43,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rollout.sim.timeline import read_timeline
+    from rollout.sim.timeline import TimelineError, read_timeline
 
-    steps = read_timeline(args.run)
+    if args.step not in ("all", "last") and not args.step.isdecimal():
+        print(f"rlkit: --step {args.step!r}: expected a step number, 'last' or 'all'")
+        return 1
+    try:
+        steps = read_timeline(args.run)
+    except TimelineError as e:
+        print(f"rlkit: {e}")
+        return 1
     if not steps:
         print(f"rlkit: {args.run}: the timeline has no steps")
         return 1
