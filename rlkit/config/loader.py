@@ -45,7 +45,7 @@ def resolve_raw(path: str | Path | None, overrides: Sequence[str] = ()) -> tuple
 
 # -- files and extends ------------------------------------------------------------------------
 def _load_file(path: Path, origins: Origins, chain: tuple[Path, ...]) -> dict[str, Any]:
-    path = path.resolve() if path.is_absolute() else Path.cwd().joinpath(path).resolve()
+    path = path.resolve()
     shown = _display(path)
     if path in chain:
         cycle = " -> ".join(_display(p) for p in (*chain, path))
