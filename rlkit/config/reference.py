@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import json
+import types
 import typing
 from typing import Any
 
@@ -66,7 +67,7 @@ def _type(ann: Any) -> str:
         return " \\| ".join(f"`{a}`" for a in typing.get_args(ann))
     if isinstance(ann, type) and issubclass(ann, enum.Enum):
         return " \\| ".join(f"`{m.value}`" for m in ann)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin in (typing.Union, types.UnionType):
         return " or ".join(_type(a) for a in typing.get_args(ann))
     if ann is type(None):
         return "null"
