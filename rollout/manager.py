@@ -172,8 +172,7 @@ class Step:
         self._runs: dict[int, _GroupRun] = {}
         self._event = asyncio.Event()
         self._error: BaseException | None = None
-        self._stopping = False
-        self._rewards_closed = False
+        self._stopping = False  # also closes rewards: stop() does not wait for them
         self._t0 = self._loop.time()
         self._discarded0 = self.buffer.stats()["discarded_tokens"]
         self._completed: list[Group] = []
@@ -254,7 +253,6 @@ class Step:
             # Rewards of groups that will not complete now are not worth waiting for (a slow
             # judge must not hold the step, slime#2176): their samples stay finished but
             # unrewarded, and are scored when the group resumes.
-            self._rewards_closed = True
             for run in self._runs.values():
                 for index in run.scoring:
                     run.tasks[index].cancel()
@@ -282,7 +280,7 @@ class Step:
             if (
                 s.status in (SampleStatus.DONE, SampleStatus.TRUNCATED)
                 and s.reward is None
-                and not self._rewards_closed
+                and not self._stopping
             ):
                 if s.finished_at is None:
                     s.finished_at = self._loop.time()
@@ -395,8 +393,6 @@ class Step:
                     rewards.append(s.reward)
         r.reward_mean = sum(rewards) / len(rewards) if rewards else math.nan
         r.tokens_discarded = self.buffer.stats()["discarded_tokens"] - self._discarded0
-        if not r.seconds:
-            r.seconds = self._loop.time() - self._t0
         return r
 
 
