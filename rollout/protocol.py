@@ -223,23 +223,11 @@ class GenerateResponse(BaseModel):
     meta_info: MetaInfo = Field(default_factory=MetaInfo)
 
     def output_entries(self) -> tuple[list[int], list[float]]:
-        """(token ids, logprobs) of this payload's output, from output_token_logprobs (needs
-        return_logprob) or from output_ids (then logprobs are empty)."""
-        entries = self.meta_info.output_token_logprobs
-        if entries is not None:
-            ids = [int(e[1]) for e in entries]
-            lps = [float(e[0]) if e[0] is not None else float("nan") for e in entries]
-            return ids, lps
-        return list(self.output_ids or []), []
+        """(token ids, logprobs) of this payload's output (see `_output_entries`)."""
+        return _output_entries(self.meta_info.output_token_logprobs, self.output_ids)
 
     def weight_version_int(self, default: int) -> int:
-        """The stamped weight version as an int (rlkit stamps ints as strings); `default` when
-        missing (aborted outputs may lack it) or not an integer (SGLang's default "default")."""
-        v = self.meta_info.weight_version
-        try:
-            return int(v) if v is not None else default
-        except ValueError:
-            return default
+        return _version_int(self.meta_info.weight_version, default)
 
 
 @dataclass(frozen=True)
@@ -253,27 +241,35 @@ class OutputChunk:
     weight_version: str | None
 
     def weight_version_int(self, default: int) -> int:
-        """The stamp as an int (rlkit stamps ints as strings); `default` when missing (aborted
-        outputs may lack it) or not an integer (SGLang's initial "default")."""
-        try:
-            return int(self.weight_version) if self.weight_version is not None else default
-        except ValueError:
-            return default
+        return _version_int(self.weight_version, default)
+
+
+def _version_int(version: str | None, default: int) -> int:
+    """A weight version stamp as an int (rlkit stamps ints as strings); `default` when missing
+    (aborted outputs may lack it) or not an integer (SGLang's initial "default")."""
+    try:
+        return int(version) if version is not None else default
+    except ValueError:
+        return default
+
+
+def _output_entries(entries: Any, output_ids: Any) -> tuple[list[int], list[float]]:
+    """(token ids, logprobs) of an answer's output: from output_token_logprobs (needs
+    return_logprob; a real SGLang answer's output_ids can be longer than completion_tokens),
+    else from output_ids (then logprobs are empty)."""
+    if entries is not None:
+        ids = [int(e[1]) for e in entries]
+        lps = [float(e[0]) if e[0] is not None else float("nan") for e in entries]
+        return ids, lps
+    return [int(t) for t in output_ids or ()], []
 
 
 def parse_output(payload: Any) -> OutputChunk:
     """Parse a /generate answer or chunk by hand: this runs once per streamed token per
-    request, where building a pydantic model per chunk costs more than the rest of the client.
-    Token ids come from output_token_logprobs when present (a real SGLang answer's output_ids
-    can be longer than completion_tokens), else from output_ids."""
+    request, where building a pydantic model per chunk costs more than the rest of the client."""
     try:
         meta = payload["meta_info"]
-        entries = meta.get("output_token_logprobs")
-        if entries is not None:
-            ids = [int(e[1]) for e in entries]
-            lps = [float(e[0]) if e[0] is not None else float("nan") for e in entries]
-        else:
-            ids, lps = [int(t) for t in payload.get("output_ids") or ()], []
+        ids, lps = _output_entries(meta.get("output_token_logprobs"), payload.get("output_ids"))
         fr = meta.get("finish_reason")
         version = meta.get("weight_version")
         return OutputChunk(
@@ -420,10 +416,6 @@ class PauseGenerationRequest(BaseModel):
     mode: PauseMode = "abort"  # SGLang's default; rlkit's client always sends it explicitly
 
 
-class ContinueGenerationRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
 class UpdateWeightsFromDiskRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     model_path: str
@@ -479,14 +471,6 @@ class UpdateWeightVersionRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     new_version: str
     abort_all_requests: bool = True  # SGLang's default (miles#2372): rlkit always sends it
-
-
-class WeightUpdateResult(BaseModel):
-    """Answer of every weight-update endpoint: {"success", "message"[, "num_paused_requests"]}."""
-
-    model_config = ConfigDict(extra="allow")
-    success: bool
-    message: str = ""
 
 
 def error_body(message: str, status: int) -> dict[str, Any]:
