@@ -33,10 +33,9 @@ def train(recipe: Recipe) -> LoopState:
     cluster = Cluster(recipe, model_path, run_dir)
     try:
         cluster.start()
-        step_ref = {"step": 0}
 
-        def on_progress(p: dict) -> None:
-            tracker.progress(step_ref["step"] + 1, p["completed"], p["target"], p["tokens"], p["seconds"])
+        def on_progress(p: dict) -> None:  # while the rollout of step state.step + 1 runs
+            tracker.progress(state.step + 1, p["completed"], p["target"], p["tokens"], p["seconds"])
 
         box = RayRolloutBox(cluster.rollout_actor, on_progress=on_progress if recipe.tracking.progress else None)
         state = LoopState()
@@ -51,11 +50,7 @@ def train(recipe: Recipe) -> LoopState:
                                          folder=run_dir / "weights")
             box.set_version(ckpt.version)
 
-        def on_step(step: int, row: dict) -> None:
-            step_ref["step"] = step
-
-        return run_sync(recipe, box, cluster.trainer, cluster.engine_urls, tracker, run_dir, state,
-                        on_step=on_step)
+        return run_sync(recipe, box, cluster.trainer, cluster.engine_urls, tracker, run_dir, state)
     finally:
         tracker.close()
         cluster.shutdown()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Protocol, Sequence
 
 from buffers import Group
 from rlkit.checkpoint import save_checkpoint
@@ -42,11 +42,10 @@ def train_on_batch(trainer: Trainer, batch: TrainBatch, recipe: Recipe) -> dict[
     if algo.kl_coef > 0:
         batch = batch.with_logprobs(ref=trainer.logprobs(batch, policy="reference"))
     gbs = recipe.train.global_batch_size or len(batch)
-    parts = [batch.subset(range(i, min(i + gbs, len(batch)))) for i in range(0, len(batch), gbs)]
-    if len(parts) > 1:
+    if len(batch) > gbs:
         # pi_old must be the weights that saw the whole batch, not those after the first step
         batch = batch.with_logprobs(old=trainer.logprobs(batch))
-        parts = [batch.subset(range(i, min(i + gbs, len(batch)))) for i in range(0, len(batch), gbs)]
+    parts = batch.micro_batches(gbs)
     metrics: dict[str, float] = {}
     for part in parts:
         trainer.accumulate(part)
@@ -64,7 +63,6 @@ def run_sync(
     tracker: Tracker,
     run_dir: Path,
     state: LoopState,
-    on_step: Callable[[int, dict[str, Any]], None] | None = None,
 ) -> LoopState:
     batch_size = recipe.rollout.batch_size
     every = recipe.checkpoint.every_steps
@@ -96,8 +94,6 @@ def run_sync(
         }
         tracker.log(state.step, row)
         tracker.log_timeline(state.step, result.timeline)
-        if on_step is not None:
-            on_step(state.step, row)
         last = state.step == recipe.run.num_steps
         if last or (every and state.step % every == 0):
             save_checkpoint(
