@@ -33,9 +33,6 @@ class EngineActor:
     def url(self) -> str:
         return self.proc.url  # type: ignore[return-value]
 
-    def pid(self) -> int:
-        return self.proc.pid
-
     def stop(self) -> None:
         self.proc.stop()
 
@@ -96,10 +93,6 @@ class RolloutActor:
     def load(self, path: str) -> None:
         assert self.service is not None
         self.service.load(path)
-
-    def stats(self) -> dict[str, Any]:
-        assert self.service is not None
-        return self.service.stats()
 
     async def stop(self) -> None:
         if self.service is not None:
@@ -197,7 +190,7 @@ class Cluster:
             self.rollout_actor = rollout_cls.remote(
                 r.model_dump(mode="json"), self.model_path, self.engine_urls, str(self.log_dir)
             )
-            self.started = ray.get(self.rollout_actor.start.remote())
+            ray.get(self.rollout_actor.start.remote())
             # The trainer gets the cores the engines do not use for compute on CPU.
             self.trainer = TrainerGroup(
                 self.model_path, r.train, temperature=r.rollout.sampling.temperature,
@@ -207,11 +200,6 @@ class Cluster:
             self.shutdown()
             raise
         return self
-
-    def engine_pids(self) -> list[int]:
-        import ray
-
-        return ray.get([e.pid.remote() for e in self.engines]) if self.engines else []
 
     def shutdown(self) -> None:
         """Stop everything, tolerating pieces that never started or already died."""
