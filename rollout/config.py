@@ -31,6 +31,15 @@ class SamplingConfig(BaseModel):
         False, description="Keep generating past EOS (benchmarks replaying a length trace)."
     )
 
+    @model_validator(mode="after")
+    def _check(self) -> "SamplingConfig":
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"sampling.min_new_tokens ({self.min_new_tokens}) exceeds "
+                f"sampling.max_new_tokens ({self.max_new_tokens})"
+            )
+        return self
+
 
 class TailBatchingConfig(BaseModel):
     """Flexes-style tail batching (policy `tail_batching`)."""
@@ -141,10 +150,5 @@ class RolloutConfig(BaseModel):
             raise ValueError(
                 f"rollout.policy={self.policy!r} is planned but not available yet "
                 f"(available: {', '.join(AVAILABLE_POLICIES)})"
-            )
-        if self.sampling.min_new_tokens > self.sampling.max_new_tokens:
-            raise ValueError(
-                f"sampling.min_new_tokens ({self.sampling.min_new_tokens}) exceeds "
-                f"sampling.max_new_tokens ({self.sampling.max_new_tokens})"
             )
         return self
