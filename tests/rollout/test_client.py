@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from buffers.sample import Sample, SampleStatus
-from rollout.client import EngineClient, RetryPolicy
+from rollout.client import DEFAULT_RETRY_POLICIES, EngineClient, RetryPolicy
 from rollout.config import SamplingConfig
 from rollout.engine_api import EngineError, Engines
 from rollout.engines.process import free_port
@@ -138,7 +138,7 @@ async def test_failures_before_any_token_are_retried(worker):
         answer_json({"error": {"message": "no worker"}}, status=503),
         answer_sse(tokens_chunk([5], [-0.5], total=1, finish={"type": "length", "length": 1})),
     ]
-    c = await client_for(worker, retry_policies={**EngineClient.__dataclass_fields__["retry_policies"].default_factory(),
+    c = await client_for(worker, retry_policies={**DEFAULT_RETRY_POLICIES,
                                                  "generate": RetryPolicy(attempts=3, backoff_s=0.01, retry_statuses=frozenset({503}))})
     try:
         s = fresh()
@@ -152,8 +152,7 @@ async def test_failures_before_any_token_are_retried(worker):
 
 async def test_connection_refused_is_retried_then_reported():
     dead = f"http://127.0.0.1:{free_port()}"
-    policies = {**EngineClient.__dataclass_fields__["retry_policies"].default_factory(),
-                "generate": RetryPolicy(attempts=2, backoff_s=0.01)}
+    policies = {**DEFAULT_RETRY_POLICIES, "generate": RetryPolicy(attempts=2, backoff_s=0.01)}
     c = await EngineClient(None, worker_urls=[dead], retry_policies=policies).connect()
     try:
         s = fresh()
