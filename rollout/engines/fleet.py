@@ -15,19 +15,9 @@ from pathlib import Path
 
 from rollout.client import EngineClient
 from rollout.engines.config import EngineConfig, RouterConfig
-from rollout.engines.process import ManagedProcess, default_threads, start_hf_server
+from rollout.engines.process import ManagedProcess, start_hf_server
 from rollout.engines.sglang_launcher import require_sglang, start_sglang_server
 from rollout.router import Router
-
-
-def start_engine(model_path: str, c: EngineConfig, index: int,
-                 log_dir: Path | None = None) -> ManagedProcess:
-    """Start engine server `index` of a fleet (hf or sglang, per the config) and wait for it."""
-    log_path = log_dir / f"engine-{index}.log" if log_dir else None
-    if c.kind == "sglang":
-        return start_sglang_server(model_path, c, index=index, log_path=log_path)
-    threads = c.cpu_threads or default_threads(c.num_engines)
-    return start_hf_server(model_path, c, seed=c.seed + index, threads=threads, log_path=log_path)
 
 
 def start_engine(model_path: str, config: EngineConfig, index: int,
@@ -38,9 +28,7 @@ def start_engine(model_path: str, config: EngineConfig, index: int,
     log_path = log_dir / f"engine-{index}.log" if log_dir else None
     if config.kind == "sglang":
         return start_sglang_server(model_path, config, index=index, log_path=log_path)
-    threads = config.cpu_threads or default_threads(config.num_engines)
-    return start_hf_server(model_path, config, seed=config.seed + index, threads=threads,
-                           log_path=log_path)
+    return start_hf_server(model_path, config, seed=config.seed + index, log_path=log_path)
 
 
 class EngineFleet:
