@@ -351,19 +351,18 @@ class EngineServer:
                                            ENGINE_URL_HEADER: self.public_url})
         await resp.prepare(request)
         incremental = self.args.incremental_streaming_output
-        interval = max(1, self.args.stream_interval)
         detok = IncrementalDetokenizer(self.tokenizer,
                                        skip_special_tokens=req.sampling_params.skip_special_tokens)
         sent = 0
         while True:
+            # The core reports a streamed request only when a chunk is due (stream interval
+            # reached, weight version changed, or finished: EngineCore._report), so every
+            # wake-up has something to send.
             await r.progressed.wait()
             r.progressed.clear()
             finished = r.finish_reason is not None
             n = len(r.output_ids)
             versions = r.output_versions
-            new_version = n > sent and versions[sent] != versions[n - 1]
-            if not (finished or new_version or n - sent >= interval):
-                continue
             # One chunk per weight version: a chunk's weight_version is true of all its tokens.
             cuts = [i for i in range(sent + 1, n) if versions[i] != versions[i - 1]] + [n]
             for upto in cuts:
