@@ -9,8 +9,8 @@ Requests join and leave the batch between decode steps:
 - the KV cache is `SlotKVCache`: preallocated, left-padded, grown by doubling.
 
 The HTTP side talks to this only through the thread-safe methods `submit`, `abort`, `pause`,
-`resume`, `flush`, `call` and `loads`; the decoder reports progress by calling each request's
-`notify` callback from its thread (the server turns that into an asyncio wake-up).
+`resume`, `flush`, `call` and `loads`; the decoder reports progress once per loop iteration by
+calling `on_progress` from its thread with every request that got tokens or finished.
 
 Pause modes follow SGLang: `abort` aborts everything then holds new requests; `retract` moves
 running requests back to the queue (their KV is dropped and recomputed on continue, the
@@ -163,10 +163,6 @@ class BatchedDecoder:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.crashed is None
 
-    @property
-    def paused(self) -> PauseMode | None:
-        return self._pause_mode
-
     def submit(self, request: DecodeRequest) -> None:
         if not self.alive:
             raise DecoderError(f"the decoder is not running ({self.crashed or 'stopped'})")
@@ -284,7 +280,10 @@ class BatchedDecoder:
         admitted) and, if set, the reserved tokens (prompt + max_new_tokens) fit max_total_tokens."""
         admitted: list[DecodeRequest] = []
         with self._lock:
-            reserved = sum(self._reserved_tokens(r) for r in self._running)
+            if not self._waiting:  # the common case, once per decode step
+                return
+            reserved = (sum(self._reserved_tokens(r) for r in self._running)
+                        if self.max_total_tokens else 0)
             width = 0
             while self._waiting and len(self._running) + len(admitted) < self.max_running_requests:
                 r = self._waiting[0]
@@ -380,8 +379,6 @@ class BatchedDecoder:
                 done.append(row)
             else:
                 self._progressed.append(r)
-                if r.stream:
-                    r.notify()
         self._drop_rows(done)
 
     def _row_sampling(self, r: DecodeRequest) -> RowSampling:
@@ -420,7 +417,6 @@ class BatchedDecoder:
         r.finished_at = time.monotonic()
         r.finish_reason = reason
         self._progressed.append(r)
-        r.notify()
 
     def _report_progress(self) -> None:
         if self._progressed:

@@ -61,10 +61,6 @@ class EngineCoreClient:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- lifecycle --------------------------------------------------------------------------------
-    async def start(self, timeout_s: float = 600.0) -> None:
-        self.launch()
-        await self.wait_ready(timeout_s)
-
     def launch(self) -> None:
         """Spawn the core process (it starts loading the model at once)."""
         ctx = mp.get_context("spawn")  # no fork: torch threads and CUDA do not survive it

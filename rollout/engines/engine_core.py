@@ -7,7 +7,7 @@ server the same way (tokenizer/HTTP process, scheduler process). Per decode step
 ONE message with every request's new tokens, so IPC costs do not grow with per-token chunks.
 
 Messages (pickled tuples). HTTP -> core:
-    ("submit", DecodeRequest)          (notify/rng fields are not used across the pipe)
+    ("submit", DecodeRequest)          (its _rng is set by the core's decoder)
     ("abort", rid | None, abort_all)
     ("call", call_id, name, kwargs)    a command, answered by one "result"
     ("stop",)
@@ -72,8 +72,6 @@ class EngineCore:
         self.model = AutoModelForCausalLM.from_pretrained(
             config.model_path, dtype=getattr(torch, dtype), attn_implementation="sdpa"
         ).to(self.device).eval()
-        self.context_length = config.context_length or int(
-            getattr(self.model.config, "max_position_embeddings", 2048))
         self.decoder = BatchedDecoder(
             self.model,
             eos_token_ids=self._eos_ids(),
@@ -81,7 +79,7 @@ class EngineCore:
             max_running_requests=config.max_running_requests,
             max_total_tokens=config.max_total_tokens,
             max_prefill_tokens=config.max_prefill_tokens,
-            context_length=self.context_length,
+            context_length=config.context_length,  # None: the model's max_position_embeddings
             seed=config.seed,
             weight_version=config.weight_version,
             on_progress=self._report,
@@ -96,7 +94,7 @@ class EngineCore:
     def info(self) -> dict[str, Any]:
         return {
             "vocab_size": int(self.model.get_input_embeddings().weight.shape[0]),
-            "context_length": self.context_length,
+            "context_length": self.decoder.context_length,
             "eos_token_ids": sorted(self.decoder.eos_token_ids),
             "device": str(self.device),
             "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
@@ -135,12 +133,11 @@ class EngineCore:
             n = len(r.output_ids)
             sent = self._reported.get(r.rid, 0)
             finish = r.finish_reason.wire() if r.finish_reason is not None else None
-            versions = r.output_versions[sent:n]
-            version_changed = bool(versions) and versions[0] != versions[-1]
+            version_changed = n > sent and r.output_versions[sent] != r.output_versions[n - 1]
             if finish is None and not version_changed and (not r.stream or n - sent < interval):
-                continue
-            entries.append((r.rid, r.output_ids[sent:n], r.output_logprobs[sent:n], versions,
-                            r.weight_version, finish))
+                continue  # nothing copied: a non-streamed request is sent only when it finishes
+            entries.append((r.rid, r.output_ids[sent:n], r.output_logprobs[sent:n],
+                            r.output_versions[sent:n], r.weight_version, finish))
             if finish is None:
                 self._reported[r.rid] = n
             else:

@@ -73,9 +73,6 @@ class SlotKVCache(Cache):
         width = self.end - self.start
         return width * self.batch_size - sum(self.lengths)
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
-
     def _reshape(self, slots: int, capacity: int, shift: int) -> None:
         """Re-allocate to (slots, capacity), moving the live columns right by `shift` (which may
         be negative, to compact). Only the live region [start, end) is copied."""

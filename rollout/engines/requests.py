@@ -9,7 +9,6 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 from rollout.protocol import FinishReason
 
@@ -30,10 +29,6 @@ class DecodeParams:
     seed: int | None = None
 
 
-def _no_notify() -> None:
-    """Default progress callback (module-level so requests pickle across processes)."""
-
-
 @dataclass(eq=False)
 class DecodeRequest:
     """One generation. The decoder thread is the only writer of the output fields; readers on
@@ -43,7 +38,6 @@ class DecodeRequest:
     rid: str
     input_ids: list[int]
     params: DecodeParams
-    notify: Callable[[], None] = _no_notify
     stream: bool = False
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)

@@ -82,8 +82,9 @@ def _draw(logprobs: torch.Tensor, rows: list[RowSampling], uniforms: torch.Tenso
     vocabulary order and filtered rows in probability order; a row's draw depends only on its
     own logits and uniform, never on which other rows share the batch."""
     out = torch.empty(len(rows), dtype=torch.long, device=logprobs.device)
-    filtered = [i for i, r in enumerate(rows) if r.top_k > 0 or r.top_p < 1.0 or r.min_p > 0.0]
-    plain = [i for i in range(len(rows)) if i not in set(filtered)]
+    is_filtered = [r.top_k > 0 or r.top_p < 1.0 or r.min_p > 0.0 for r in rows]
+    filtered = [i for i, f in enumerate(is_filtered) if f]
+    plain = [i for i, f in enumerate(is_filtered) if not f]
     if plain:
         idx = torch.tensor(plain, device=logprobs.device)
         cdf = torch.cumsum(torch.exp(logprobs[idx]).double(), dim=-1)
