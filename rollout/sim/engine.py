@@ -174,7 +174,6 @@ class Segment:
     end: float
     tokens: int  # generated during this segment
     response_before: int  # the sample's response length when the segment started
-    prompt_len: int
     outcome: str
 
 
@@ -313,7 +312,6 @@ class SimWorker:
         self._plan: _Plan | None = None
         self._waiter: asyncio.Future | None = None
         self._abort = False
-        self._in_prefill = False
         self._prefilling: list[_Request] = []
         self._prefill_blocked = False  # requests wait only for the next prefill forward
         self._admit_skipped = False  # no admission before this step (a forward just ran)
@@ -392,9 +390,7 @@ class SimWorker:
                 self._observer(self, "scheduled")
             if self._prefilling:
                 prefill_s /= self._share(1.0)
-                self._in_prefill = True
                 await asyncio.sleep(prefill_s)
-                self._in_prefill = False
                 self.stats.prefill_s += prefill_s
                 self.stats.busy_s += prefill_s
                 self._first_tokens()
@@ -537,12 +533,15 @@ class SimWorker:
         width = tokens = 0
         limit = self.prefill_limit
         self._prefill_blocked = False
+        reserved: int | None = None  # sum of min(remaining, clip) over the running requests
         while self.waiting and len(self.running) < self.batch_limit:
             r = self.waiting[0]
+            r_reserved = min(r.remaining, self.reserve_clip)
             if self.running and self.capacity is not None:
-                reserve = self.reserve_ratio * sum(
-                    min(x.remaining, self.reserve_clip) for x in (*self.running.values(), r)
-                )
+                if reserved is None:
+                    reserved = sum(min(x.remaining, self.reserve_clip)
+                                   for x in self.running.values())
+                reserve = self.reserve_ratio * (reserved + r_reserved)
                 if self.kv_used + r.kv + len(self.running) + 1 + reserve > self.capacity:
                     break
             if limit is not None and admitted:
@@ -556,6 +555,8 @@ class SimWorker:
             r.admitted = now
             admitted.append(r)
             width, tokens = max(width, r.kv), tokens + r.kv
+            if reserved is not None:
+                reserved += r_reserved
         self._prefilling = admitted
         if not admitted:
             return 0.0
@@ -572,11 +573,10 @@ class SimWorker:
             r.flushed = r.generated
 
     def _end_segment(self, r: _Request, now: float, outcome: str) -> None:
-        prompt_len = len(r.sample.prompt_ids)
         self.segments.append(Segment(
             self.id, r.sample.index, r.sample.group_id, r.enqueued, r.admitted, now,
-            r.generated - r.seg_start_tokens, r.context + r.seg_start_tokens - prompt_len,
-            prompt_len, outcome,
+            r.generated - r.seg_start_tokens,
+            r.context + r.seg_start_tokens - len(r.sample.prompt_ids), outcome,
         ))
         r.seg_start_tokens = r.generated
 
@@ -698,13 +698,6 @@ class SimEngines:
         """Stop the worker loops (their requests must be finished or aborted first)."""
         for w in self._order:
             await w.stop()
-
-    def worker(self, wid: str) -> SimWorker:
-        return self._workers[wid]
-
-    @property
-    def all_workers(self) -> list[SimWorker]:
-        return list(self._order)
 
     def stats(self) -> dict[str, WorkerStats]:
         return {w.id: w.stats.copy() for w in self._order}
