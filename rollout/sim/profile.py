@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
 from typing import Any, Sequence
@@ -129,10 +129,6 @@ class EngineProfile:
         """Seconds of one decode step of `batch` requests holding `kv_tokens` of KV cache."""
         return self.step_base_s(batch) + self.kv_s(batch) * kv_tokens
 
-    def prefill_s(self, tokens: int) -> float:
-        """Linear part only: seconds to prefill `tokens` tokens (no fixed or quadratic term)."""
-        return self.prefill_s_per_token * tokens
-
     def prefill_forward_s(self, contexts: Sequence[int], padded: bool = False) -> float:
         """Seconds of one prefill forward over requests of these context lengths."""
         if not contexts:
@@ -196,9 +192,7 @@ class EngineProfile:
         missing = [k for k in required if k not in data]
         if missing:
             raise ProfileError(f"{where}: missing key(s) {', '.join(missing)}")
-        known = set(required) | {"kv_s_per_token", "kv_capacity_tokens", "max_running_requests",
-                                 "prefill_s_per_forward", "prefill_s_per_token_sq",
-                                 "max_prefill_tokens", "kv_s_per_token_by_batch"}
+        known = {f.name for f in fields(cls)} - {"extra"}
         try:
             return cls(
                 name=str(data["name"]),
