@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 TIMELINE_FILE = "timeline.jsonl"
-OUTCOMES = ("stop", "length", "abort", "cancel", "cancelled", "preempt", "error")
 
 
 class TimelineError(ValueError):
