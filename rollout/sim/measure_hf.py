@@ -67,6 +67,13 @@ def _cpu(proc: Any) -> float:
     return t.user + t.system
 
 
+def _core_process(http: Any) -> Any:
+    """The engine's core process: the one child of its HTTP server process that is not
+    multiprocessing's resource tracker."""
+    return [k for k in http.children(recursive=True)
+            if "resource_tracker" not in " ".join(k.cmdline())][0]
+
+
 def measure_decode(model_path: str, batches=DECODE_BATCHES, widths=DECODE_WIDTHS,
                    n1: int = 32, n2: int = 416, passes: int = 2) -> dict[str, Any]:
     """Decode-loop CPU per step of engine 0 in a fleet of two, through the router and the
@@ -82,9 +89,7 @@ def measure_decode(model_path: str, batches=DECODE_BATCHES, widths=DECODE_WIDTHS
     grid = [(b, w) for b in batches for w in widths if b * w <= 65536]
     per_point: dict[tuple[int, int, str], list[float]] = {}
     with EngineFleet(model_path, cfg, RouterConfig()) as fleet:
-        http = psutil.Process(fleet.engines[0].pid)
-        core = [k for k in http.children(recursive=True)
-                if "resource_tracker" not in " ".join(k.cmdline())][0]
+        core = _core_process(psutil.Process(fleet.engines[0].pid))
         urls = fleet.worker_urls
         seq = [0]
 
@@ -212,14 +217,12 @@ def measure_serving(model_path: str, stream_interval: int = 8) -> dict[str, Any]
     out: dict[str, Any] = {}
     with EngineFleet(model_path, cfg, RouterConfig()) as fleet:
         http = psutil.Process(fleet.engines[0].pid)
-        core = [k for k in http.children(recursive=True)
-                if "resource_tracker" not in " ".join(k.cmdline())][0]
-        procs = {"core": core, "http": http, "router": psutil.Process(fleet.router.process.pid),
-                 "client": psutil.Process()}
+        procs = {"core": _core_process(http), "http": http,
+                 "router": psutil.Process(fleet.router.process.pid), "client": psutil.Process()}
         url = fleet.worker_urls[0]
 
         def cpu() -> dict[str, float]:
-            return {k: sum(p.cpu_times()[:2]) for k, p in procs.items()}
+            return {k: _cpu(p) for k, p in procs.items()}
 
         def stats() -> dict[str, Any]:
             with urllib.request.urlopen(f"{url}/rlkit/decode_stats?reset=1", timeout=60) as r:
