@@ -55,12 +55,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def make_trace(args: argparse.Namespace, rows: int) -> Any:
+def make_trace(args: argparse.Namespace) -> Any:
+    """The bench's trace, with prompts to spare for every policy's steps (the real and the
+    simulated runs replay the same one)."""
     from rollout.sim.trace import TraceSpec, generate_trace
 
     spec = TraceSpec(
-        rows=rows, epochs=4, group_size=args.n, cap=args.cap, seed=args.seed,
-        batch_size=args.batch_size, p_hard=args.p_hard, easy_median_frac=args.easy_frac,
+        rows=max(64, args.batch_size * (args.steps + args.warmup_steps) * 3), epochs=4,
+        group_size=args.n, cap=args.cap, seed=args.seed, batch_size=args.batch_size,
+        p_hard=args.p_hard, easy_median_frac=args.easy_frac,
         prompt_median=24, prompt_min=8, prompt_max=64,
     )
     return generate_trace(spec)
@@ -83,15 +86,14 @@ async def bench_rollout(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit(f"--policy: unknown policy {p!r} (sync, partial)")
     model_path = resolve_model_path(args.model)
     vocab = _vocab_size(model_path)
-    rows = max(64, args.batch_size * (args.steps + args.warmup_steps) * 3)
-    trace = make_trace(args, rows)
+    trace = make_trace(args)
     if args.trace_out:
         trace.save(args.trace_out)
     rng = random.Random(args.seed)
     records = [
         PromptRecord(ids=tuple(rng.randrange(3, vocab) for _ in range(trace.records[(i, 0)].prompt_len)),
                      text="", source_index=i)
-        for i in range(rows)
+        for i in range(trace.rows)
     ]
     sampling = SamplingConfig(max_new_tokens=args.cap, temperature=1.0)
 
@@ -134,8 +136,7 @@ def simulate_same(args: argparse.Namespace, real: dict[str, Any]) -> dict[str, A
     profile_path = args.simulate
     if profile_path == "auto":
         profile_path = str(Path(__file__).resolve().parents[2] / "docs" / "profiles" / f"cpu-{args.model}-t1.json")
-    rows = max(64, args.batch_size * (args.steps + args.warmup_steps) * 3)
-    trace = make_trace(args, rows)
+    trace = make_trace(args)
     # The hf engine keeps a left-padded KV cache (every row reads the longest row's context)
     # and pads its prefill forwards; the profile's "serving" object adds what
     # `python -m rollout.sim.measure_hf` measured around the engines: the cores they share
