@@ -14,7 +14,7 @@ Like megatron, weight decay applies to matrices only, not to norms and biases.
 from __future__ import annotations
 
 import math
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,19 +22,27 @@ import torch.distributed as dist
 from train.config import OptimizerConfig
 
 
-class StepOptimizer(Protocol):
+class StepOptimizer:
+    """The interface of both wrappers; `_opt` is the wrapped optimizer (with param_groups)."""
+
+    _opt: Any
+
     def step(self) -> tuple[bool, float]:
         """Clip and apply the (already normalised) gradients: (applied, grad_norm)."""
-        ...
+        raise NotImplementedError
 
-    def set_lr(self, lr: float) -> None: ...
+    def set_lr(self, lr: float) -> None:
+        for g in self._opt.param_groups:
+            g["lr"] = lr
 
-    def state_dict(self) -> dict[str, Any]: ...
+    def state_dict(self) -> dict[str, Any]:
+        return self._opt.state_dict()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._opt.load_state_dict(state)
 
 
-class TorchAdamW:
+class TorchAdamW(StepOptimizer):
     """CPU: torch AdamW over megatron DDP's main_grad buffers."""
 
     def __init__(self, model: torch.nn.Module, cfg: OptimizerConfig, tp_group) -> None:
@@ -81,18 +89,8 @@ class TorchAdamW:
             p.grad = None
         return True, norm
 
-    def set_lr(self, lr: float) -> None:
-        for g in self._opt.param_groups:
-            g["lr"] = lr
 
-    def state_dict(self) -> dict[str, Any]:
-        return self._opt.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._opt.load_state_dict(state)
-
-
-class MegatronOptimizer:
+class MegatronOptimizer(StepOptimizer):
     """CUDA: megatron's optimizer (mixed precision with fp32 master weights when params are bf16)."""
 
     def __init__(self, model: torch.nn.Module, cfg: OptimizerConfig, params_dtype: torch.dtype) -> None:
@@ -119,16 +117,6 @@ class MegatronOptimizer:
         applied, grad_norm, _ = self._opt.step()
         self._opt.zero_grad()
         return bool(applied), float(grad_norm) if grad_norm is not None else float("nan")
-
-    def set_lr(self, lr: float) -> None:
-        for g in self._opt.param_groups:
-            g["lr"] = lr
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._opt.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._opt.load_state_dict(state)
 
 
 def build_optimizer(
