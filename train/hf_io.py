@@ -71,8 +71,13 @@ def save_hf_folder(
     config.pop("torch_dtype", None)
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     if side_files_from is not None:
-        for name in SIDE_FILES:
-            src = Path(side_files_from) / name
-            if src.is_file():
-                shutil.copy2(src, folder / name)
+        copy_side_files(side_files_from, folder)
     return folder
+
+
+def copy_side_files(src: str | Path, dst: str | Path) -> None:
+    """Copy the SIDE_FILES (tokenizer, generation config) that `src` has into `dst`."""
+    for name in SIDE_FILES:
+        f = Path(src) / name
+        if f.is_file():
+            shutil.copy2(f, Path(dst) / name)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from train.hf_io import SIDE_FILES
+from train.hf_io import copy_side_files
 
 if TYPE_CHECKING:
     from train.megatron.trainer import MegatronTrainer
@@ -74,10 +74,7 @@ def save_checkpoint(trainer: "MegatronTrainer", path: Path) -> None:
         hf = path / "hf"
         hf.mkdir(exist_ok=True)
         shutil.copy2(trainer.model_path / "config.json", hf / "config.json")
-        for name in SIDE_FILES:
-            src = trainer.model_path / name
-            if src.is_file():
-                shutil.copy2(src, hf / name)
+        copy_side_files(trainer.model_path, hf)
     if dist.is_initialized() and r.world_size > 1:
         dist.barrier()
     if r.rank == 0:
