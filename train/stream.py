@@ -41,8 +41,7 @@ class StreamedStep:
         self.micro_batch_size = micro_batch_size
         self.recompute_old = recompute_old_logprobs
         self.groups_seen = 0
-        self._pending: list[TrainBatch] = []
-        self._pending_samples = 0
+        self._pending = TrainBatch([], policy_version)  # built samples not yet accumulated
 
     @property
     def complete(self) -> bool:
@@ -58,10 +57,9 @@ class StreamedStep:
                 batch = batch.with_logprobs(old=self.trainer.logprobs(batch))
             if self.algorithm.kl_coef > 0:
                 batch = batch.with_logprobs(ref=self.trainer.logprobs(batch, policy="reference"))
-            self._pending.append(batch)
-            self._pending_samples += len(batch)
+            self._pending.samples.extend(batch.samples)
         self.groups_seen += 1
-        if self._pending_samples >= self.micro_batch_size:
+        if len(self._pending) >= self.micro_batch_size:
             self._accumulate_pending(full_only=True)
         if self.complete:
             self._accumulate_pending(full_only=False)
@@ -75,11 +73,8 @@ class StreamedStep:
         return metrics
 
     def _accumulate_pending(self, *, full_only: bool) -> None:
-        pending = TrainBatch.concat(self._pending) if self._pending else TrainBatch([], self.policy_version)
-        n = len(pending)
+        n = len(self._pending)
         take = (n // self.micro_batch_size) * self.micro_batch_size if full_only else n
         if take:
-            self.trainer.accumulate(pending.subset(range(take)))
-        rest = pending.subset(range(take, n))
-        self._pending = [rest] if len(rest) else []
-        self._pending_samples = len(rest)
+            self.trainer.accumulate(self._pending.subset(range(take)))
+        self._pending = self._pending.subset(range(take, n))
