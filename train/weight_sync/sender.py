@@ -21,7 +21,7 @@ import shutil
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
@@ -106,7 +106,10 @@ class WeightSender:
         return [self._control_factory(u) for u in engines]
 
     def _on_all(self, controls: Sequence[EngineControl], step: str, call: Callable[[EngineControl], None]) -> None:
-        futures = [(c, self._pool.submit(call, c)) for c in controls]
+        self._wait([(c, self._pool.submit(call, c)) for c in controls], step)
+
+    def _wait(self, futures: Sequence[tuple[EngineControl, Future]], step: str) -> None:
+        """Wait for every engine's call; raise naming each engine that failed."""
         errors = []
         for c, f in futures:
             try:
@@ -265,16 +268,7 @@ class WeightSender:
                     dist.broadcast(t.contiguous(), src=0, group=self._group)
             except Exception as e:
                 raise WeightSyncError(f"broadcast of bucket {report.buckets} ({names[0]}...) failed: {e}") from e
-            errors = []
-            for c, f in futures:
-                try:
-                    f.result(timeout=self.timeout_s)
-                except Exception as e:  # noqa: BLE001
-                    errors.append(f"{c.url}: {e}")
-            if errors:
-                raise WeightSyncError(
-                    f"update_weights_from_distributed of bucket {report.buckets} failed: " + "; ".join(errors)
-                )
+            self._wait(futures, f"update_weights_from_distributed of bucket {report.buckets}")
             report.buckets += 1
             report.tensors += len(bucket)
             report.bytes += sum(t.numel() * t.element_size() for _, t in bucket)
