@@ -8,9 +8,7 @@ of Qwen2. Anything else is refused with an error naming the config key.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, Mapping
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
@@ -98,13 +96,6 @@ class ModelArch:
             qkv_bias=qkv_bias,
             max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
         )
-
-    @classmethod
-    def from_pretrained_dir(cls, path: str | Path) -> "ModelArch":
-        config_path = Path(path) / "config.json"
-        if not config_path.is_file():
-            raise FileNotFoundError(f"{config_path}: no config.json in the model folder")
-        return cls.from_hf_config(json.loads(config_path.read_text()))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

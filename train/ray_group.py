@@ -101,13 +101,6 @@ class TrainWorker:
     def finalize_grads_for_test(self) -> dict[str, torch.Tensor]:
         return self.trainer.finalize_grads_for_test()
 
-    def discard_gradients(self) -> None:
-        self.trainer.discard_gradients()
-
-    def hf_weights(self) -> dict[str, torch.Tensor] | None:
-        weights = dict(self.trainer.iter_hf_weights())
-        return weights if self.trainer.rank.tp_rank == 0 and self.trainer.rank.dp_rank == 0 else None
-
     def shutdown(self) -> None:
         from train.megatron.parallel import shutdown_parallel
 
@@ -167,9 +160,6 @@ class TrainerGroup:
             raise
 
     # -- helpers -------------------------------------------------------------------------------
-    def _replica_heads(self) -> list[Any]:
-        return [self.workers[d * self.tp] for d in range(self.dp)]
-
     def _scatter(self, batch: TrainBatch, method: str, *args: Any) -> tuple[list[list[int]], list[Any]]:
         import ray
 

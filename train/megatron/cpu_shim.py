@@ -44,7 +44,3 @@ def apply_cpu_shim() -> None:
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-
-
-def cpu_shim_applied() -> bool:
-    return _applied

@@ -24,10 +24,6 @@ class RankInfo:
     dp_rank: int
     dp_size: int
 
-    @property
-    def is_first(self) -> bool:
-        return self.rank == 0
-
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -94,16 +90,12 @@ def init_parallel(
 
 def init_single_process(device: torch.device, seed: int) -> RankInfo:
     """A world of one (TP=1, DP=1) in this process: tests, benchmarks, export."""
-    if dist.is_initialized():
-        return init_parallel(
-            rank=0, world_size=1, tp=1, master_addr="", master_port=0, device=device, seed=seed
-        )
     return init_parallel(
         rank=0,
         world_size=1,
         tp=1,
         master_addr="127.0.0.1",
-        master_port=free_port(),
+        master_port=0 if dist.is_initialized() else free_port(),  # no rendezvous when joined
         device=device,
         seed=seed,
     )
