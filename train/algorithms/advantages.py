@@ -21,14 +21,14 @@ GRPO_STD_EPS = 1e-6
 def group_advantages(
     rewards: Sequence[float] | torch.Tensor, estimator: AdvantageEstimator
 ) -> torch.Tensor:
+    if estimator not in ("grpo", "dr_grpo", "rloo"):
+        raise ValueError(f"unknown advantage estimator {estimator!r}; expected grpo, dr_grpo or rloo")
     r = torch.as_tensor(rewards, dtype=torch.float64).flatten()
     n = r.numel()
     if n == 0:
         raise ValueError("group_advantages: a group needs at least one reward")
     if n == 1 or bool((r == r[0]).all()):
         return torch.zeros(n, dtype=torch.float32)  # no baseline, or nothing to prefer
-    if estimator not in ("grpo", "dr_grpo", "rloo"):
-        raise ValueError(f"unknown advantage estimator {estimator!r}; expected grpo, dr_grpo or rloo")
     centred = r - r.mean()
     if estimator == "grpo":
         adv = centred / (r.std(unbiased=True) + GRPO_STD_EPS)
