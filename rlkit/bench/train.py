@@ -88,8 +88,6 @@ def model_path(name: str, workdir: Path) -> str:
 
 
 def build_smollm2_shaped(path: Path) -> Path:
-    import json as _json
-
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -103,7 +101,6 @@ def build_smollm2_shaped(path: Path) -> Path:
     torch.manual_seed(0)
     config = LlamaConfig(**{k: v for k, v in base.items() if k not in ("architectures", "transformers_version")})
     LlamaForCausalLM(config).save_pretrained(path)
-    _json.loads((path / "config.json").read_text())  # written and readable
     return path
 
 
@@ -185,6 +182,12 @@ def compare_packing(path: str, name: str, rounds: int) -> dict:
     trainer = MegatronTrainer.single_process(path, TrainConfig(device="cpu", micro_batch_size=8))
     times: dict[str, list[float]] = {k: [] for k in PACKING_LAYOUTS}
     padding: dict[str, float] = {}
+    for layout, (pack, row_tokens) in PACKING_LAYOUTS.items():  # fixed per layout: pack once
+        rows = [
+            pack_samples([s.tokens for s in m.samples], [s.prompt_length for s in m.samples], row_tokens, pack=pack)
+            for m in batch.micro_batches(trainer.config.micro_batch_size)
+        ]
+        padding[layout] = 1 - sum(r.tokens for r in rows) / sum(r.slots for r in rows)
     for _ in range(rounds):
         for layout, (pack, row_tokens) in PACKING_LAYOUTS.items():
             trainer.config.packing, trainer.config.pack_row_tokens = pack, row_tokens
@@ -192,11 +195,6 @@ def compare_packing(path: str, name: str, rounds: int) -> dict:
             trainer.accumulate(batch)
             times[layout].append(time.perf_counter() - t)
             trainer.discard_gradients()
-            rows = [
-                pack_samples([s.tokens for s in m.samples], [s.prompt_length for s in m.samples], row_tokens, pack=pack)
-                for m in batch.micro_batches(8)
-            ]
-            padding[layout] = 1 - sum(r.tokens for r in rows) / sum(r.slots for r in rows)
     best = {k: min(v) for k, v in times.items()}
     return {
         "model": name, "tokens": batch.tokens, "rounds": rounds,
