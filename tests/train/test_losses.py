@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from train.algorithms.losses import LOW_VAR_KL_BOUND, LossSettings, PolicyLossInput, kl_estimate, policy_loss
+from train.algorithms.losses import LOW_VAR_KL_BOUND, PolicyLossInput, kl_estimate, policy_loss
+from train.config import AlgorithmConfig
 
 
 def _inp(lp, adv, *, mask=None, sample_ids=None, old=None, **kw):
@@ -32,7 +33,7 @@ def _grad(inp, cfg):
 def test_ppo_clip_positive_advantage():
     # ratios 1.5 and 0.9, A = +1, clip range [0.8, 1.28]
     inp = _inp([math.log(1.5), math.log(0.9)], [1.0, 1.0], old=[0.0, 0.0])
-    terms, grad = _grad(inp, LossSettings(clip_low=0.2, clip_high=0.28))
+    terms, grad = _grad(inp, AlgorithmConfig(clip_low=0.2, clip_high=0.28))
     assert terms.numerator.item() == pytest.approx(-1.28 - 0.9)
     assert terms.denominator == 2
     # the clipped token has no gradient; the other -A * r
@@ -44,21 +45,21 @@ def test_ppo_clip_positive_advantage():
 def test_ppo_clip_negative_advantage():
     # A = -1: ratio 0.5 is clipped up to 0.8 (no gradient), ratio 1.5 is not clipped
     inp = _inp([math.log(0.5), math.log(1.5)], [-1.0, -1.0], old=[0.0, 0.0])
-    terms, grad = _grad(inp, LossSettings(clip_low=0.2, clip_high=0.28))
+    terms, grad = _grad(inp, AlgorithmConfig(clip_low=0.2, clip_high=0.28))
     assert terms.numerator.item() == pytest.approx(0.8 + 1.5)
     assert torch.allclose(grad, torch.tensor([0.0, 1.5], dtype=torch.float64))
 
 
 def test_clip_higher_is_asymmetric():
     # ratio 1.25 with A=+1 is inside DAPO's clip_high=0.28 but outside a symmetric 0.2
-    dapo, g_dapo = _grad(_inp([math.log(1.25)], [1.0], old=[0.0]), LossSettings(clip_low=0.2, clip_high=0.28))
-    sym, g_sym = _grad(_inp([math.log(1.25)], [1.0], old=[0.0]), LossSettings(clip_low=0.2, clip_high=0.2))
+    dapo, g_dapo = _grad(_inp([math.log(1.25)], [1.0], old=[0.0]), AlgorithmConfig(clip_low=0.2, clip_high=0.28))
+    sym, g_sym = _grad(_inp([math.log(1.25)], [1.0], old=[0.0]), AlgorithmConfig(clip_low=0.2, clip_high=0.2))
     assert dapo.numerator.item() == pytest.approx(-1.25) and g_dapo.item() == pytest.approx(-1.25)
     assert sym.numerator.item() == pytest.approx(-1.2) and g_sym.item() == 0.0
 
 
 def test_without_old_logprobs_the_ratio_is_one_and_the_gradient_is_minus_advantage():
-    terms, grad = _grad(_inp([-2.0, -0.5], [0.5, -1.0]), LossSettings())
+    terms, grad = _grad(_inp([-2.0, -0.5], [0.5, -1.0]), AlgorithmConfig())
     assert terms.numerator.item() == pytest.approx(-0.5 + 1.0)
     assert torch.allclose(grad, torch.tensor([-0.5, 1.0], dtype=torch.float64))
 
@@ -66,8 +67,8 @@ def test_without_old_logprobs_the_ratio_is_one_and_the_gradient_is_minus_advanta
 def test_token_mean_and_sequence_mean_aggregation():
     # sample 0: two tokens with A=+1; sample 1: one token with A=-2; on-policy (ratio 1)
     kw = dict(sample_ids=[0, 0, 1])
-    tok, g_tok = _grad(_inp([-1.0, -1.0, -1.0], [1.0, 1.0, -2.0], **kw), LossSettings(loss_aggregation="token_mean"))
-    seq, g_seq = _grad(_inp([-1.0, -1.0, -1.0], [1.0, 1.0, -2.0], **kw), LossSettings(loss_aggregation="sequence_mean"))
+    tok, g_tok = _grad(_inp([-1.0, -1.0, -1.0], [1.0, 1.0, -2.0], **kw), AlgorithmConfig(loss_aggregation="token_mean"))
+    seq, g_seq = _grad(_inp([-1.0, -1.0, -1.0], [1.0, 1.0, -2.0], **kw), AlgorithmConfig(loss_aggregation="sequence_mean"))
     assert (tok.numerator.item(), tok.denominator) == (pytest.approx(0.0), 3)
     assert torch.allclose(g_tok, torch.tensor([-1.0, -1.0, 2.0], dtype=torch.float64))
     assert (seq.numerator.item(), seq.denominator) == (pytest.approx(1.0), 2)
@@ -77,8 +78,8 @@ def test_token_mean_and_sequence_mean_aggregation():
 def test_loss_mask_excludes_tokens_and_fully_masked_samples_from_denominators():
     kw = dict(sample_ids=[0, 0, 1, 2], mask=[1.0, 0.0, 1.0, 0.0])
     adv = [1.0, 1.0, -2.0, 5.0]
-    tok, g_tok = _grad(_inp([-1.0] * 4, adv, **kw), LossSettings(loss_aggregation="token_mean"))
-    seq, _ = _grad(_inp([-1.0] * 4, adv, **kw), LossSettings(loss_aggregation="sequence_mean"))
+    tok, g_tok = _grad(_inp([-1.0] * 4, adv, **kw), AlgorithmConfig(loss_aggregation="token_mean"))
+    seq, _ = _grad(_inp([-1.0] * 4, adv, **kw), AlgorithmConfig(loss_aggregation="sequence_mean"))
     assert (tok.numerator.item(), tok.denominator) == (pytest.approx(1.0), 2)
     assert torch.allclose(g_tok, torch.tensor([-1.0, 0.0, 2.0, 0.0], dtype=torch.float64))
     assert (seq.numerator.item(), seq.denominator) == (pytest.approx(1.0), 2)  # sample 2 has no token
@@ -87,7 +88,7 @@ def test_loss_mask_excludes_tokens_and_fully_masked_samples_from_denominators():
 def test_gspo_sequence_ratio():
     # log-ratios 0.2 and 0.4: s = exp(0.3) = 1.3499 for both tokens
     s = math.exp(0.3)
-    cfg = LossSettings(ratio_level="sequence", clip_low=0.2, clip_high=0.28)
+    cfg = AlgorithmConfig(ratio_level="sequence", clip_low=0.2, clip_high=0.28)
     pos, g_pos = _grad(_inp([0.2, 0.4], [1.0, 1.0], old=[0.0, 0.0]), cfg)
     assert pos.numerator.item() == pytest.approx(-2 * 1.28)  # clipped above
     assert torch.equal(g_pos, torch.zeros(2, dtype=torch.float64))
@@ -96,7 +97,7 @@ def test_gspo_sequence_ratio():
     assert neg.numerator.item() == pytest.approx(2 * s)
     # d/d lp_t of -A * sg(s) * exp(lp_t - sg(lp_t)) = -A * s, per token
     assert torch.allclose(g_neg, torch.full((2,), s, dtype=torch.float64))
-    seq_cfg = LossSettings(ratio_level="sequence", loss_aggregation="sequence_mean")
+    seq_cfg = AlgorithmConfig(ratio_level="sequence", loss_aggregation="sequence_mean")
     _, g_seq = _grad(_inp([0.2, 0.4], [-1.0, -1.0], old=[0.0, 0.0]), seq_cfg)
     # sequence_mean: GSPO's own gradient, s * mean_t grad lp_t
     assert torch.allclose(g_seq, torch.full((2,), s / 2, dtype=torch.float64))
@@ -104,8 +105,8 @@ def test_gspo_sequence_ratio():
 
 def test_gspo_equals_token_ratio_for_single_token_sequences():
     lp, adv, old = [0.1, -0.3, 0.5], [1.0, -1.0, 0.5], [0.0, 0.0, 0.0]
-    a, ga = _grad(_inp(lp, adv, old=old, sample_ids=[0, 1, 2]), LossSettings(ratio_level="token"))
-    b, gb = _grad(_inp(lp, adv, old=old, sample_ids=[0, 1, 2]), LossSettings(ratio_level="sequence"))
+    a, ga = _grad(_inp(lp, adv, old=old, sample_ids=[0, 1, 2]), AlgorithmConfig(ratio_level="token"))
+    b, gb = _grad(_inp(lp, adv, old=old, sample_ids=[0, 1, 2]), AlgorithmConfig(ratio_level="sequence"))
     assert a.numerator.item() == pytest.approx(b.numerator.item())
     assert torch.allclose(ga, gb)
 
@@ -122,7 +123,7 @@ def test_kl_estimators_known_values():
 
 
 def test_kl_penalty_in_the_loss():
-    cfg = LossSettings(kl_coef=0.1, kl_estimator="k3")
+    cfg = AlgorithmConfig(kl_coef=0.1, kl_estimator="k3")
     terms, grad = _grad(_inp([-1.0], [0.0], ref_logprobs=torch.tensor([-1.5], dtype=torch.float64)), cfg)
     k3 = math.exp(-0.5) - 0.5
     assert terms.numerator.item() == pytest.approx(0.1 * k3)
@@ -134,7 +135,7 @@ def test_kl_penalty_in_the_loss():
 
 def test_entropy_bonus_lowers_the_loss_by_coef_times_entropy():
     entropy = torch.tensor([2.0, 1.0], dtype=torch.float64, requires_grad=True)
-    cfg = LossSettings(entropy_coef=0.01)
+    cfg = AlgorithmConfig(entropy_coef=0.01)
     terms = policy_loss(_inp([-1.0, -1.0], [0.0, 0.0], entropy=entropy), cfg)
     terms.numerator.backward()
     assert terms.numerator.item() == pytest.approx(-0.01 * 3.0)
@@ -144,7 +145,7 @@ def test_entropy_bonus_lowers_the_loss_by_coef_times_entropy():
 
 def test_truncated_importance_sampling():
     # pi_old / pi_rollout = exp(0.5) = 1.6487 (truncated to 1.5) and exp(-0.8) = 0.4493
-    cfg = LossSettings(off_policy_correction="tis", tis_cap=1.5)
+    cfg = AlgorithmConfig(off_policy_correction="tis", tis_cap=1.5)
     inp = _inp([-1.0, -1.0], [1.0, 1.0], old=[-1.0, -1.0], rollout_logprobs=torch.tensor([-1.5, -0.2], dtype=torch.float64))
     terms, grad = _grad(inp, cfg)
     w = [1.5, math.exp(-0.8)]
@@ -154,7 +155,7 @@ def test_truncated_importance_sampling():
     assert terms.metric_sums["tis_truncated_frac"] == pytest.approx(1.0)
     assert terms.metric_sums["train_rollout_logprob_abs_diff"] == pytest.approx(0.5 + 0.8)
     # 'none' ignores the rollout logprobs
-    plain, _ = _grad(_inp([-1.0, -1.0], [1.0, 1.0], old=[-1.0, -1.0]), LossSettings(off_policy_correction="none"))
+    plain, _ = _grad(_inp([-1.0, -1.0], [1.0, 1.0], old=[-1.0, -1.0]), AlgorithmConfig(off_policy_correction="none"))
     assert plain.numerator.item() == pytest.approx(-2.0)
     with pytest.raises(ValueError, match="rollout logprobs"):
         policy_loss(_inp([-1.0], [1.0]), cfg)
@@ -173,7 +174,7 @@ def test_any_partition_into_micro_batches_gives_the_same_normalised_gradient(agg
     mask = (torch.rand(n, generator=g) > 0.2).double()
     adv_per_sample = torch.randn(len(lengths), generator=g, dtype=torch.float64)
     sid = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-    cfg = LossSettings(
+    cfg = AlgorithmConfig(
         ratio_level=ratio_level, loss_aggregation=aggregation, kl_coef=0.05, off_policy_correction="tis"
     )
     offsets = [0]

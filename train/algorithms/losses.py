@@ -27,6 +27,8 @@ from typing import Literal
 
 import torch
 
+from train.config import AlgorithmConfig
+
 KLEstimator = Literal["k1", "k3", "low_var"]
 LOW_VAR_KL_BOUND = 10.0
 
@@ -44,35 +46,6 @@ class PolicyLossInput:
     rollout_logprobs: torch.Tensor | None = None  # needed by off_policy_correction=tis
     ref_logprobs: torch.Tensor | None = None  # needed when kl_coef > 0
     entropy: torch.Tensor | None = None  # needed when entropy_coef > 0
-
-
-@dataclass
-class LossSettings:
-    """The algorithm knobs the loss reads (a view of train.config.AlgorithmConfig)."""
-
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    ratio_level: Literal["token", "sequence"] = "token"
-    loss_aggregation: Literal["token_mean", "sequence_mean"] = "token_mean"
-    kl_coef: float = 0.0
-    kl_estimator: KLEstimator = "low_var"
-    entropy_coef: float = 0.0
-    off_policy_correction: Literal["unset", "none", "tis"] = "unset"
-    tis_cap: float = 2.0
-
-    @classmethod
-    def from_config(cls, algo) -> "LossSettings":
-        return cls(
-            clip_low=algo.clip_low,
-            clip_high=algo.clip_high,
-            ratio_level=algo.ratio_level,
-            loss_aggregation=algo.loss_aggregation,
-            kl_coef=algo.kl_coef,
-            kl_estimator=algo.kl_estimator,
-            entropy_coef=algo.entropy_coef,
-            off_policy_correction=algo.off_policy_correction,
-            tis_cap=algo.tis_cap,
-        )
 
 
 @dataclass
@@ -101,7 +74,7 @@ def _per_sample_sum(values: torch.Tensor, sample_ids: torch.Tensor, num_samples:
     )
 
 
-def policy_loss(inp: PolicyLossInput, cfg: LossSettings) -> LossTerms:
+def policy_loss(inp: PolicyLossInput, cfg: AlgorithmConfig) -> LossTerms:
     lp = inp.logprobs
     mask = inp.loss_mask.to(lp.dtype)
     old = lp.detach() if inp.old_logprobs is None else inp.old_logprobs.to(lp.dtype)

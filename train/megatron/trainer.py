@@ -19,22 +19,21 @@ import contextlib
 import random
 from collections import defaultdict
 from pathlib import Path
-from typing import Iterator, Literal, Sequence
+from typing import Iterator, Sequence
 
 import torch
 
-from train.algorithms.losses import LossSettings, PolicyLossInput, policy_loss
+from train.algorithms.losses import PolicyLossInput, policy_loss
 from train.batch import TrainBatch, TrainSample
 from train.config import TrainConfig
 from train.convert import hf_to_megatron, megatron_param_names, megatron_param_to_hf
 from train.hf_arch import ModelArch
-from train.hf_io import load_hf_state_dict, read_config
+from train.hf_io import load_hf_state_dict, read_config, save_hf_folder
 from train.megatron.logprobs import vocab_parallel_logprobs
 from train.megatron.optimizer import build_optimizer, learning_rate
 from train.megatron.parallel import RankInfo, current_rank_info, init_single_process, resolve_device
 from train.packing import PackedRows, pack_samples
-
-Policy = Literal["current", "reference"]
+from train.protocol import Policy
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -56,7 +55,6 @@ class MegatronTrainer:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         self.config = config
         self.temperature = float(temperature)
-        self.loss_settings = LossSettings.from_config(config.algorithm)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.rank: RankInfo = current_rank_info()
@@ -196,13 +194,13 @@ class MegatronTrainer:
 
     def accumulate(self, batch: TrainBatch) -> dict[str, float]:
         """Forward + backward of every micro-batch of `batch`; no optimizer step."""
-        with_entropy = self.loss_settings.entropy_coef > 0
+        with_entropy = self.config.algorithm.entropy_coef > 0
         stats = {"samples": 0.0, "tokens": 0.0, "denominator": 0.0}
         self.model.train()
         for mb in batch.micro_batches(self.config.micro_batch_size):
             packed = self._pack(mb.samples)
             lp, entropy = self._forward(packed, with_entropy=with_entropy)
-            terms = policy_loss(self._loss_input(mb.samples, packed, lp, entropy, with_entropy), self.loss_settings)
+            terms = policy_loss(self._loss_input(mb.samples, packed, lp, entropy, with_entropy), self.config.algorithm)
             terms.numerator.backward()
             self._denominator += terms.denominator
             for k, v in terms.metric_sums.items():
@@ -254,14 +252,21 @@ class MegatronTrainer:
             entropy=entropy if with_entropy else None,
         )
 
-    def step(self) -> dict[str, float]:
-        """Normalise the accumulated gradients by the global denominator, clip, step, zero."""
-        import torch.distributed as dist
-        from megatron.core import parallel_state
+    def _finalize_grads(self) -> float:
+        """All-reduce gradients and denominators over DP, divide by the global denominator;
+        returns that denominator."""
         from megatron.core.distributed import finalize_model_grads
 
         denominator = torch.tensor([self._denominator], dtype=torch.float32, device=self.device)
         finalize_model_grads([self.model], num_tokens=denominator)  # DP sum, then / denominator
+        return float(denominator)
+
+    def step(self) -> dict[str, float]:
+        """Normalise the accumulated gradients by the global denominator, clip, step, zero."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        global_denominator = self._finalize_grads()
         present = [1.0 if k in self._metric_sums else 0.0 for k in self._metric_keys]
         counters = torch.tensor(  # on the device: NCCL reduces CUDA tensors only
             [self._samples, self._tokens, self._slots, *self._metric_sums_vector(), *present],
@@ -270,7 +275,6 @@ class MegatronTrainer:
         )
         if self.rank.dp_size > 1:
             dist.all_reduce(counters, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
-        global_denominator = float(denominator)
         lr = learning_rate(self.config.optimizer, self.step_count)
         self.optimizer.set_lr(lr)
         if global_denominator > 0:
@@ -347,10 +351,7 @@ class MegatronTrainer:
 
     def finalize_grads_for_test(self) -> dict[str, torch.Tensor]:
         """Run the step's normalisation only and return the normalised gradients (tests)."""
-        from megatron.core.distributed import finalize_model_grads
-
-        denominator = torch.tensor([self._denominator], dtype=torch.float32, device=self.device)
-        finalize_model_grads([self.model], num_tokens=denominator)
+        self._finalize_grads()
         return self.main_grads()
 
     # -- weights for sync and export --------------------------------------------------------
@@ -371,16 +372,22 @@ class MegatronTrainer:
             if self.rank.tp_rank == 0:
                 yield from megatron_param_to_hf(name, shards, self.arch)
 
-    def export_hf(self, path: str | Path) -> Path | None:
-        """Write an HF model folder (collective over TP; DP rank 0 / TP rank 0 writes it)."""
-        from train.hf_io import save_hf_folder
-
+    def _sender_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]] | None:
+        """The HF weight stream on DP rank 0 / TP rank 0 (None elsewhere). The other TP ranks of
+        DP replica 0 take part in its all-gathers here; consume the stream on TP rank 0."""
         if self.rank.dp_rank != 0:
             return None
         weights = self.iter_hf_weights()
-        if self.rank.tp_rank != 0:
-            for _ in weights:
-                pass
+        if self.rank.tp_rank == 0:
+            return weights
+        for _ in weights:
+            pass
+        return None
+
+    def export_hf(self, path: str | Path) -> Path | None:
+        """Write an HF model folder (collective over TP; DP rank 0 / TP rank 0 writes it)."""
+        weights = self._sender_hf_weights()
+        if weights is None:
             return None
         return save_hf_folder(path, weights, self.hf_config, side_files_from=self.model_path)
 
@@ -396,7 +403,6 @@ class MegatronTrainer:
         the policy version (default: current + 1; the current version itself re-publishes the
         same weights, e.g. to fresh engines after a resume). Collective: call it on every rank.
         Returns the SyncReport on the rank that sent (global rank 0), None elsewhere."""
-        from train.hf_io import save_hf_folder
         from train.weight_sync.sender import WeightSender
 
         ws = self.config.weight_sync
@@ -411,28 +417,24 @@ class MegatronTrainer:
         if method == "disk" and folder is None and not ws.disk_dir:
             raise ValueError("sync_weights(method='disk') needs a folder or train.weight_sync.disk_dir")
         report = None
-        if self.rank.dp_rank == 0:
-            weights = self.iter_hf_weights()
-            if self.rank.tp_rank != 0:
-                for _ in weights:  # take part in the TP all-gathers
-                    pass
+        weights = self._sender_hf_weights()
+        if weights is not None:
+            if self._sender is None:
+                self._sender = WeightSender(
+                    bucket_mb=ws.bucket_mb, pause_mode=ws.pause_mode, timeout_s=ws.timeout_s
+                )
+            if method == "disk":
+                root = Path(folder if folder is not None else ws.disk_dir)
+                report = self._sender.sync_from_disk(
+                    engines,
+                    root / f"v{version:06d}",
+                    version,
+                    write=lambda p: save_hf_folder(
+                        p, weights, self.hf_config, side_files_from=self.model_path
+                    ),
+                )
             else:
-                if self._sender is None:
-                    self._sender = WeightSender(
-                        bucket_mb=ws.bucket_mb, pause_mode=ws.pause_mode, timeout_s=ws.timeout_s
-                    )
-                if method == "disk":
-                    root = Path(folder if folder is not None else ws.disk_dir)
-                    report = self._sender.sync_from_disk(
-                        engines,
-                        root / f"v{version:06d}",
-                        version,
-                        write=lambda p: save_hf_folder(
-                            p, weights, self.hf_config, side_files_from=self.model_path
-                        ),
-                    )
-                else:
-                    report = self._sender.sync_distributed(engines, weights, version)
+                report = self._sender.sync_distributed(engines, weights, version)
         self.version = version
         return report
 
