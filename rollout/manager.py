@@ -248,6 +248,7 @@ class Step:
         if self._stopping:
             return
         self._stopping = True
+        abort_error: BaseException | None = None
         tasks = [t for run in self._runs.values() for t in run.tasks.values() if not t.done()]
         if tasks:
             # Rewards of groups that will not complete now are not worth waiting for (a slow
@@ -256,8 +257,12 @@ class Step:
             for run in self._runs.values():
                 for index in run.scoring:
                     run.tasks[index].cancel()
-            await self._m.engines.abort_all()
-            _, pending = await asyncio.wait(tasks, timeout=self._m.abort_grace_s)
+            try:
+                await self._m.engines.abort_all()
+            except BaseException as e:  # unreachable engines: cancel our requests, park, re-raise
+                abort_error = e
+            grace = 0 if abort_error is not None else self._m.abort_grace_s
+            _, pending = await asyncio.wait(tasks, timeout=grace)
             for t in pending:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -271,6 +276,8 @@ class Step:
             self.report_.groups_carried_over += 1
             (self.buffer.requeue if park == "requeue" else self.buffer.defer)(run.group)
         self.report_.seconds = self._loop.time() - self._t0
+        if abort_error is not None:
+            raise abort_error
 
     # -- mechanics --------------------------------------------------------------------
     async def _sample(self, run: _GroupRun, s: Sample) -> None:

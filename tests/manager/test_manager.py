@@ -201,6 +201,22 @@ async def test_cancelling_a_step_parks_everything_with_its_tokens():
     assert engines.aborts == 1 and not engines._running
 
 
+async def test_a_failing_abort_still_parks_everything_and_is_raised():
+    buf, engines, mgr = make(PartialPolicy(over_provision=2.0))
+
+    async def unreachable() -> None:
+        raise EngineError("fake0: connection refused")
+
+    engines.abort_all = unreachable
+    with pytest.raises(EngineError, match="connection refused"):
+        await mgr.run_step(target=3, version=0)
+    stats = buf.stats()
+    assert stats["in_flight"] == 0 and stats["balanced"] and stats["dropped"] == 0
+    assert stats["partial"] + stats["ready"] == 6
+    assert sum(g.tokens for g in buf.queued(Place.PARTIAL)) > 0
+    assert not engines._running
+
+
 async def test_a_slow_reward_does_not_hold_the_abort():
     async def reward(sample, group):
         if sample.slot == 1 and group.group_id in (0, 1):
