@@ -116,6 +116,7 @@ class EngineClient:
         self._session: aiohttp.ClientSession | None = None
         self._workers: list[str] = [u.rstrip("/") for u in (self.worker_urls or [])]
         self._inflight: dict[str, _Inflight] = {}
+        self._abort_alls = 0  # abort_all calls so far: a request waiting to retry checks it
         if self.router_url:
             self.router_url = self.router_url.rstrip("/")
 
@@ -249,10 +250,14 @@ class EngineClient:
             raise EngineError("generate without a router needs a worker URL")
         policy = self.retry_policies["generate"]
         sample.start_request()
+        abort_alls = self._abort_alls
         last = ""
         for attempt in range(policy.attempts):
             if attempt:
                 await asyncio.sleep(policy.delay(attempt - 1))
+                if self._abort_alls != abort_alls:  # aborted while waiting: never re-submit
+                    sample.interrupt()
+                    return worker
             rid = uuid.uuid4().hex
             sample.metadata["rid"] = rid
             flight = _Inflight(rid=rid, url=base)
@@ -395,6 +400,7 @@ class EngineClient:
 
     async def abort_all(self) -> None:
         """Abort everything on every worker, repeating until each reports itself idle."""
+        self._abort_alls += 1
         for flight in self._inflight.values():
             flight.aborted = True
         await asyncio.gather(*(self._abort_until_idle(w) for w in self._workers))

@@ -150,6 +150,24 @@ async def test_failures_before_any_token_are_retried(worker):
     assert len(rids) == 2 and rids[0] != rids[1]  # a fresh rid per attempt
 
 
+async def test_abort_all_while_waiting_to_retry_is_not_resubmitted(worker):
+    worker.generate += [answer_json({"error": {"message": "no worker"}}, status=503)]
+    c = await client_for(worker, retry_policies={**DEFAULT_RETRY_POLICIES,
+                                                 "generate": RetryPolicy(attempts=3, backoff_s=0.5, retry_statuses=frozenset({503}))})
+    try:
+        s = fresh()
+        task = asyncio.create_task(c.generate(s, SAMPLING, max_new_tokens=4, version=0, worker=worker.url))
+        while not worker.calls("/generate"):
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # the 503 is answered; the client waits to retry
+        await c.abort_all()
+        await asyncio.wait_for(task, 5)
+    finally:
+        await c.close()
+    assert len(worker.calls("/generate")) == 1
+    assert s.status is SampleStatus.PENDING and s.response_ids == []
+
+
 async def test_connection_refused_is_retried_then_reported():
     dead = f"http://127.0.0.1:{free_port()}"
     policies = {**DEFAULT_RETRY_POLICIES, "generate": RetryPolicy(attempts=2, backoff_s=0.01)}
