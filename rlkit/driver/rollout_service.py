@@ -71,10 +71,10 @@ class RolloutService:
 
     def take(self, n: int) -> list[Group]:
         """The ready groups for one training step (the oldest first)."""
-        groups = self.buffer.take_nowait(n)
-        if len(groups) < n:
-            raise RuntimeError(f"take({n}): only {len(groups)} groups ready after the rollout step")
-        return groups
+        try:
+            return self.buffer.take(n, timeout=0)  # all n or none: a shortfall loses nothing
+        except TimeoutError as e:
+            raise RuntimeError(f"{e} (after the rollout step); nothing was taken") from None
 
     def set_version(self, version: int) -> None:
         self.buffer.set_version(version)

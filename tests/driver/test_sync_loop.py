@@ -5,6 +5,8 @@ written, and a resumed run continues with the buffered partial groups."""
 import asyncio
 import json
 
+import pytest
+
 from buffers import ListPromptSource, Place
 from buffers.source import records_from_token_lists
 from rlkit.checkpoint import latest_checkpoint, restore_buffer
@@ -121,3 +123,13 @@ def test_a_resumed_run_continues_with_the_same_buffered_partials(tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["rollout/groups_resumed"] >= 1  # the restored partials went first
     assert resumed.s.buffer.stats()["balanced"]
+
+
+def test_a_short_take_takes_nothing(tmp_path):
+    box = make_box(recipe(tmp_path, 1))
+    box.run_step(0)
+    ready = box.s.buffer.stats()["ready"]
+    with pytest.raises(RuntimeError, match="nothing was taken"):
+        box.take(ready + 1)
+    stats = box.s.buffer.stats()
+    assert stats["ready"] == ready and stats["trained"] == 0 and stats["balanced"]
