@@ -40,36 +40,45 @@ class EngineActor:
 class RolloutActor:
     """The rollout box as a Ray actor (async: steps run on the actor's event loop)."""
 
-    def __init__(self, recipe: dict[str, Any], model_path: str, engine_urls: list[str], log_dir: str) -> None:
+    def __init__(self, recipe: dict[str, Any], model_path: str, log_dir: str) -> None:
         self.recipe = Recipe.model_validate(recipe)
         self.model_path = model_path
-        self.engine_urls = engine_urls
         self.log_dir = Path(log_dir)
+        self.tokenizer: Any = None
+        self.source: Any = None
+        self.score: Any = None
         self.router = None
         self.client = None
         self.service: RolloutService | None = None
 
-    async def start(self) -> dict[str, Any]:
+    async def prepare(self) -> None:
+        """Load the prompts and resolve the reward: no engine needed, so it runs while the
+        engines start and a bad data file or reward name fails the run at once."""
         from transformers import AutoTokenizer
 
         from rlkit.data.prompts import load_prompt_source
         from rlkit.rewards.scoring import make_score_fn
-        from rollout.client import EngineClient
-        from rollout.router import Router
 
         r = self.recipe
         tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        source = load_prompt_source(r.data, tokenizer, seed=r.run.seed)
-        self.router = Router(r.rollout.router, log_path=self.log_dir / "router.log")
-        router_url = await asyncio.to_thread(self.router.start, self.engine_urls)
-        self.client = await EngineClient(router_url, worker_urls=self.engine_urls).connect()
+        self.source = load_prompt_source(r.data, tokenizer, seed=r.run.seed)
 
         def decode(ids: Any) -> str:
             return tokenizer.decode(list(ids), skip_special_tokens=True)
 
-        score = make_score_fn(r.rollout.reward, decode)
-        self.service = RolloutService(r.rollout, source, self.client, score)
-        return {"router": router_url, "prompts": source.stats()}
+        self.score = make_score_fn(r.rollout.reward, decode)
+
+    async def start(self, engine_urls: list[str]) -> None:
+        """Start the router in front of the engines and the rollout service over them."""
+        from rollout.client import EngineClient
+        from rollout.router import Router
+
+        assert self.source is not None, "prepare() first"
+        r = self.recipe
+        self.router = Router(r.rollout.router, log_path=self.log_dir / "router.log")
+        router_url = await asyncio.to_thread(self.router.start, engine_urls)
+        self.client = await EngineClient(router_url, worker_urls=engine_urls).connect()
+        self.service = RolloutService(r.rollout, self.source, self.client, self.score)
 
     async def run_step(self, version: int) -> StepResult:
         assert self.service is not None
@@ -185,12 +194,13 @@ class Cluster:
                 engine_cls.remote(self.model_path, eng.model_dump(), i, str(self.log_dir))
                 for i in range(eng.num_engines)
             ]
-            self.engine_urls = ray.get([e.url.remote() for e in self.engines])
             rollout_cls = ray.remote(num_cpus=0)(RolloutActor)
             self.rollout_actor = rollout_cls.remote(
-                r.model_dump(mode="json"), self.model_path, self.engine_urls, str(self.log_dir)
+                r.model_dump(mode="json"), self.model_path, str(self.log_dir)
             )
-            ray.get(self.rollout_actor.start.remote())
+            ray.get(self.rollout_actor.prepare.remote())  # while the engines start
+            self.engine_urls = ray.get([e.url.remote() for e in self.engines])
+            ray.get(self.rollout_actor.start.remote(self.engine_urls))
             # The trainer gets the cores the engines do not use for compute on CPU.
             self.trainer = TrainerGroup(
                 self.model_path, r.train, temperature=r.rollout.sampling.temperature,
