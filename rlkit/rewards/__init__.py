@@ -74,7 +74,7 @@ def resolve_reward(name: str) -> Callable[..., Any]:
         module, _, attr = name.partition(":") if ":" in name else name.rpartition(".")
         try:
             mod = importlib.import_module(module)
-        except ImportError as e:
+        except (ImportError, TypeError, ValueError) as e:  # also '.mod' and ':fn' (no module)
             raise RewardNotFound(f"reward {name!r}: cannot import module {module!r} ({e})") from None
         if not hasattr(mod, attr):
             raise RewardNotFound(f"reward {name!r}: module {module!r} has no attribute {attr!r}")

@@ -50,6 +50,9 @@ def test_dotted_paths_resolve_both_spellings():
         resolve_reward("tests.rewards.plugins:nope")
     with pytest.raises(RewardNotFound, match="cannot import module"):
         resolve_reward("no_such_module:fn")
+    for malformed in (".relative:fn", ":fn"):
+        with pytest.raises(RewardNotFound, match="cannot import module"):
+            resolve_reward(malformed)
 
 
 def test_unknown_name_lists_what_exists():
