@@ -28,6 +28,7 @@ LABELS = {
     "length": "truncated at the cap",
     "abort": "aborted, parked with its tokens",
     "cancel": "cancelled (surplus)",
+    "cancelled": "cancelled (surplus)",  # the manager's spelling; "cancel" is the simulator's
     "preempt": "preempted (KV full)",
     "error": "failed",
 }
