@@ -20,7 +20,14 @@ def load_metrics(path: Path) -> list[dict]:
     path = path / "metrics.jsonl" if path.is_dir() else path
     if not path.is_file():
         raise SystemExit(f"{path}: no metrics.jsonl")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"{path}:{n}: not a JSON line ({e})") from None
+    return rows
 
 
 def plot_metrics(rows: list[dict], keys: list[str], out: Path, title: str) -> Path:
