@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class EngineConfig(BaseModel):
@@ -123,6 +123,12 @@ class RouterConfig(BaseModel):
     startup_timeout_s: float = Field(
         60.0, gt=0, description="Seconds to wait for the router's /health after start."
     )
+
+    @model_validator(mode="after")
+    def _check(self) -> "RouterConfig":
+        if self.port and self.port == self.prometheus_port:
+            raise ValueError(f"router.port and router.prometheus_port are both {self.port}")
+        return self
     extra_args: list[str] = Field(
         default_factory=list,
         description="Extra command-line arguments for the router binary, passed through.",

@@ -101,6 +101,11 @@ def test_global_batch_must_divide_the_rollout_batch():
                            "train.micro_batch_size=4", "train.global_batch_size=4"])
 
 
+def test_router_ports_must_differ():
+    with pytest.raises(RecipeError, match="rollout.router: router.port and router.prometheus_port are both 30000"):
+        load_recipe(None, ["rollout.router.port=30000", "rollout.router.prometheus_port=30000"])
+
+
 def test_every_field_has_a_description_and_a_default():
     for path, field, _ in iter_fields(Recipe):
         assert field.description and field.description.strip(), f"{path} has no description"
