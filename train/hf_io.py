@@ -58,6 +58,12 @@ def save_hf_folder(
     """Write config.json + model.safetensors (+ tokenizer files copied from `side_files_from`)."""
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
+    # Loaders read every *.safetensors (or follow an index): other weights here would mix in.
+    others = sorted(p.name for p in folder.iterdir() if p.name != "model.safetensors" and (
+        p.suffix in (".safetensors", ".bin") or p.name.endswith(".index.json")))
+    if others:
+        raise FileExistsError(f"{folder}: already holds other weight files ({', '.join(others)}); "
+                              "write the model to an empty folder")
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
     state = {}
     for name, t in items:

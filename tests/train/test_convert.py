@@ -78,3 +78,15 @@ def test_unsupported_configs_are_refused():
         ModelArch.from_hf_config({**base, "hidden_act": "gelu"})
     arch = ModelArch.from_hf_config(base)
     assert (arch.rope_theta, arch.head_dim, arch.qkv_bias) == (100000.0, 16, False)
+
+
+def test_an_hf_folder_is_written_only_where_no_other_weights_would_mix_in(tmp_path):
+    from train.hf_io import load_hf_state_dict, save_hf_folder
+
+    w = {"a": torch.ones(2)}
+    save_hf_folder(tmp_path / "m", w, {"model_type": "llama"})
+    save_hf_folder(tmp_path / "m", {"a": torch.zeros(2)}, {"model_type": "llama"})  # rewrite: fine
+    assert torch.equal(load_hf_state_dict(tmp_path / "m")["a"], torch.zeros(2))
+    (tmp_path / "m" / "model-00001-of-00002.safetensors").write_bytes(b"")
+    with pytest.raises(FileExistsError, match="model-00001-of-00002.safetensors"):
+        save_hf_folder(tmp_path / "m", w, {"model_type": "llama"})
