@@ -28,7 +28,7 @@ import heapq
 import threading
 import time
 from collections import Counter, deque
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Iterator, NamedTuple
 
 from buffers.group import Group, Lane
 from buffers.sample import Sample, SampleStatus
@@ -56,6 +56,14 @@ class Place(str, enum.Enum):
     PARTIAL = "partial"
     LONG = "long"
     READY = "ready"
+
+
+class Completion(NamedTuple):
+    """What `complete` did with a group."""
+
+    surplus: list[Sample]  # speculative responses removed (still running: the caller cancels them)
+    queued: bool  # True: ready for the trainer; False: the staleness rule dropped it or sent it
+    # back to be regenerated, so it is not part of any batch
 
 
 class _OldestFirst:
@@ -176,10 +184,9 @@ class RolloutBuffer:
             group.samples.extend(new)
             return new
 
-    def complete(self, group: Group) -> list[Sample]:
+    def complete(self, group: Group) -> Completion:
         """A complete, rewarded group: settle it to its first target_n finished samples and
-        put it in the ready queue (consumers are woken). Returns the surplus samples removed
-        (speculative responses still running: the caller cancels them)."""
+        put it in the ready queue through the staleness rule (consumers are woken)."""
         if not group.is_complete:
             raise BufferError(f"group {group.group_id} is not complete")
         if not group.trainable:
@@ -193,9 +200,10 @@ class RolloutBuffer:
             surplus = group.settle()
             self._discard(surplus)
             self._counts["completed"] += 1
-            if self._to_ready(group):
+            queued = self._to_ready(group)
+            if queued:
                 self._wake_consumers()
-        return surplus
+        return Completion(surplus, queued)
 
     def requeue(self, group: Group) -> None:
         """An in-flight group stopped early (abort): keep its tokens, resume it first later.

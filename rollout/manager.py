@@ -346,9 +346,11 @@ class Step:
         if g.trainable:
             run.settled = True
             del self._runs[g.group_id]
-            for s in self.buffer.complete(g):  # surplus speculative responses
+            done = self.buffer.complete(g)
+            for s in done.surplus:  # speculative responses still running
                 self._cancel(run.tasks.get(s.index))
-            self._completed.append(g)
+            if done.queued:  # not dropped or sent back by the staleness rule
+                self._completed.append(g)
             return
         failed = g.failed
         if failed:

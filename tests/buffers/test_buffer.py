@@ -321,7 +321,7 @@ def test_speculative_samples_first_to_finish_are_kept_and_the_rest_returned():
         if t:
             s.set_reward(1.0)
             s.finished_at = t
-    surplus = buf.complete(g)
+    surplus = buf.complete(g).surplus
     assert [s.index for s in g.samples] == [1, 2]  # finished at t=1 and t=2
     assert sorted(s.index for s in surplus) == [0, 3]
     assert buf.stats()["discarded_tokens"] == 4 + 7

@@ -94,7 +94,7 @@ class BufferMachine(RuleBasedStateMachine):
         done = sorted(gid for gid, g in self.flying.items() if g.trainable)
         g = self.flying.pop(data.draw(st.sampled_from(done)))
         total = len(g.samples)
-        surplus = self.buf.complete(g)
+        surplus = self.buf.complete(g).surplus
         assert len(g.samples) == self.n and len(surplus) == total - self.n
         assert self.buf.place_of(g) in (Place.READY, Place.PARTIAL, None)
 

@@ -275,3 +275,27 @@ async def test_an_unexpected_error_in_an_engine_fails_the_step_loudly():
     with pytest.raises(KeyError, match="bug in an engine wrapper"):
         await asyncio.wait_for(mgr.run_step(target=1, version=0), 10)
     assert buf.stats()["balanced"] and buf.stats()["in_flight"] == 0
+
+
+async def test_a_group_the_staleness_rule_drops_on_arrival_is_not_part_of_the_batch():
+    """Weights that move while a group is generating (one-step async) can make it stale by the
+    time it completes: the buffer drops it, and the step must not count it toward the target."""
+    buf, engines, mgr = make(SyncPolicy(), max_staleness=0)
+
+    async def bump_version_mid_step():
+        while not engines._running:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.02)  # the short groups (8 tokens) are done, the long ones are not
+        buf.set_version(1)  # new weights: what is generated from now on is version 1
+        mgr.current.version = 1
+
+    bumper = asyncio.create_task(bump_version_mid_step())
+    r = await mgr.run_step(target=4, version=0)
+    await bumper
+    stats = buf.stats()
+    # the long groups 0 and 1 arrived stale and were dropped; replacements made up the target
+    assert sorted(r.completed) == [2, 3, 4, 5] and r.groups_launched == 6
+    # (the bump's sweep also dropped 2 and 3, complete at version 0 but not yet trained)
+    assert stats["dropped_by_reason"] == {"stale": 4} and stats["ready"] == 2
+    assert [g.group_id for g in buf.take_nowait(2)] == [4, 5]
+    assert stats["balanced"]
