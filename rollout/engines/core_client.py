@@ -25,6 +25,10 @@ class CoreError(RuntimeError):
     """A command the core refused or failed; the message says why."""
 
 
+class CoreRefused(CoreError):
+    """The core refused a command's arguments (the caller's mistake, an HTTP 400)."""
+
+
 class CoreDied(CoreError):
     """The core process is gone."""
 
@@ -143,7 +147,7 @@ class EngineCoreClient:
                 if message[2]:
                     future.set_result(message[3])
                 else:
-                    future.set_exception(CoreError(message[3]))
+                    future.set_exception((CoreRefused if message[4] else CoreError)(message[3]))
         elif kind == "crashed":
             self._lost(message[1])
 

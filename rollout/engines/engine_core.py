@@ -15,7 +15,9 @@ Core -> HTTP:
     ("ready", info)                    once the model is loaded
     ("progress", [(rid, new_ids, new_logprobs, new_versions, weight_version, finish_wire | None),
                   ...])   new_versions: the weight version of each new token
-    ("result", call_id, ok, value_or_error_message)
+    ("result", call_id, ok, value_or_error_message, refused)
+                                       refused: the command's arguments were wrong (ValueError),
+                                       as opposed to the command failing
     ("crashed", message)
 """
 
@@ -174,10 +176,11 @@ class EngineCore:
         try:
             if handler is None:
                 raise ValueError(f"unknown engine command {name!r}")
-            result = (True, handler(**kwargs))
+            result = (True, handler(**kwargs), False)
         except Exception as e:  # answered, not raised: the HTTP side turns it into a 4xx/5xx
             log.debug("command %s failed:\n%s", name, traceback.format_exc())
-            result = (False, f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e))
+            refused = isinstance(e, ValueError)
+            result = (False, str(e) if refused else f"{type(e).__name__}: {e}", refused)
         self.send(("result", call_id, *result))
 
     # -- commands (pool threads; decoder-state changes go through decoder.call) -----------------

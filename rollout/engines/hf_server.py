@@ -29,7 +29,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from rollout.engines.requests import DecodeParams
-from rollout.engines.core_client import CoreDied, CoreError, EngineCoreClient, RemoteRequest
+from rollout.engines.core_client import CoreDied, CoreError, CoreRefused, EngineCoreClient, RemoteRequest
 from rollout.engines.detokenizer import IncrementalDetokenizer, load_tokenizer
 from rollout.engines.engine_core import CoreConfig
 from rollout.protocol import (
@@ -82,6 +82,8 @@ async def _errors_middleware(request: web.Request, handler: Callable[[web.Reques
         return _error(_validation_message(e), 400)
     except CoreDied as e:
         return _error(str(e), 503)
+    except CoreRefused as e:
+        return _error(f"{request.path}: {e}", 400)
     except (web.HTTPException, asyncio.CancelledError):
         raise
     except Exception as e:  # keep serving; say what failed

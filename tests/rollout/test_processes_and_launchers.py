@@ -10,6 +10,8 @@ import psutil
 import pytest
 
 from rollout.engines.config import EngineConfig, RouterConfig
+from rollout.engines.core_client import CoreError, CoreRefused, EngineCoreClient
+from rollout.engines.engine_core import CoreConfig
 from rollout.engines.process import ProcessStartError, free_port, start_hf_server
 from rollout.engines.sglang_launcher import (
     SGLangNotInstalled,
@@ -121,3 +123,23 @@ def test_an_engine_whose_launcher_dies_exits(tiny_model_dir, tmp_path):
                 os.killpg(engine_pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+async def test_the_core_tells_a_refused_command_from_a_failed_one(tiny_model_dir):
+    """A command with wrong arguments is CoreRefused (the HTTP side answers 400, the caller's
+    mistake); the core keeps answering afterwards."""
+    core = EngineCoreClient(CoreConfig(model_path=str(tiny_model_dir),
+                                       tokenizer_path=str(tiny_model_dir), device="cpu"))
+    core.launch()
+    try:
+        await core.wait_ready(timeout_s=120)
+        with pytest.raises(CoreRefused, match="unknown engine command 'no_such_command'"):
+            await core.call("no_such_command")
+        with pytest.raises(CoreRefused, match="no weight update group 'nope'"):
+            await core.call("destroy_group", group_name="nope")
+        with pytest.raises(CoreError) as failed:  # a TypeError inside: failed, not refused
+            await core.call("stats", no_such_argument=1)
+        assert not isinstance(failed.value, CoreRefused) and "TypeError" in str(failed.value)
+        assert (await core.call("loads")) is not None
+    finally:
+        await core.stop()
