@@ -68,12 +68,17 @@ def save_hf_folder(
     state = {}
     for name, t in items:
         t = t.detach().to("cpu")
-        state[name] = (t.to(dtype) if dtype is not None else t).contiguous()
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        state[name] = (t.to(dtype) if dtype is not None and t.is_floating_point() else t).contiguous()
     config = dict(config)
-    some = next(iter(state.values()))
-    dtype_name = {v: k for k, v in _DTYPES.items()}.get(some.dtype, "float32")
-    config["dtype"] = dtype_name
+    # the dtype of the floating-point weights (integer buffers say nothing about the model)
+    floats = [t.dtype for t in state.values() if t.is_floating_point()]
+    if floats:
+        names = {v: k for k, v in _DTYPES.items()}
+        if floats[0] not in names:
+            raise ValueError(f"{folder}: weights of dtype {floats[0]} cannot be written as an HF "
+                             f"model; use one of {sorted(_DTYPES)} (the dtype argument)")
+        config["dtype"] = names[floats[0]]
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     config.pop("torch_dtype", None)
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     if side_files_from is not None:

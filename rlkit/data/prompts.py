@@ -105,7 +105,7 @@ def load_prompts(cfg: DataConfig, tokenizer: Tokenizer) -> PromptDataset:
     import datasets
 
     name, rows = _read_rows(cfg.path)
-    bad = _BadRows(name, cfg.on_bad_row)
+    bad = _BadRows(name, cfg.on_bad_row, getattr(rows, "line_of", None))
     has_template = cfg.apply_chat_template and bool(getattr(tokenizer, "chat_template", None))
     kept: list[tuple[int, Any, Any, dict[str, Any]]] = []  # (row, prompt, label, metadata)
     for i, row in rows:
@@ -161,14 +161,16 @@ def load_prompts(cfg: DataConfig, tokenizer: Tokenizer) -> PromptDataset:
 
 
 class _BadRows:
-    def __init__(self, name: str, on_bad_row: str) -> None:
+    def __init__(self, name: str, on_bad_row: str, line_of: dict[int, int] | None = None) -> None:
         self.name, self.on_bad_row = name, on_bad_row
+        self.line_of = line_of  # jsonl: row -> line in the file, which is what an editor shows
         self.counts: Counter[str] = Counter()
 
     def add(self, row: int, reason: str, message: str) -> None:
         if self.on_bad_row == "error":
+            where = f"line {self.line_of[row]}" if self.line_of is not None else f"row {row}"
             raise DataError(
-                f"{self.name}: row {row}: {message} "
+                f"{self.name}: {where}: {message} "
                 "(set data.on_bad_row=skip to skip and count such rows)"
             )
         self.counts[reason] += 1
@@ -201,7 +203,7 @@ def _read_rows(path: str) -> tuple[str, Iterable[tuple[int, Any]]]:
             ds = ds["train"]
         return path, enumerate(_iter_table(ds))
     if p.suffix in (".jsonl", ".json"):
-        return path, _jsonl_rows(p)
+        return path, _JsonlRows(p)
     if p.suffix == ".parquet":
         import datasets
 
@@ -220,19 +222,27 @@ def _iter_table(ds: Any) -> Iterator[dict[str, Any]]:
             yield dict(zip(keys, values))
 
 
-def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
-    # Parsed line by line (not by Arrow's JSON reader) so a bad line is reported by its row
-    # number and a mixed-type column cannot fail the whole file.
-    with path.open(encoding="utf-8") as f:
-        row = 0
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                yield row, json.loads(line)
-            except json.JSONDecodeError as e:
-                yield row, _Unreadable(f"not valid JSON ({e.msg} at column {e.colno})")
-            row += 1
+class _JsonlRows:
+    """(row, parsed line) of a jsonl file, blank lines skipped; `line_of` maps each row handed
+    out to its 1-based line. Parsed line by line (not by Arrow's JSON reader) so a bad line is
+    reported where it is and a mixed-type column cannot fail the whole file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.line_of: dict[int, int] = {}
+
+    def __iter__(self) -> Iterator[tuple[int, Any]]:
+        with self.path.open(encoding="utf-8") as f:
+            row = 0
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                self.line_of[row] = lineno
+                try:
+                    yield row, json.loads(line)
+                except json.JSONDecodeError as e:
+                    yield row, _Unreadable(f"not valid JSON ({e.msg} at column {e.colno})")
+                row += 1
 
 
 def _check_row(row: Any, cfg: DataConfig, has_template: bool) -> tuple[str, str] | None:

@@ -42,14 +42,19 @@ ROWS = [
 ]
 
 
-def test_bad_row_is_an_error_naming_file_and_row(tmp_path):
+def test_bad_row_is_an_error_naming_file_and_line(tmp_path):
     f = write_jsonl(tmp_path / "p.jsonl", ROWS)
     cfg = DataConfig(path=str(f), apply_chat_template=False)
-    with pytest.raises(DataError, match=r"p\.jsonl: row 1: missing key 'prompt'"):
+    with pytest.raises(DataError, match=r"p\.jsonl: line 2: missing key 'prompt'"):
         load_prompts(cfg, CharTokenizer())
     f2 = write_jsonl(tmp_path / "q.jsonl", [ROWS[0], ROWS[3]])
-    with pytest.raises(DataError, match=r"q\.jsonl: row 1: prompt must be a non-empty string"):
+    with pytest.raises(DataError, match=r"q\.jsonl: line 2: prompt must be a non-empty string"):
         load_prompts(DataConfig(path=str(f2), apply_chat_template=False), CharTokenizer())
+    # blank lines are skipped, and the line reported is still the one an editor shows
+    f3 = tmp_path / "r.jsonl"
+    f3.write_text('{"prompt": "a", "label": "1"}\n\n   \n{"prompt": ""}\n')
+    with pytest.raises(DataError, match=r"r\.jsonl: line 4: "):
+        load_prompts(DataConfig(path=str(f3), apply_chat_template=False), CharTokenizer())
 
 
 def test_skip_mode_counts_bad_rows_by_reason(tmp_path):
@@ -67,7 +72,7 @@ def test_skip_mode_counts_bad_rows_by_reason(tmp_path):
 def test_over_long_prompt_and_all_rows_bad(tmp_path):
     f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "x" * 50, "label": "1"}])
     cfg = DataConfig(path=str(f), apply_chat_template=False, max_prompt_tokens=10)
-    with pytest.raises(DataError, match="row 0: prompt has 50 tokens > data.max_prompt_tokens"):
+    with pytest.raises(DataError, match="line 1: prompt has 50 tokens > data.max_prompt_tokens"):
         load_prompts(cfg, CharTokenizer())
     with pytest.raises(DataError, match="no usable prompt rows"):
         load_prompts(cfg.model_copy(update={"on_bad_row": "skip"}), CharTokenizer())
@@ -84,7 +89,7 @@ def test_chat_messages_and_template(tmp_path):
     ds = load_prompts(cfg, TemplateTokenizer())
     assert dict(ds.skipped) == {"bad_messages": 1}
     assert ds.record(0).text == "<system>be brief<user>hi<assistant>"
-    with pytest.raises(DataError, match="row 0: chat messages need"):
+    with pytest.raises(DataError, match="line 1: chat messages need"):
         load_prompts(cfg.model_copy(update={"on_bad_row": "error"}), CharTokenizer())
     meta = load_prompts(
         DataConfig(path=str(f), on_bad_row="skip", metadata_keys=["difficulty"]), TemplateTokenizer()

@@ -90,3 +90,19 @@ def test_an_hf_folder_is_written_only_where_no_other_weights_would_mix_in(tmp_pa
     (tmp_path / "m" / "model-00001-of-00002.safetensors").write_bytes(b"")
     with pytest.raises(FileExistsError, match="model-00001-of-00002.safetensors"):
         save_hf_folder(tmp_path / "m", w, {"model_type": "llama"})
+
+
+def test_an_hf_folder_names_its_weights_dtype_and_refuses_one_hf_cannot_name(tmp_path):
+    import json
+
+    from train.hf_io import save_hf_folder
+
+    folder = save_hf_folder(tmp_path / "h", {"a": torch.ones(2), "steps": torch.zeros(1, dtype=torch.int64)},
+                            {"model_type": "llama"}, dtype=None)
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "float32"
+    folder = save_hf_folder(tmp_path / "b", {"a": torch.ones(2)}, {"model_type": "llama"},
+                            dtype=torch.bfloat16)
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+    with pytest.raises(ValueError, match="dtype torch.float64 cannot be written"):
+        save_hf_folder(tmp_path / "d", {"a": torch.ones(2, dtype=torch.float64)}, {"model_type": "llama"})
+    assert not (tmp_path / "d" / "model.safetensors").exists()
