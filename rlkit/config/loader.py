@@ -146,12 +146,16 @@ def _format_errors(err: ValidationError, origins: Origins, path: str | Path | No
 
 
 def _origin_of(loc: tuple[str, ...], origins: Origins) -> str | None:
-    """Who set this key: itself or its nearest parent, else whoever set something below it."""
+    """Who set this key. A section (a check across its keys) names every source of the keys
+    in it, since a base file and what extends it may each have set some; a value names
+    whoever set it or its nearest parent."""
+    below = [o for key, o in origins.items() if key[: len(loc)] == loc and len(key) > len(loc)]
+    if below:
+        return ", ".join(dict.fromkeys(below))
     for n in range(len(loc), 0, -1):
         if loc[:n] in origins:
             return origins[loc[:n]]
-    below = [origin for key, origin in origins.items() if key[: len(loc)] == loc]
-    return below[-1] if below else None
+    return None
 
 
 def _suggest(loc: tuple[str, ...]) -> str:

@@ -1,6 +1,7 @@
 """Typed recipes: errors name the key path and the file; extends and overrides compose; every
 field is documented; the generated reference is current; the shipped recipes validate."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -135,3 +136,16 @@ def test_config_show_prints_the_resolved_recipe(capsys):
 def test_planned_policies_are_refused_clearly():
     with pytest.raises(RecipeError, match="rollout.policy='tail_batching' is planned but not available"):
         load_recipe(None, ["rollout.policy=tail_batching"])
+
+
+def test_a_check_across_a_section_names_every_file_that_set_its_keys(tmp_path):
+    write(tmp_path / "base.yaml", "rollout:\n  sampling:\n    max_new_tokens: 64\n    min_new_tokens: 8\n")
+    child = write(tmp_path / "child.yaml", "extends: base.yaml\nrollout:\n  sampling:\n    max_new_tokens: 4\n")
+    with pytest.raises(RecipeError) as e:
+        load_recipe(child)
+    where = re.search(r"\n  (.*): rollout\.sampling: sampling\.min_new_tokens", str(e.value))
+    assert where and sorted(Path(p).name for p in where[1].split(", ")) == ["base.yaml", "child.yaml"]
+    with pytest.raises(RecipeError) as e:
+        load_recipe(tmp_path / "base.yaml", ["rollout.sampling.max_new_tokens=4"])
+    where = re.search(r"\n  (.*): rollout\.sampling: ", str(e.value))
+    assert where and {Path(p).name for p in where[1].split(", ")} == {"base.yaml", "command line"}
