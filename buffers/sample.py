@@ -80,7 +80,9 @@ class Sample:
 
         A span produced by one request carries one policy version (engines stamp it per
         request). An empty span with a finish reason is valid: an aborted request may have
-        produced no token, and a stop can arrive in a final chunk without new tokens.
+        produced no token, and a stop can arrive in a final chunk without new tokens. Having no
+        tokens, it stamps no version, so its `version` is not checked against earlier tokens
+        (a resumed sample's last token may be newer than the version a caller has at hand).
         """
         if self.status.terminal:
             raise SampleError(
@@ -92,7 +94,7 @@ class Sample:
             )
         if not isinstance(version, int) or version < 0:
             raise SampleError(f"sample {self.index}: version must be an int >= 0, got {version!r}")
-        if self.versions and version < self.versions[-1]:
+        if token_ids and self.versions and version < self.versions[-1]:
             raise SampleError(
                 f"sample {self.index}: version {version} is older than the last token's "
                 f"({self.versions[-1]}); policy versions only move forward"

@@ -382,8 +382,7 @@ class EngineClient:
                                       f"{finish.message}")
                 sample.interrupt()
             elif finish.type in ("stop", "length"):
-                sample.append([], [], max(stamped, sample.versions[-1] if sample.versions else 0),
-                              finish_reason=finish.type)
+                sample.append([], [], stamped, finish_reason=finish.type)
             else:
                 sample.interrupt()
                 raise EngineError(f"unknown finish reason {finish.type!r} from {flight.url}")

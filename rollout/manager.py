@@ -307,8 +307,7 @@ class Step:
     async def _generate(self, run: _GroupRun, s: Sample) -> None:
         remaining = s.remaining_tokens(self._m.sampling.max_new_tokens)
         if remaining <= 0:  # resumed at its budget: nothing to ask for
-            s.append([], [], max(self.version, s.versions[-1] if s.versions else 0),
-                     finish_reason="length")
+            s.append([], [], self.version, finish_reason="length")
             return
         before, start, worker, outcome = len(s.response_ids), self._loop.time(), run.worker, "abort"
         try:

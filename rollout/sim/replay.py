@@ -82,7 +82,7 @@ class TraceReplayEngines:
         need = natural - len(sample.response_ids)
         if need <= 0:  # already as long as the trace says (resumed right at its end)
             sample.start_request()
-            sample.append([], [], _span_version(sample, version), finish_reason=self._end(natural))
+            sample.append([], [], version, finish_reason=self._end(natural))
             return worker
         served = await self.inner.generate(
             sample, self._sampling(sampling), max_new_tokens=min(max_new_tokens, need),
@@ -112,10 +112,6 @@ class TraceReplayEngines:
             cached = (sampling, sampling.model_copy(update={"ignore_eos": True}))
             self._replay_sampling[id(sampling)] = cached
         return cached[1]
-
-
-def _span_version(sample: Sample, version: int) -> int:
-    return max(version, sample.versions[-1]) if sample.versions else version
 
 
 def _mark_stopped(sample: Sample) -> None:

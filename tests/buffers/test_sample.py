@@ -100,3 +100,13 @@ def test_state_round_trip_saves_running_as_resumable():
     t = Sample.from_state(s.to_state(), (1, 2))
     assert t.status is SampleStatus.PARTIAL
     assert (t.response_ids, t.logprobs, t.versions, t.loss_mask) == ([9, 8], [-1.0, -2.0], [2, 2], [1, 1])
+
+
+def test_versions_only_move_forward_but_an_empty_finishing_span_stamps_none():
+    s = Sample(group_id=0, index=0, slot=0, prompt_ids=[1])
+    s.start_request()
+    s.append([5, 6], [-0.1, -0.2], 3)
+    with pytest.raises(SampleError, match="older than the last token's"):
+        s.append([7], [-0.3], 2)
+    s.append([], [], 2, finish_reason="stop")  # no tokens, no version: nothing to order
+    assert s.versions == [3, 3] and s.status is SampleStatus.DONE
