@@ -102,3 +102,27 @@ def test_a_packaged_gpu_profile_runs_a_step_at_scale_quickly():
     [r] = run_simulation(cluster, trace, SyncPolicy(), steps=1, batch_size=256)
     assert r.groups_completed == 256 and r.tokens_generated == r.engine_tokens
     assert r.rollout_s > 60 and math.isfinite(r.bound_ratio)
+
+
+
+def test_timeline_labels_agree_with_how_trained_samples_ended(tmp_path):
+    """A budget larger than the trace's cap: a response at the trace's cap was truncated in
+    the trace ('length'), one that ended below it stopped ('stop'), in the timeline as on the
+    sample."""
+    from rollout.sim.timeline import read_timeline
+
+    trace = generate_trace(TraceSpec(rows=64, epochs=2, cap=256, group_size=4, batch_size=4))
+    cluster = SimConfig(2, constant_profile([0.005, 0.01], [1, 32], prefill_s_per_token=1e-5))
+    ended: dict[tuple[int, int], str] = {}
+
+    def on_batch(step, groups):
+        for g in groups:
+            for smp in g.samples:
+                ended[(g.group_id, smp.index)] = smp.finish_reason
+
+    run_simulation(cluster, trace, SyncPolicy(), steps=3, batch_size=4, max_new_tokens=4096,
+                   timeline_path=tmp_path / "timeline.jsonl", on_batch=on_batch)
+    last = {(s.group_id, s.sample_index): s.outcome
+            for tl in read_timeline(tmp_path) for s in tl.spans}
+    assert ended and {k: last[k] for k in ended} == ended
+    assert set(ended.values()) == {"stop", "length"}
