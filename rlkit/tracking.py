@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from rlkit.config.schema import TrackingConfig
-from rollout.sim.timeline import TIMELINE_FILE
+from rollout.timeline import TIMELINE_FILE
 
 
 class Tracker:

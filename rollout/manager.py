@@ -31,6 +31,7 @@ from buffers.sample import Sample, SampleStatus
 from rollout.config import SamplingConfig
 from rollout.engine_api import EngineError, Engines
 from rollout.rewards import RewardFailure, RewardScheduler
+from rollout.timeline import Span
 
 
 class StepStalled(RuntimeError):
@@ -47,22 +48,6 @@ class RolloutPolicy(Protocol):
     async def run(self, step: "Step") -> None:
         """Launch groups and return once the step's target is met (see rollout/policies)."""
         ...
-
-
-@dataclass
-class RequestSpan:
-    """One generate request, for timelines: which worker, when, how many tokens, how it ended."""
-
-    worker: str | None
-    group_id: int
-    sample_index: int
-    start: float
-    end: float
-    tokens: int
-    outcome: str  # stop | length | abort | error | cancelled
-
-    def to_json(self) -> dict[str, Any]:
-        return self.__dict__.copy()
 
 
 @dataclass
@@ -84,7 +69,7 @@ class StepReport:
     reward_mean: float = math.nan
     reward_failures: int = 0
     engine_failures: int = 0
-    timeline: list[RequestSpan] = field(default_factory=list)
+    timeline: list[Span] = field(default_factory=list)
 
     @property
     def throughput(self) -> float:
@@ -326,8 +311,9 @@ class Step:
         finally:
             tokens = len(s.response_ids) - before
             self.report_.tokens_generated += tokens
-            self.report_.timeline.append(RequestSpan(
-                worker, run.group.group_id, s.index, start, self._loop.time(), tokens, outcome
+            self.report_.timeline.append(Span(
+                worker, run.group.group_id, s.index, start, self._loop.time(), tokens, outcome,
+                response_before=before,
             ))
 
     def _check(self, run: _GroupRun, finishing: asyncio.Task | None = None) -> None:

@@ -1,6 +1,6 @@
 """`rlkit plot timeline RUN`: per-engine Gantt chart of the requests of a rollout step.
 
-Reads RUN/timeline.jsonl (format: rollout/sim/timeline.py), written by a real run's tracker
+Reads RUN/timeline.jsonl (format: rollout/timeline.py), written by a real run's tracker
 or by the simulator, and draws, for each engine, one bar per request stay from when it was
 sent (or queued) to when it returned: running requests stacked in lanes, so the height of an
 engine's band is its running batch, and the long tail shows as the thin end of each band.
@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rollout.sim.timeline import TimelineError, read_timeline
+    from rollout.timeline import TimelineError, read_timeline
 
     if args.step not in ("all", "last") and not args.step.isdecimal():
         print(f"rlkit: --step {args.step!r}: expected a step number, 'last' or 'all'")

@@ -28,7 +28,7 @@ from rollout.rewards import RewardScheduler
 from rollout.sim.clock import run_virtual
 from rollout.sim.engine import Segment, SimConfig, SimEngines, SimWorker, WorkerStats
 from rollout.sim.replay import BufferPrompts, TraceReplayEngines
-from rollout.sim.timeline import Span, StepTimeline, append_step
+from rollout.timeline import Span, StepTimeline, append_step
 from rollout.sim.trace import Trace
 from rollout.sim.train_time import TrainTimeModel
 
@@ -126,7 +126,7 @@ async def simulate(
             if timeline_path is not None:
                 append_step(timeline_path, StepTimeline(
                     step, policy.name, t0, t1, engines.workers(), "sim",
-                    [_span(step, s, min(cap, trace.cap)) for s in segments],
+                    [_span(s, min(cap, trace.cap)) for s in segments],
                 ))
             if train_s + sync_s > 0:
                 await asyncio.sleep(train_s + sync_s)  # engines idle while the trainer runs
@@ -174,11 +174,11 @@ def _measure(step: int, policy: str, cluster: SimConfig, report: Any,
     )
 
 
-def _span(step: int, s: Segment, cap: int) -> Span:
+def _span(s: Segment, cap: int) -> Span:
     """`cap`: the shorter of the token budget and the trace's own cap, either of which
     truncates (a traced length at the trace's cap was itself truncated: TraceReplayEngines)."""
     outcome = s.outcome
     if outcome == "length" and s.response_before + s.tokens < cap:
         outcome = "stop"  # ended at its traced natural length (TraceReplayEngines)
-    return Span(step, s.worker, s.group_id, s.sample_index, s.enqueued, s.end, s.tokens,
+    return Span(s.worker, s.group_id, s.sample_index, s.enqueued, s.end, s.tokens,
                 outcome, s.admitted, s.response_before)

@@ -59,6 +59,7 @@ async def test_partial_stops_at_target_parks_the_tail_and_resumes_it_first():
     parked = buf.queued(Place.PARTIAL)
     assert {g.group_id for g in parked} == {0, 1}  # the long prompts
     tokens_before = {g.group_id: g.tokens for g in parked}
+    parked_lengths = {len(s.response_ids) for g in parked for s in g.samples} - {0}
     assert all(t > 0 for t in tokens_before.values())  # aborted with their tokens
     assert r1.tokens_discarded == 0
     assert all(s.status in (SampleStatus.PARTIAL, SampleStatus.PENDING)
@@ -67,6 +68,9 @@ async def test_partial_stops_at_target_parks_the_tail_and_resumes_it_first():
 
     r2 = await mgr.run_step(target=3, version=1)
     assert r2.groups_resumed == 2
+    # the timeline shows where each resumed request picked up
+    assert {sp.response_before for sp in r2.timeline if sp.group_id in (0, 1)} >= parked_lengths
+    assert all(sp.response_before == 0 for sp in r2.timeline if sp.group_id not in (0, 1))
     assert buf.stats()["balanced"]
     # the resumed groups kept their old tokens (version 0) and continued under version 1
     resumed = [g for g in buf.queued(Place.READY) + buf.queued(Place.PARTIAL) if g.group_id in (0, 1)]

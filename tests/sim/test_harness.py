@@ -109,7 +109,7 @@ def test_timeline_labels_agree_with_how_trained_samples_ended(tmp_path):
     """A budget larger than the trace's cap: a response at the trace's cap was truncated in
     the trace ('length'), one that ended below it stopped ('stop'), in the timeline as on the
     sample."""
-    from rollout.sim.timeline import read_timeline
+    from rollout.timeline import read_timeline
 
     trace = generate_trace(TraceSpec(rows=64, epochs=2, cap=256, group_size=4, batch_size=4))
     cluster = SimConfig(2, constant_profile([0.005, 0.01], [1, 32], prefill_s_per_token=1e-5))

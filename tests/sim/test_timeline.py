@@ -8,12 +8,11 @@ import pytest
 
 from rlkit.cli import main
 from rlkit.commands.plot_timeline import assign_lanes
-from rollout.manager import RequestSpan
 from rollout.policies import PartialPolicy
 from rollout.sim.engine import SimConfig
 from rollout.sim.harness import run_simulation
 from rollout.sim.profile import constant_profile
-from rollout.sim.timeline import TimelineError, read_timeline
+from rollout.timeline import Span, TimelineError, read_timeline
 from rollout.sim.trace import TraceSpec, generate_trace
 
 
@@ -39,16 +38,16 @@ def test_simulated_run_timeline_roundtrip_and_plot(tmp_path):
 
 
 def test_the_real_driver_lines_are_read(tmp_path):
-    """rlkit.tracking writes {"step": k, **RequestSpan.to_json()} with no step line."""
-    spans = [RequestSpan("http://a", 1, 10, 5.0, 9.0, 40, "stop"),
-             RequestSpan("http://b", 1, 11, 5.5, 12.0, 70, "abort"),
-             RequestSpan(None, 2, 12, 6.0, 6.5, 0, "cancelled")]
+    """rlkit.tracking writes {"step": k, **Span.to_json()} with no step line."""
+    spans = [Span("http://a", 1, 10, 5.0, 9.0, 40, "stop"),
+             Span("http://b", 1, 11, 5.5, 12.0, 70, "abort", response_before=30),
+             Span(None, 2, 12, 6.0, 6.5, 0, "cancelled")]
     path = tmp_path / "timeline.jsonl"
     path.write_text("".join(json.dumps({"step": 3, **s.to_json()}) + "\n" for s in spans))
     [tl] = read_timeline(path)
     assert (tl.step, tl.start, tl.end, tl.source) == (3, 5.0, 12.0, "real")
     assert tl.workers == ["http://a", "http://b"]
-    assert [s.admitted for s in tl.spans] == [None, None, None]
+    assert tl.spans == spans
     out = tmp_path / "x.png"
     assert main(["plot", "timeline", str(path), "--out", str(out)]) == 0
     assert out.exists()

@@ -1,9 +1,10 @@
 """The on-disk timeline of engine activity: `RUN/timeline.jsonl`, one JSON object per line.
 
-The real driver writes it through `rlkit.tracking.Tracker.log_timeline` (one line per
-`RequestSpan` of the RolloutManager's StepReport, with its step); the simulator writes the
-same lines from the simulated engines' request segments, with two optional extra fields, and
-a step line before each step's spans. `rlkit plot timeline RUN` reads both.
+One record, `Span`, serves real runs and the simulator. The real driver writes it through
+`rlkit.tracking.Tracker.log_timeline` (one line per `Span` of the RolloutManager's
+StepReport, with its step); the simulator writes the same lines from the simulated engines'
+request segments, with `admitted` known, and a step line before each step's spans.
+`rlkit plot timeline RUN` reads both.
 
 Span line (one stay of one request on one worker):
 
@@ -40,7 +41,8 @@ class TimelineError(ValueError):
 
 @dataclass
 class Span:
-    step: int
+    """One stay of one request on one worker (its step is its StepTimeline's, or the line's)."""
+
     worker: str | None
     group_id: int
     sample_index: int
@@ -52,7 +54,7 @@ class Span:
     response_before: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        return {"step": self.step, "worker": self.worker, "group_id": self.group_id,
+        return {"worker": self.worker, "group_id": self.group_id,
                 "sample_index": self.sample_index, "start": self.start, "end": self.end,
                 "tokens": self.tokens, "outcome": self.outcome, "admitted": self.admitted,
                 "response_before": self.response_before}
@@ -80,7 +82,7 @@ def append_step(path: str | Path, timeline: StepTimeline) -> None:
     with path.open("a") as f:
         f.write(json.dumps(timeline.header()) + "\n")
         for s in timeline.spans:
-            f.write(json.dumps(s.to_json()) + "\n")
+            f.write(json.dumps({"step": timeline.step, **s.to_json()}) + "\n")
 
 
 def read_timeline(path: str | Path) -> list[StepTimeline]:
@@ -107,7 +109,7 @@ def read_timeline(path: str | Path) -> list[StepTimeline]:
                 continue
             step = int(d["step"])
             span = Span(
-                step, d["worker"], int(d["group_id"]), int(d["sample_index"]),
+                d["worker"], int(d["group_id"]), int(d["sample_index"]),
                 float(d["start"]), float(d["end"]), int(d["tokens"]), str(d["outcome"]),
                 None if d.get("admitted") is None else float(d["admitted"]),
                 int(d.get("response_before") or 0),
