@@ -9,12 +9,14 @@ skipped and counted by reason (`skip`). Rows are kept tokenized in an Arrow tabl
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 from buffers.group import PromptRecord
 from buffers.source import EpochOrder
@@ -105,7 +107,7 @@ def load_prompts(cfg: DataConfig, tokenizer: Tokenizer) -> PromptDataset:
     import datasets
 
     name, rows = _read_rows(cfg.path)
-    bad = _BadRows(name, cfg.on_bad_row, getattr(rows, "line_of", None))
+    bad = _BadRows(name, cfg.on_bad_row, rows.where if isinstance(rows, _JsonlRows) else None)
     has_template = cfg.apply_chat_template and bool(getattr(tokenizer, "chat_template", None))
     kept: list[tuple[int, Any, Any, dict[str, Any]]] = []  # (row, prompt, label, metadata)
     for i, row in rows:
@@ -161,16 +163,17 @@ def load_prompts(cfg: DataConfig, tokenizer: Tokenizer) -> PromptDataset:
 
 
 class _BadRows:
-    def __init__(self, name: str, on_bad_row: str, line_of: dict[int, int] | None = None) -> None:
+    def __init__(
+        self, name: str, on_bad_row: str, where: Callable[[int], str] | None = None
+    ) -> None:
         self.name, self.on_bad_row = name, on_bad_row
-        self.line_of = line_of  # jsonl: row -> line in the file, which is what an editor shows
+        self.where = where or (lambda row: f"row {row}")  # how a row is named to the user
         self.counts: Counter[str] = Counter()
 
     def add(self, row: int, reason: str, message: str) -> None:
         if self.on_bad_row == "error":
-            where = f"line {self.line_of[row]}" if self.line_of is not None else f"row {row}"
             raise DataError(
-                f"{self.name}: {where}: {message} "
+                f"{self.name}: {self.where(row)}: {message} "
                 "(set data.on_bad_row=skip to skip and count such rows)"
             )
         self.counts[reason] += 1
@@ -223,21 +226,29 @@ def _iter_table(ds: Any) -> Iterator[dict[str, Any]]:
 
 
 class _JsonlRows:
-    """(row, parsed line) of a jsonl file, blank lines skipped; `line_of` maps each row handed
-    out to its 1-based line. Parsed line by line (not by Arrow's JSON reader) so a bad line is
-    reported where it is and a mixed-type column cannot fail the whole file."""
+    """(row, parsed line) of a jsonl file, blank lines skipped; `where(row)` names a row by its
+    line, which is what an editor shows. Parsed line by line (not by Arrow's JSON reader) so a
+    bad line is reported where it is and a mixed-type column cannot fail the whole file."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.line_of: dict[int, int] = {}
+        # (first row after a run of blank lines, blank lines before it in all): a row's line is
+        # row + 1 + its blanks, kept per run of blanks rather than per row
+        self._blank_runs: list[tuple[int, int]] = []
+
+    def where(self, row: int) -> str:
+        k = bisect.bisect_right(self._blank_runs, (row, math.inf))
+        return f"line {row + 1 + (self._blank_runs[k - 1][1] if k else 0)}"
 
     def __iter__(self) -> Iterator[tuple[int, Any]]:
         with self.path.open(encoding="utf-8") as f:
-            row = 0
-            for lineno, line in enumerate(f, start=1):
+            row = blanks = 0
+            for line in f:
                 if not line.strip():
+                    blanks += 1
                     continue
-                self.line_of[row] = lineno
+                if blanks and (not self._blank_runs or self._blank_runs[-1][1] != blanks):
+                    self._blank_runs.append((row, blanks))
                 try:
                     yield row, json.loads(line)
                 except json.JSONDecodeError as e:
