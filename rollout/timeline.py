@@ -21,7 +21,7 @@ Step line (optional; the simulator writes one per step, before its spans):
 
 Times are seconds on the run's clock (`loop.time()`; virtual in the simulator). `start` is
 when the request was sent (or queued at the engine), `end` when it returned with `tokens`
-generated. `outcome` is stop | length | abort | cancel | cancelled | preempt | error. Without
+generated. `outcome` is stop | length | abort | cancelled | preempt | error. Without
 a step line, a step spans its requests and its workers are those that served one.
 """
 
@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 TIMELINE_FILE = "timeline.jsonl"
+_OLD_SPELLINGS = {"cancel": "cancelled"}  # the simulator's, in files written before 2026-11-22
 
 
 class TimelineError(ValueError):
@@ -110,7 +111,8 @@ def read_timeline(path: str | Path) -> list[StepTimeline]:
             step = int(d["step"])
             span = Span(
                 d["worker"], int(d["group_id"]), int(d["sample_index"]),
-                float(d["start"]), float(d["end"]), int(d["tokens"]), str(d["outcome"]),
+                float(d["start"]), float(d["end"]), int(d["tokens"]),
+                _OLD_SPELLINGS.get(str(d["outcome"]), str(d["outcome"])),
                 None if d.get("admitted") is None else float(d["admitted"]),
                 int(d.get("response_before") or 0),
             )

@@ -18,7 +18,6 @@ COLOURS = {
     "stop": "#4c9a2a",
     "length": "#e08e0b",
     "abort": "#5b7db8",
-    "cancel": "#b0b0b0",
     "cancelled": "#b0b0b0",
     "preempt": "#9b59b6",
     "error": "#c0392b",
@@ -27,8 +26,7 @@ LABELS = {
     "stop": "finished (stop)",
     "length": "truncated at the cap",
     "abort": "aborted, parked with its tokens",
-    "cancel": "cancelled (surplus)",
-    "cancelled": "cancelled (surplus)",  # the manager's spelling; "cancel" is the simulator's
+    "cancelled": "cancelled (surplus)",
     "preempt": "preempted (KV full)",
     "error": "failed",
 }

@@ -162,7 +162,7 @@ class SimConfig:
 class Segment:
     """One stay of a request on a worker: queued, admitted (running), and how it ended.
 
-    outcome: 'length' (reached its budget), 'abort', 'cancel' (the caller's task was
+    outcome: 'length' (reached its budget), 'abort', 'cancelled' (the caller's task was
     cancelled), 'preempt' (retracted for KV space; the request continues in a later segment).
     """
 
@@ -352,13 +352,13 @@ class SimWorker:
                 req.generated += k
             del self.running[req.rid]
             self.kv_used = sum(r.kv for r in self.running.values())
-            self._end_segment(req, now, "cancel")
+            self._end_segment(req, now, "cancelled")
         elif req in self.waiting:
             self.waiting.remove(req)
-            self._end_segment(req, now, "cancel")
+            self._end_segment(req, now, "cancelled")
         self._flush(req, None)
         if not req.done.done():
-            req.done.set_result("cancel")
+            req.done.set_result("cancelled")
         self._update_idle()
         self._wake()
 

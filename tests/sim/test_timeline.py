@@ -28,7 +28,7 @@ def test_simulated_run_timeline_roundtrip_and_plot(tmp_path):
         assert tl.end - tl.start == pytest.approx(r.rollout_s)
         assert sum(s.tokens for s in tl.spans) == r.engine_tokens
         assert all(tl.start - 1e-9 <= s.start <= s.end <= tl.end + 1e-9 for s in tl.spans)
-        assert {s.outcome for s in tl.spans} <= {"stop", "length", "abort", "cancel", "preempt"}
+        assert {s.outcome for s in tl.spans} <= {"stop", "length", "abort", "cancelled", "preempt"}
     assert any(s.outcome == "abort" for s in steps[0].spans)  # partial parks the tail
     assert any(s.response_before > 0 for s in steps[1].spans)  # and resumes it
     assert main(["plot", "timeline", str(tmp_path), "--step", "all"]) == 0
@@ -68,3 +68,11 @@ def test_lanes_never_overlap():
             if i < j and lanes[i] == lanes[j]:
                 assert b <= c or d <= a
     assert max(lanes) + 1 == 2  # the most intervals open at once (half-open intervals)
+
+
+def test_the_simulators_old_cancel_spelling_reads_as_cancelled(tmp_path):
+    path = tmp_path / "timeline.jsonl"
+    path.write_text(json.dumps({"step": 0, **Span("sim-0", 1, 2, 0.0, 1.0, 3, "cancelled").to_json(),
+                                "outcome": "cancel"}) + "\n")
+    [tl] = read_timeline(path)
+    assert [s.outcome for s in tl.spans] == ["cancelled"]
