@@ -123,13 +123,13 @@ class RouterConfig(BaseModel):
     startup_timeout_s: float = Field(
         60.0, gt=0, description="Seconds to wait for the router's /health after start."
     )
+    extra_args: list[str] = Field(
+        default_factory=list,
+        description="Extra command-line arguments for the router binary, passed through.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "RouterConfig":
         if self.port and self.port == self.prometheus_port:
             raise ValueError(f"router.port and router.prometheus_port are both {self.port}")
         return self
-    extra_args: list[str] = Field(
-        default_factory=list,
-        description="Extra command-line arguments for the router binary, passed through.",
-    )
