@@ -96,6 +96,11 @@ class _Inflight:
     served_by: str | None = None  # the worker, when the answer says (X-Engine-Url)
 
 
+# An abort lands within a decode step: the first load check comes this soon after it, then the
+# wait doubles up to EngineClient.abort_poll_interval_s.
+ABORT_POLL_FIRST_S = 0.01
+
+
 @dataclass
 class EngineClient:
     """Async client of the router and its workers. Use as `async with EngineClient(...)`, or
@@ -407,7 +412,7 @@ class EngineClient:
     async def _abort_until_idle(self, worker: str) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.abort_timeout_s
-        delay = 0.01
+        delay = ABORT_POLL_FIRST_S
         while True:
             await self._call("POST", worker, "/abort_request", {"rid": "", "abort_all": True},
                              policy="abort")

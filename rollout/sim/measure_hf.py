@@ -61,7 +61,6 @@ PREFILL_WIDTHS = (32, 128, 256, 512, 1024, 1536, 2048)
 MAX_PREFILL_TOKENS = 8192  # rollout.engines.config.EngineConfig.max_prefill_tokens
 
 
-# -- 1. decode ------------------------------------------------------------------------------------
 def _cpu(proc: Any) -> float:
     t = proc.cpu_times()
     return t.user + t.system
@@ -74,14 +73,28 @@ def _core_process(http: Any) -> Any:
             if "resource_tracker" not in " ".join(k.cmdline())][0]
 
 
+async def _batch(client: Any, prompts: list[list[int]], n: int,
+                 workers: list[str] | None = None) -> float:
+    """Generate n tokens (ignoring EOS) for each prompt at once, through the router or pinned
+    to `workers` (one per prompt); the wall seconds it took."""
+    from buffers.sample import Sample
+    from rollout.config import SamplingConfig
+
+    sampling = SamplingConfig(max_new_tokens=n, ignore_eos=True, temperature=1.0)
+    samples = [Sample(index=i, group_id=i, prompt_ids=p) for i, p in enumerate(prompts)]
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client.generate(s, sampling, max_new_tokens=n, version=0, worker=w)
+                           for s, w in zip(samples, workers or [None] * len(samples))))
+    return time.perf_counter() - t0
+
+
+# -- 1. decode ------------------------------------------------------------------------------------
 def measure_decode(model_path: str, batches=DECODE_BATCHES, widths=DECODE_WIDTHS,
                    n1: int = 32, n2: int = 416, passes: int = 2) -> dict[str, Any]:
     """Decode-loop CPU per step of engine 0 in a fleet of two, through the router and the
     client, alone (engine 1 idle) and beside engine 1 running the same load."""
     import psutil
 
-    from buffers.sample import Sample
-    from rollout.config import SamplingConfig
     from rollout.engines.config import EngineConfig, RouterConfig
     from rollout.engines.fleet import EngineFleet
 
@@ -94,17 +107,14 @@ def measure_decode(model_path: str, batches=DECODE_BATCHES, widths=DECODE_WIDTHS
         seq = [0]
 
         async def run(client: Any, b: int, w: int, n: int, both: bool) -> float:
-            sampling = SamplingConfig(max_new_tokens=n, ignore_eos=True, temperature=1.0)
-            coros = []
+            prompts, workers = [], []
             for url in urls if both else urls[:1]:
                 for _ in range(b):
                     seq[0] += 1
-                    ids = [3 + (seq[0] * 7919 + j * 104729) % 500 for j in range(w)]
-                    s = Sample(index=seq[0], group_id=seq[0], prompt_ids=ids)
-                    coros.append(client.generate(s, sampling, max_new_tokens=n, version=0,
-                                                 worker=url))
+                    prompts.append([3 + (seq[0] * 7919 + j * 104729) % 500 for j in range(w)])
+                    workers.append(url)
             c0 = _cpu(core)
-            await asyncio.gather(*coros)
+            await _batch(client, prompts, n, workers)
             return _cpu(core) - c0
 
         async def main() -> None:
@@ -191,24 +201,12 @@ def _nonneg_lstsq(a: np.ndarray, y: np.ndarray, w: np.ndarray) -> list[float]:
 
 
 # -- 3. serving stack -------------------------------------------------------------------------------
-async def _batch(client: Any, prompts: list[list[int]], n: int) -> float:
-    from buffers.sample import Sample
-    from rollout.config import SamplingConfig
-
-    sampling = SamplingConfig(max_new_tokens=n, ignore_eos=True, temperature=1.0)
-    samples = [Sample(index=i, group_id=i, prompt_ids=p) for i, p in enumerate(prompts)]
-    t0 = time.perf_counter()
-    await asyncio.gather(*(client.generate(s, sampling, max_new_tokens=n, version=0)
-                           for s in samples))
-    return time.perf_counter() - t0
-
-
 def measure_serving(model_path: str, stream_interval: int = 8) -> dict[str, Any]:
     import urllib.request
 
     import psutil
 
-    from rollout.client import EngineClient
+    from rollout.client import ABORT_POLL_FIRST_S, EngineClient
     from rollout.engines.config import EngineConfig, RouterConfig
     from rollout.engines.fleet import EngineFleet
 
@@ -273,7 +271,8 @@ def measure_serving(model_path: str, stream_interval: int = 8) -> dict[str, Any]
                     aborts.append(time.perf_counter() - t0)
                     await task
                 out["abort_all_s"] = aborts
-                out["abort_poll_s"] = [0.01, EngineClient(url).abort_poll_interval_s]
+                out["abort_poll_s"] = [ABORT_POLL_FIRST_S, EngineClient(url).abort_poll_interval_s]
+                out["stream_interval"] = stream_interval
 
         asyncio.run(main())
     return out
@@ -309,7 +308,7 @@ def update_profile(path: Path, decode: dict[str, Any] | None, prefill: dict[str,
             **data.get("serving", {}),
             "cpu_cores": os.cpu_count(),
             "chunk_cpu_s": serving["chunk_cpu_s"],
-            "stream_interval": 8,
+            "stream_interval": serving["stream_interval"],
             "request_latency_s": serving["request_latency_s"],
             "control_rtt_s": serving["control_rtt_s"],
             "abort_poll_s": serving["abort_poll_s"],
