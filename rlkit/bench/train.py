@@ -254,7 +254,7 @@ def time_weight_sync(path: str, rounds: int, receivers: str, workdir: Path) -> l
 
 def bench_train(
     *, models: list[str], tps: list[int], steps: int, cpus: int, compare_padding: bool,
-    packing_rounds: int = 3,
+    packing_rounds: int,
     sync_model: str, sync_rounds: int, sync_receivers: list[str],
 ) -> dict:
     import ray
