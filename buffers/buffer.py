@@ -8,10 +8,15 @@ Queues (see DESIGN.md):
     ready    complete, rewarded groups, in completion order, for the trainer
 
 Life of a group: `acquire`/`acquire_long` hand it to the producer (IN_FLIGHT); the producer
-then `complete`s it (-> ready), `requeue`s it (-> partial), `defer`s it (-> long) or `drop`s it
-with a reason. Consumers `take` (blocking) or `stream` (async) ready groups; a taken group is
+then `complete`s it (-> ready), `requeue`s it (-> partial), `defer`s it (-> long, keeping its
+tokens or restarting from the prompt) or `drop`s it with a reason. Consumers `take` (blocking) or `stream` (async) ready groups; a taken group is
 trained. Every group created is, at any moment, in exactly one place: in flight, queued
 (partial, long or ready), trained, or dropped with a reason; `stats()` shows the balance.
+
+A prompt is never out twice at once: when the source wraps to a new epoch while the row's
+previous copy is still in flight, partial or long (a deferred prompt waits for its long round),
+the new copy is held back and handed out once the old one is ready, trained or dropped. Held
+prompts are part of the saved state; they are not groups yet, so the balance does not count them.
 
 The staleness rule lives here and nowhere else: when a group whose oldest token lags the
 consumer's version by more than `max_staleness` is about to be handed out (to the producer for
@@ -30,7 +35,7 @@ import time
 from collections import Counter, deque
 from typing import Any, AsyncIterator, Iterator, NamedTuple
 
-from buffers.group import Group, Lane
+from buffers.group import Group, Lane, PromptRecord
 from buffers.sample import Sample, SampleStatus
 from buffers.source import PromptSource
 from buffers.staleness import StalenessPolicy, staleness
@@ -56,6 +61,9 @@ class Place(str, enum.Enum):
     PARTIAL = "partial"
     LONG = "long"
     READY = "ready"
+
+
+_LIVE = frozenset({Place.IN_FLIGHT, Place.PARTIAL, Place.LONG})
 
 
 class Completion(NamedTuple):
@@ -129,6 +137,8 @@ class RolloutBuffer:
         self._partial = _OldestFirst()
         self._long = _OldestFirst()
         self._ready: deque[Group] = deque()
+        self._live_rows: Counter[int] = Counter()  # source rows in flight, partial or long
+        self._held: deque[PromptRecord] = deque()  # fresh draws whose row was live (see above)
         self._counts: Counter[str] = Counter()
         self._dropped: Counter[str] = Counter()
 
@@ -154,10 +164,12 @@ class RolloutBuffer:
         """
         with self._lock:
             out = self._pop_fit(self._partial, k)
-            while len(out) < k and self.source is not None:
-                out.append(self._new_group())
             for g in out:
                 self._hand_out(g)
+            while len(out) < k and self.source is not None:
+                g = self._new_group()
+                self._hand_out(g)  # before the next draw, which must see this row as live
+                out.append(g)
         return out
 
     def acquire_long(self, k: int) -> list[Group]:
@@ -167,6 +179,19 @@ class RolloutBuffer:
             for g in out:
                 self._hand_out(g)
         return out
+
+    def restart(self, group: Group) -> int:
+        """Forget an in-flight group's responses and generate them again from the prompt (at the
+        buffer's version): a policy that must stay on-policy was handed tokens of an older
+        version. Returns the tokens discarded."""
+        with self._lock:
+            if self._place.get(group.group_id) is not Place.IN_FLIGHT:
+                raise BufferError(f"restart: group {group.group_id} is not in flight")
+            tokens = group.tokens
+            self._discard(group.samples)
+            group.regenerate(self._version)
+            self._counts["restarted"] += 1
+            return tokens
 
     def extend(self, group: Group, k: int) -> list[Sample]:
         """Add k speculative samples to an in-flight group (it still keeps target_n: the first
@@ -205,31 +230,42 @@ class RolloutBuffer:
                 self._wake_consumers()
         return Completion(surplus, queued)
 
-    def requeue(self, group: Group) -> None:
+    def requeue(self, group: Group) -> int:
         """An in-flight group stopped early (abort): keep its tokens, resume it first later.
 
         A group that happened to finish during the abort goes to the ready queue instead, so
         completed work is never thrown away. Speculative extras are trimmed (see Group.trim).
+        Returns the tokens discarded (the trimmed extras').
         """
         if group.trainable:
-            self.complete(group)
-            return
+            return sum(len(s.response_ids) for s in self.complete(group).surplus)
         group.interrupt()
         with self._lock:
             self._leave_flight(group, "requeue")
-            self._discard(group.trim())
+            tokens = self._discard(group.trim())
             self._to_partial(group)
             self._counts["requeued"] += 1
+        return tokens
 
-    def defer(self, group: Group) -> None:
-        """Move an in-flight group to the long queue (tail batching, ranker)."""
+    def defer(self, group: Group, *, restart: bool = False) -> int:
+        """Move an in-flight group to the long queue (tail batching, ranker), keeping its tokens
+        to resume them, or (`restart`) forgetting them so its long round starts from the prompt
+        on the policy of that round. Speculative extras are trimmed. Returns the tokens
+        discarded. A deferred group that happened to finish meanwhile is completed instead."""
+        if group.trainable:
+            return sum(len(s.response_ids) for s in self.complete(group).surplus)
         group.interrupt()
         with self._lock:
             self._leave_flight(group, "defer")
-            self._discard(group.trim())
+            tokens = self._discard(group.trim())
+            if restart:
+                tokens += self._discard(group.samples)
+                group.regenerate(self._version)
             group.lane = Lane.LONG
+            group.deferrals += 1
             self._to_long(group)
             self._counts["deferred"] += 1
+        return tokens
 
     def drop(self, group: Group, reason: str) -> None:
         """End a group's life without training on it; counted under `reason`."""
@@ -318,6 +354,8 @@ class RolloutBuffer:
                 "completed": c["completed"],
                 "requeued": c["requeued"],
                 "deferred": c["deferred"],
+                "restarted": c["restarted"],
+                "held": len(self._held),
                 "stale_regenerated": c["stale_regenerated"],
                 "stale_corrected": c["stale_corrected"],
                 "discarded_tokens": c["discarded_tokens"],
@@ -338,6 +376,17 @@ class RolloutBuffer:
             if place is Place.READY:
                 return list(self._ready)
             return list(self._in_flight.values())
+
+    def count(self, place: Place) -> int:
+        """How many groups one queue holds (cheap: policies ask it every step)."""
+        with self._lock:
+            if place is Place.PARTIAL:
+                return len(self._partial)
+            if place is Place.LONG:
+                return len(self._long)
+            if place is Place.READY:
+                return len(self._ready)
+            return len(self._in_flight)
 
     def place_of(self, group: Group) -> Place | None:
         """Where a group is (None once trained or dropped)."""
@@ -370,6 +419,7 @@ class RolloutBuffer:
                 "next_sample_index": self._next_sample_index,
                 "partial": [g.to_state() for g in (*self._partial, *flight_parked)],
                 "long": [g.to_state() for g in self._long],
+                "held": [p.to_state() for p in self._held],
                 "ready": [g.to_state() for g in (*self._ready, *flight_done)],
                 "counts": dict(self._counts),
                 "dropped": dict(self._dropped),
@@ -395,6 +445,7 @@ class RolloutBuffer:
             partial = [Group.from_state(g) for g in state["partial"]]
             long = [Group.from_state(g) for g in state["long"]]
             ready = [Group.from_state(g) for g in state["ready"]]
+            held = [PromptRecord.from_state(p) for p in state.get("held", [])]
             for g in ready:
                 g.settle()  # groups saved in flight may still carry speculative extras
             for g in (*partial, *long):
@@ -424,10 +475,20 @@ class RolloutBuffer:
                 self._to_long(g)
             for g in ready:
                 self._to_ready(g)  # groups saved in flight never met the staleness rule
+            self._held = deque(held)
 
     # -- internals (lock held) ----------------------------------------------------------
     def _new_group(self) -> Group:
-        prompt = self.source.next_prompt()  # type: ignore[union-attr]
+        """A group for the next prompt: a held-back one whose row is free again, else the
+        source's next, holding back draws whose row is live (the module docstring)."""
+        prompt = self._free_held()
+        if prompt is None:
+            prompt = self.source.next_prompt()  # type: ignore[union-attr]
+            # At most one held copy per live row: past that the data set has fewer rows than
+            # there are live groups, and a duplicate beats a stall (or an ever-growing hold).
+            while prompt.source_index in self._live_rows and len(self._held) < len(self._live_rows):
+                self._held.append(prompt)
+                prompt = self.source.next_prompt()  # type: ignore[union-attr]
         group = Group.new(
             self._next_group_id, prompt, self.n_samples_per_prompt,
             self._next_sample_index, self._version,
@@ -437,10 +498,32 @@ class RolloutBuffer:
         self._counts["created"] += 1
         return group
 
+    def _free_held(self) -> PromptRecord | None:
+        for i, prompt in enumerate(self._held):
+            if prompt.source_index not in self._live_rows:
+                del self._held[i]
+                return prompt
+        return None
+
+    def _move(self, group: Group, place: Place | None) -> None:
+        """The one place where a group's place changes (None: trained or dropped), keeping the
+        count of live rows (in flight, partial or long) that fresh draws are checked against."""
+        gid, row = group.group_id, group.prompt.source_index
+        old = self._place.pop(gid, None) if place is None else self._place.get(gid)
+        if place is not None:
+            self._place[gid] = place
+        was, now = old in _LIVE, place in _LIVE
+        if now and not was:
+            self._live_rows[row] += 1
+        elif was and not now:
+            self._live_rows[row] -= 1
+            if not self._live_rows[row]:
+                del self._live_rows[row]
+
     def _hand_out(self, group: Group) -> None:
         group.attempts += 1
         self._in_flight[group.group_id] = group
-        self._place[group.group_id] = Place.IN_FLIGHT
+        self._move(group, Place.IN_FLIGHT)
 
     def _leave_flight(self, group: Group, what: str) -> None:
         if self._in_flight.pop(group.group_id, None) is None:
@@ -450,12 +533,12 @@ class RolloutBuffer:
 
     def _end(self, group: Group, reason: str) -> None:
         """Drop the group under `reason`; its tokens count as discarded."""
-        self._place.pop(group.group_id, None)
+        self._move(group, None)
         self._dropped[reason] += 1
         self._counts["discarded_tokens"] += group.tokens
 
     def _hand_to_trainer(self, group: Group) -> Group:
-        del self._place[group.group_id]
+        self._move(group, None)
         self._counts["trained"] += 1
         return group
 
@@ -492,16 +575,18 @@ class RolloutBuffer:
                 out.append(group)
         return out
 
-    def _discard(self, samples: list[Sample]) -> None:
-        self._counts["discarded_tokens"] += sum(len(s.response_ids) for s in samples)
+    def _discard(self, samples: list[Sample]) -> int:
+        tokens = sum(len(s.response_ids) for s in samples)
+        self._counts["discarded_tokens"] += tokens
+        return tokens
 
     def _to_partial(self, group: Group) -> None:
         self._partial.push(group)
-        self._place[group.group_id] = Place.PARTIAL
+        self._move(group, Place.PARTIAL)
 
     def _to_long(self, group: Group) -> None:
         self._long.push(group)
-        self._place[group.group_id] = Place.LONG
+        self._move(group, Place.LONG)
 
     def _to_ready(self, group: Group) -> bool:
         """Queue a complete group as ready, through the staleness rule (a stale one goes back
@@ -511,7 +596,7 @@ class RolloutBuffer:
             self._to_partial(group)
         elif verdict != "dropped":
             self._ready.append(group)
-            self._place[group.group_id] = Place.READY
+            self._move(group, Place.READY)
             return True
         return False
 

@@ -61,6 +61,7 @@ class Group:
     predicted_length: float | None = None
     birth_version: int = 0  # policy version when the group was first handed out
     attempts: int = 0  # times handed to the manager (1 + resumptions)
+    deferrals: int = 0  # times parked in the long queue (tail batching bounds this)
     stale_corrected: bool = False  # kept past max_staleness under the `correct` policy
 
     @classmethod
@@ -162,6 +163,7 @@ class Group:
             "predicted_length": self.predicted_length,
             "birth_version": self.birth_version,
             "attempts": self.attempts,
+            "deferrals": self.deferrals,
             "stale_corrected": self.stale_corrected,
         }
 
@@ -177,5 +179,6 @@ class Group:
             predicted_length=state["predicted_length"],
             birth_version=int(state["birth_version"]),
             attempts=int(state["attempts"]),
+            deferrals=int(state.get("deferrals", 0)),  # absent in states saved before it existed
             stale_corrected=bool(state["stale_corrected"]),
         )

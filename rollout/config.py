@@ -8,9 +8,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from buffers.staleness import StalenessPolicy
 from rollout.engines.config import EngineConfig, RouterConfig
+from rollout.policies.registry import POLICIES, POLICY_NAMES
 
-# Scheduling policies that exist (rollout/policies); the schema names the planned ones too.
-AVAILABLE_POLICIES = ("sync", "partial")
+PolicyName = Literal[POLICY_NAMES]  # type: ignore[valid-type]  # the registry's, one source
 
 
 class SamplingConfig(BaseModel):
@@ -42,24 +42,86 @@ class SamplingConfig(BaseModel):
 
 
 class TailBatchingConfig(BaseModel):
-    """Flexes-style tail batching (policy `tail_batching`)."""
+    """Tail batching (Flexes / RollPacker; policy `tail_batching`): short rounds with speculative
+    over-launch defer the prompts that do not finish to a long queue; long rounds run them
+    together. Read only when rollout.policy=tail_batching."""
 
     model_config = ConfigDict(extra="forbid")
 
     eta_prompts: float = Field(
-        1.25, ge=1.0, le=4.0, description="Short rounds launch eta_prompts x batch_size prompts."
+        1.25,
+        ge=1.0,
+        le=4.0,
+        description="Short rounds launch ceil(eta_prompts x batch_size) prompts and end once "
+        "batch_size of them are done; the rest go to the long queue. So a short round defers "
+        "about (eta_prompts - 1) x batch_size prompts and a long round follows every "
+        "long_round_size / that many short rounds (4 at 1.25). Higher cuts short rounds' tails "
+        "further but makes long rounds more frequent (the paper saw 1.5 lose to 1.25 at 32k).",
     )
     eta_responses: float = Field(
         1.25,
         ge=1.0,
         le=4.0,
-        description="Short rounds launch eta_responses x n_samples_per_prompt responses per prompt "
-        "and keep the first n.",
+        description="Short rounds launch ceil(eta_responses x n_samples_per_prompt) responses per "
+        "prompt; a prompt is done at its first n finished responses and the rest are aborted "
+        "(counted as speculative waste). Long rounds never speculate. Above 1 it biases "
+        "short-round groups toward shorter responses; a replayed trace needs this many response "
+        "slots per prompt.",
     )
     long_round_size: int = Field(
         0,
         ge=0,
-        description="Deferred prompts that trigger a long round; 0 means batch_size.",
+        description="A long round starts when the long queue holds this many prompts; 0 means "
+        "batch_size. A long round trains batch_size prompts like any step: the oldest deferred "
+        "ones, topped up with fresh prompts (no speculation) when fewer are queued, so a value "
+        "below batch_size runs earlier, mixed long rounds.",
+    )
+    deferred: Literal["restart", "resume"] = Field(
+        "restart",
+        description="How a long round runs a deferred prompt: 'restart' generates it again from "
+        "the prompt with the long round's weights (on-policy, as the paper; the short round's "
+        "tokens are discarded and counted in rollout/deferred_tokens_discarded); 'resume' "
+        "continues the tokens the short round made, as APRIL does (nothing discarded, but "
+        "responses span policy versions: train.algorithm.off_policy_correction must then be "
+        "chosen explicitly, and rollout.max_staleness / staleness_policy bound how old they "
+        "may get).",
+    )
+    max_deferrals: int = Field(
+        2,
+        ge=1,
+        le=100,
+        description="A prompt parked in the long queue this many times (a long round that was "
+        "interrupted, a ranker that deferred it up front) is not deferred again: the next round "
+        "that runs it waits for it to finish.",
+    )
+
+
+class FilterConfig(BaseModel):
+    """Dynamic sampling (DAPO): a group filter applied to every complete, rewarded group."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = Field(
+        None,
+        description="Group filter: a built-in name ('zero_variance': drop groups whose rewards "
+        "are all equal, i.e. zero GRPO advantage), an entry point in the 'rlkit.filters' group, "
+        "or a dotted path 'pkg.module:function' taking (group, **kwargs) and returning True "
+        "(keep), False or a reason string (filter out); None trains every complete group. A "
+        "filtered group does not count toward batch_size, so every policy keeps sampling until "
+        "the batch is full; it is dropped with reason 'filtered:<reason>' (never sent to the "
+        "long queue) and counted in rollout/filtered_*.",
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments for the filter (zero_variance: "
+        "tolerance)."
+    )
+    max_filtered_ratio: float = Field(
+        10.0,
+        gt=0,
+        le=1000,
+        description="Once a step has filtered this many times batch_size groups, the filter "
+        "stands down for the rest of the step (counted in rollout/filter_exhausted) rather than "
+        "sample forever when nearly every group is filtered.",
     )
 
 
@@ -111,13 +173,15 @@ class RolloutConfig(BaseModel):
     n_samples_per_prompt: int = Field(
         4, ge=1, le=1024, description="Responses per prompt: the GRPO group size."
     )
-    policy: Literal["sync", "partial", "tail_batching", "ranked_dispatch"] = Field(
+    policy: PolicyName = Field(
         "sync",
         description="Scheduling policy: 'sync' launches exactly batch_size groups and waits for "
         "all; 'partial' (APRIL) over-provisions, aborts once batch_size groups are complete and "
         "resumes the unfinished ones first next step (requires an explicit "
-        "train.algorithm.off_policy_correction); 'tail_batching' (Flexes) defers long prompts "
-        "to long rounds; 'ranked_dispatch' (StreamRL) orders and places work by predicted length.",
+        "train.algorithm.off_policy_correction); 'tail_batching' (Flexes/RollPacker) runs "
+        "speculative short rounds and defers the prompts that do not finish to long rounds "
+        "(knobs under rollout.tail_batching; on-policy unless deferred=resume). Every policy "
+        "works with rollout.filter.",
     )
     over_provision: float = Field(
         2.0,
@@ -128,6 +192,9 @@ class RolloutConfig(BaseModel):
     )
     tail_batching: TailBatchingConfig = Field(
         default_factory=TailBatchingConfig, description="Tail batching knobs."
+    )
+    filter: FilterConfig = Field(
+        default_factory=FilterConfig, description="Dynamic sampling: the group filter."
     )
     ranker: RankerConfig = Field(default_factory=RankerConfig, description="Output-length ranker.")
     max_staleness: int = Field(
@@ -144,11 +211,11 @@ class RolloutConfig(BaseModel):
     )
     reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward function.")
 
-    @model_validator(mode="after")
-    def _check(self) -> "RolloutConfig":
-        if self.policy not in AVAILABLE_POLICIES:
-            raise ValueError(
-                f"rollout.policy={self.policy!r} is planned but not available yet "
-                f"(available: {', '.join(AVAILABLE_POLICIES)})"
-            )
-        return self
+    def off_policy_reason(self) -> str | None:
+        """Why this rollout set-up can train on tokens of older policy versions (the recipe then
+        requires an explicit off-policy correction), or None. The policy registry says it for
+        each policy; staleness_policy=correct says it for every policy."""
+        why = POLICIES[self.policy].off_policy(self)
+        if why is None and self.staleness_policy is StalenessPolicy.CORRECT:
+            why = "rollout.staleness_policy=correct keeps stale groups"
+        return why

@@ -7,11 +7,15 @@ Step does the mechanics every policy shares:
   streaming onto the sample as they arrive;
 - a reward for each sample the moment it finishes, concurrently with generation;
 - settling a group the moment it is complete (the buffer keeps its first n finished samples
-  and the step cancels the speculative rest), or dropping it with a reason when a sample
-  failed (or failing the step, as the recipe chooses);
+  and the step cancels the speculative rest), passing it through the group filter (dynamic
+  sampling: a filtered group is dropped with its reason and does not count), or dropping it
+  with a reason when a sample failed (or failing the step, as the recipe chooses);
+- events: `next_event()` says what happened to which group (completed, dropped, filtered,
+  parked) and which workers it freed, so a policy can react to each;
 - `stop()`: abort every in-flight request on every engine, wait for them to return their
-  partial tokens, and park the unfinished groups (partial queue, or long queue) with their
-  tokens: nothing generated is lost;
+  partial tokens, and park each unfinished group where the policy says (partial queue to
+  resume it, long queue to defer it): nothing generated is lost unless the policy restarts
+  deferred prompts from scratch, and then it is counted;
 - per-step metrics and a per-request timeline.
 
 Only asyncio primitives and `loop.time()` are used, so a step runs unchanged in virtual time.
@@ -21,17 +25,23 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import enum
 import math
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Callable, Literal, Protocol, Union
 
-from buffers.buffer import RolloutBuffer
+from buffers.buffer import Place, RolloutBuffer
 from buffers.group import Group
 from buffers.sample import Sample, SampleStatus
 from rollout.config import SamplingConfig
 from rollout.engine_api import EngineError, Engines
+from rollout.filters import FilterFailure, GroupFilter
 from rollout.rewards import RewardFailure, RewardScheduler
 from rollout.timeline import Span
+
+Park = Literal["partial", "long"]  # where stop() puts an unfinished group
+Parking = Union[Park, Callable[[Group], Park]]
 
 
 class StepStalled(RuntimeError):
@@ -50,11 +60,29 @@ class RolloutPolicy(Protocol):
         ...
 
 
+class EventKind(str, enum.Enum):
+    COMPLETED = "completed"  # ready for the trainer; counts toward the target
+    DROPPED = "dropped"  # a sample failed, or the staleness rule dropped it (see `reason`)
+    FILTERED = "filtered"  # the group filter turned it down (see `reason`)
+    PARKED = "parked"  # every request ended unfinished (or the staleness rule sent it back)
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """What happened to one launched group; the group no longer runs in this step."""
+
+    kind: EventKind
+    group: Group
+    workers: tuple[str, ...]  # the engines its requests ran on (each has a slot free now)
+    reason: str | None = None
+
+
 @dataclass
 class StepReport:
     version: int
     target: int
     policy: str
+    round: str = ""  # the policy's kind of step, when it has several (tail batching: short | long)
     seconds: float = 0.0
     completed: list[int] = field(default_factory=list)  # group ids completed in this step
     groups_launched: int = 0
@@ -65,6 +93,15 @@ class StepReport:
     tokens_from_earlier: int = 0  # of those, generated in earlier steps (resumed partials)
     max_versions_per_sample: int = 0
     tokens_discarded: int = 0  # generated but never to be trained on (buffer's count)
+    max_response_length: int = 0  # longest response in the groups completed this step
+    prompts_deferred: int = 0  # parked in the long queue at the end of the step
+    deferred_tokens_discarded: int = 0  # of those, tokens forgotten to restart from the prompt
+    speculative_aborted: int = 0  # surplus responses cut once their group had its first n
+    speculative_tokens: int = 0  # tokens of those (also counted in tokens_discarded)
+    long_queue: int = 0  # groups in the long queue after the step
+    filtered: dict[str, int] = field(default_factory=dict)  # groups filtered out, by reason
+    filtered_tokens: int = 0
+    filter_exhausted: int = 0  # complete groups kept unfiltered: the step's filter limit was hit
     dropped: dict[str, int] = field(default_factory=dict)
     reward_mean: float = math.nan
     reward_failures: int = 0
@@ -82,7 +119,9 @@ class StepReport:
 
     def metrics(self) -> dict[str, Any]:
         """Flat numbers for the metrics log."""
+        rounds = {"rollout/round": self.round, "rollout/long_round": float(self.round == "long")}
         return {
+            **(rounds if self.round else {}),
             "rollout/seconds": self.seconds,
             "rollout/groups_completed": len(self.completed),
             "rollout/groups_launched": self.groups_launched,
@@ -96,6 +135,16 @@ class StepReport:
             "rollout/reward_mean": self.reward_mean,
             "rollout/reward_failures": self.reward_failures,
             "rollout/engine_failures": self.engine_failures,
+            "rollout/max_response_length": self.max_response_length,
+            "rollout/prompts_deferred": self.prompts_deferred,
+            "rollout/deferred_tokens_discarded": self.deferred_tokens_discarded,
+            "rollout/speculative_aborted": self.speculative_aborted,
+            "rollout/speculative_tokens": self.speculative_tokens,
+            "rollout/long_queue": self.long_queue,
+            "rollout/filtered_groups": sum(self.filtered.values()),
+            "rollout/filtered_tokens": self.filtered_tokens,
+            "rollout/filter_exhausted": self.filter_exhausted,
+            **{f"rollout/filtered/{k}": v for k, v in self.filtered.items()},
             **{f"rollout/dropped/{k}": v for k, v in self.dropped.items()},
         }
 
@@ -109,6 +158,7 @@ class RolloutManager:
         sampling: SamplingConfig,
         rewards: RewardScheduler,
         *,
+        group_filter: GroupFilter | None = None,
         abort_grace_s: float = 30.0,
     ) -> None:
         self.buffer = buffer
@@ -116,12 +166,15 @@ class RolloutManager:
         self.policy = policy
         self.sampling = sampling
         self.rewards = rewards
+        self.group_filter = group_filter
         self.abort_grace_s = abort_grace_s
         self.current: Step | None = None  # the step running now, for progress reports
 
-    async def run_step(self, target: int, version: int) -> StepReport:
-        """Run one rollout step: `target` groups become ready in the buffer (or an error)."""
-        step = self.current = Step(self, target, version)
+    async def run_step(self, target: int, version: int, *, final: bool = False) -> StepReport:
+        """Run one rollout step: `target` groups become ready in the buffer (or an error).
+        `final`: the run's last step (a policy may drain what it queued, e.g. tail batching's
+        long queue)."""
+        step = self.current = Step(self, target, version, final=final)
         try:
             await self.policy.run(step)
             await step.stop()  # a no-op when the policy left nothing in flight
@@ -141,23 +194,31 @@ class _GroupRun:
     worker: str | None
     tasks: dict[int, asyncio.Task] = field(default_factory=dict)  # sample index -> task
     scoring: set[int] = field(default_factory=set)  # sample indices whose reward is running
+    served_by: set[str] = field(default_factory=set)  # workers its requests ran on
     settled: bool = False
 
 
 class Step:
     """What a policy sees of one rollout step."""
 
-    def __init__(self, manager: RolloutManager, target: int, version: int) -> None:
+    def __init__(self, manager: RolloutManager, target: int, version: int, *,
+                 final: bool = False) -> None:
         self.target = target
         self.version = version
+        self.final = final  # the run's last step
         self.buffer = manager.buffer
         self.engines = manager.engines
+        # Where stop() parks unfinished groups unless told otherwise, also when the step is
+        # interrupted (Ctrl-C, an engine outage): a policy that defers sets "long".
+        self.park_to: Park = "partial"
         self._m = manager
         self._loop = asyncio.get_running_loop()
         self._runs: dict[int, _GroupRun] = {}
-        self._event = asyncio.Event()
+        self._events: deque[StepEvent] = deque()
+        self._wakeup = asyncio.Event()
         self._error: BaseException | None = None
         self._stopping = False  # also closes rewards: stop() does not wait for them
+        self._filter_failed = False
         self._t0 = self._loop.time()
         self._discarded0 = self.buffer.stats()["discarded_tokens"]
         self._completed: list[Group] = []
@@ -176,6 +237,18 @@ class Step:
         """Groups launched and not yet completed, dropped or parked."""
         return len(self._runs)
 
+    def is_running(self, group: Group) -> bool:
+        return group.group_id in self._runs
+
+    @property
+    def round(self) -> str:
+        return self.report_.round
+
+    @round.setter
+    def round(self, kind: str) -> None:
+        """The policy's name for this kind of step (metrics, timelines)."""
+        self.report_.round = kind
+
     def launch(self, group: Group, *, worker: str | None = None, responses: int | None = None) -> None:
         """Start generating every unfinished sample of an in-flight group.
 
@@ -186,7 +259,7 @@ class Step:
             raise RuntimeError("launch after stop()")
         if responses is not None and responses > len(group.samples):
             self.buffer.extend(group, responses - len(group.samples))
-        run = _GroupRun(group, worker)
+        run = _GroupRun(group, worker, served_by={worker} if worker else set())
         self._runs[group.group_id] = run
         for s in group.samples:  # what each response had before this step (resumed partials)
             self._tokens_at_launch.setdefault(s.index, len(s.response_ids))
@@ -212,27 +285,31 @@ class Step:
         for g in groups:
             self.launch(g, **kwargs)
 
-    async def next_event(self) -> None:
-        """Wait until a launched group completes, is dropped or is parked."""
-        if self._error is not None:
-            raise self._error
-        if not self._event.is_set():  # events since the last call count (e.g. inside launch)
+    async def next_event(self) -> StepEvent:
+        """The next thing that happened to a launched group (in order; events since the last
+        call, e.g. during `launch`, are not lost), waiting for one if none is pending."""
+        while True:
+            if self._error is not None:
+                raise self._error
+            if self._events:
+                return self._events.popleft()
             if not self._runs:
                 raise StepStalled(
                     f"{self.completed} of {self.target} groups complete and nothing is "
                     "running: the buffer has no prompts left to give"
                 )
-            await self._event.wait()
-        self._event.clear()
-        if self._error is not None:
-            raise self._error
+            self._wakeup.clear()
+            await self._wakeup.wait()
 
-    async def stop(self, park: Literal["requeue", "defer"] = "requeue") -> None:
-        """End the step: abort what is in flight and park unfinished groups with their tokens
-        ('requeue': partial queue, resumed first next step; 'defer': long queue)."""
+    async def stop(self, park: Parking | None = None, *, restart_deferred: bool = False) -> None:
+        """End the step: abort what is in flight and park each unfinished group: `park` is a
+        place ('partial': resumed first next step; 'long': the long queue) or a function
+        choosing one per group; None means `self.park_to`. `restart_deferred`: groups parked
+        in the long queue forget their tokens and start again from the prompt (counted)."""
         if self._stopping:
             return
         self._stopping = True
+        choose = park if callable(park) else (lambda g, p=park or self.park_to: p)
         abort_error: BaseException | None = None
         tasks = [t for run in self._runs.values() for t in run.tasks.values() if not t.done()]
         if tasks:
@@ -259,7 +336,7 @@ class Step:
             run.settled = True
             del self._runs[run.group.group_id]
             self.report_.groups_carried_over += 1
-            (self.buffer.requeue if park == "requeue" else self.buffer.defer)(run.group)
+            self._park(run.group, choose(run.group), restart_deferred)
         self.report_.seconds = self._loop.time() - self._t0
         if abort_error is not None:
             raise abort_error
@@ -300,6 +377,8 @@ class Step:
                 s, self._m.sampling, max_new_tokens=remaining, version=self.version,
                 worker=run.worker,
             ) or run.worker
+            if worker:
+                run.served_by.add(worker)
             outcome = s.finish_reason if s.status.terminal else "abort"
         except asyncio.CancelledError:
             outcome = "cancelled"
@@ -321,21 +400,50 @@ class Step:
         `finishing` is the sample task calling from its `finally` (not done() yet)."""
         if not run.settled:
             self._settle(run, finishing)
-        if run.settled or self._error is not None:
-            self._event.set()
+        if self._error is not None:
+            self._wakeup.set()
+
+    def _emit(self, kind: EventKind, run: _GroupRun, reason: str | None = None) -> None:
+        if not self._stopping:  # after stop() no policy is listening
+            self._events.append(StepEvent(kind, run.group, tuple(sorted(run.served_by)), reason))
+            self._wakeup.set()
 
     def _settle(self, run: _GroupRun, finishing: asyncio.Task | None = None) -> None:
         g = run.group
         if run.settled:
             return
         if g.trainable:
+            try:
+                reason = self._filter_reason(g)
+            except FilterFailure as e:  # a broken plugin fails the step; stop() parks the group
+                self._filter_failed = True
+                if self._error is None:
+                    self._error = e
+                return
             run.settled = True
             del self._runs[g.group_id]
+            if reason is not None:
+                for task in run.tasks.values():
+                    if task is not finishing:
+                        self._cancel(task)
+                tokens = g.tokens
+                self.buffer.drop(g, f"filtered:{reason}")
+                self.report_.filtered[reason] = self.report_.filtered.get(reason, 0) + 1
+                self.report_.filtered_tokens += tokens
+                self._emit(EventKind.FILTERED, run, reason)
+                return
             done = self.buffer.complete(g)
-            for s in done.surplus:  # speculative responses still running
+            for s in done.surplus:  # speculative responses, most still running
                 self._cancel(run.tasks.get(s.index))
+            self.report_.speculative_aborted += len(done.surplus)
+            self.report_.speculative_tokens += sum(len(s.response_ids) for s in done.surplus)
             if done.queued:  # not dropped or sent back by the staleness rule
                 self._completed.append(g)
+                self._emit(EventKind.COMPLETED, run)
+            elif self.buffer.place_of(g) is None:
+                self._emit(EventKind.DROPPED, run, "stale")
+            else:
+                self._emit(EventKind.PARKED, run, "stale")
             return
         failed = g.failed
         if failed:
@@ -353,6 +461,7 @@ class Step:
             reason = "reward_failed" if reward_failed else "engine_failed"
             self.buffer.drop(g, reason)
             self.report_.dropped[reason] = self.report_.dropped.get(reason, 0) + 1
+            self._emit(EventKind.DROPPED, run, reason)
             if self.report_.engine_failures > max(8, 2 * self.target) and self._error is None:
                 self._error = EnginesFailing(
                     f"{self.report_.engine_failures} requests failed in this step; last: "
@@ -367,7 +476,28 @@ class Step:
             run.settled = True
             del self._runs[g.group_id]
             self.report_.groups_carried_over += 1
+            self._park(g, self.park_to, restart=False)
+            self._emit(EventKind.PARKED, run, "interrupted")
+
+    def _filter_reason(self, g: Group) -> str | None:
+        f = self._m.group_filter
+        if f is None or self._filter_failed:  # after a failure, stop() completes groups as they are
+            return None
+        if sum(self.report_.filtered.values()) >= f.limit(self.target):
+            self.report_.filter_exhausted += 1
+            return None
+        return f.reason(g)
+
+    def _park(self, g: Group, place: Park, restart: bool) -> None:
+        if place == "long":
+            discarded = self.buffer.defer(g, restart=restart)
+            self.report_.prompts_deferred += 1
+            if restart:
+                self.report_.deferred_tokens_discarded += discarded
+        elif place == "partial":
             self.buffer.requeue(g)
+        else:
+            raise ValueError(f"park: {place!r} is not a place (partial, long)")
 
     def _cancel(self, task: asyncio.Task | None) -> None:
         if task is not None and not task.done():
@@ -377,10 +507,12 @@ class Step:
     def report(self) -> StepReport:
         r = self.report_
         r.completed = [g.group_id for g in self._completed]
+        r.long_queue = self.buffer.count(Place.LONG)
         rewards: list[float] = []
         for g in self._completed:
             for s in g.samples:
                 r.tokens_in_batch += len(s.response_ids)
+                r.max_response_length = max(r.max_response_length, len(s.response_ids))
                 r.tokens_from_earlier += self._tokens_at_launch.get(s.index, 0)
                 r.max_versions_per_sample = max(r.max_versions_per_sample, _distinct_sorted(s.versions))
                 if s.reward is not None:

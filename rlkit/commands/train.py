@@ -38,13 +38,14 @@ def _reported_errors() -> tuple[type[BaseException], ...]:
     from rlkit.checkpoint import CheckpointError
     from rlkit.data.prompts import DataError
     from rlkit.demo_models import DemoModelError
-    from rlkit.rewards import RewardNotFound
+    from rlkit.plugins import PluginNotFound
+    from rollout.filters import FilterFailure
     from rollout.engines.process import ProcessStartError
     from rollout.engines.sglang_launcher import SGLangNotInstalled
     from rollout.router import RouterError
     from train.hf_arch import UnsupportedModelError
     from train.megatron.checkpoint import CheckpointError as TrainerCheckpointError
 
-    return (BufferStateError, CheckpointError, DataError, DemoModelError, RewardNotFound,
-            ProcessStartError, SGLangNotInstalled, RouterError, UnsupportedModelError,
+    return (BufferStateError, CheckpointError, DataError, DemoModelError, PluginNotFound,
+            FilterFailure, ProcessStartError, SGLangNotInstalled, RouterError, UnsupportedModelError,
             TrainerCheckpointError)

@@ -12,7 +12,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from buffers.staleness import StalenessPolicy
 from rollout.config import RolloutConfig
 from train.config import TrainConfig
 
@@ -144,19 +143,10 @@ class Recipe(BaseModel):
                 f"(available: {', '.join(AVAILABLE_MODES)})"
             )
         rollout, algo = self.rollout, self.train.algorithm
-        off_policy = (
-            rollout.policy == "partial"
-            or self.mode == "async"
-            or rollout.staleness_policy is StalenessPolicy.CORRECT
-        )
-        if off_policy and algo.off_policy_correction == "unset":
-            why = (
-                "rollout.policy=partial resumes responses across policy versions"
-                if rollout.policy == "partial"
-                else "mode=async trains on samples one version old"
-                if self.mode == "async"
-                else "rollout.staleness_policy=correct keeps stale groups"
-            )
+        why = rollout.off_policy_reason()
+        if why is None and self.mode == "async":
+            why = "mode=async trains on samples one version old"
+        if why is not None and algo.off_policy_correction == "unset":
             raise ValueError(
                 f"train.algorithm.off_policy_correction must be chosen explicitly: {why}. "
                 "Set it to 'tis' (truncated importance sampling against rollout logprobs) or "

@@ -13,13 +13,14 @@ dotted path `pkg.module:function` (or `pkg.module.function`).
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
 from typing import Any, Awaitable, Callable, Protocol, Union
 
-ENTRY_POINT_GROUP = "rlkit.rewards"
+from rlkit.plugins import PluginNotFound, resolve_plugin, signature_problem
+
+__all__ = ["RewardFn", "RewardInput", "RewardNotFound", "call_reward", "is_async",
+           "resolve_reward", "signature_problem"]
 
 
 class RewardFn(Protocol):
@@ -45,67 +46,13 @@ class RewardInput:
         return self.finish_reason == "length"
 
 
-class RewardNotFound(LookupError):
-    pass
-
-
-def builtin_rewards() -> dict[str, Callable[..., Any]]:
-    from rlkit.rewards import builtin
-
-    return {"math": builtin.math_reward, "exact_match": builtin.exact_match, "format": builtin.boxed_format}
+# Raised when a reward name resolves to nothing (the one rule for every plugin kind).
+RewardNotFound = PluginNotFound
 
 
 def resolve_reward(name: str) -> Callable[..., Any]:
     """A built-in name, an entry point name in 'rlkit.rewards', or a dotted path."""
-    builtins = builtin_rewards()
-    if name in builtins:
-        return builtins[name]
-    eps = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
-    if name in eps:
-        try:
-            fn = eps[name].load()
-        except Exception as e:
-            raise RewardNotFound(
-                f"reward {name!r}: entry point {eps[name].value!r} failed to load: "
-                f"{type(e).__name__}: {e}"
-            ) from None
-        return _callable(fn, f"entry point {name!r} ({eps[name].value})")
-    if ":" in name or "." in name:
-        module, _, attr = name.partition(":") if ":" in name else name.rpartition(".")
-        try:
-            mod = importlib.import_module(module)
-        except (ImportError, TypeError, ValueError) as e:  # also '.mod' and ':fn' (no module)
-            raise RewardNotFound(f"reward {name!r}: cannot import module {module!r} ({e})") from None
-        if not hasattr(mod, attr):
-            raise RewardNotFound(f"reward {name!r}: module {module!r} has no attribute {attr!r}")
-        return _callable(getattr(mod, attr), name)
-    raise RewardNotFound(
-        f"reward {name!r} not found: not a built-in ({', '.join(builtins)}), no entry point of "
-        f"that name in group {ENTRY_POINT_GROUP!r} (installed: "
-        f"{', '.join(sorted(eps)) or 'none'}), and not a dotted path 'pkg.module:function'"
-    )
-
-
-def _callable(fn: Any, where: str) -> Callable[..., Any]:
-    if not callable(fn):
-        raise RewardNotFound(f"reward {where} is a {type(fn).__name__}, not a function")
-    return fn
-
-
-def signature_problem(fn: Callable[..., Any]) -> str | None:
-    """Why `fn` cannot be called as fn(sample, **kwargs), or None."""
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return None  # builtins and C functions: trust them
-    params = list(sig.parameters.values())
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if not positional and not any(p.kind is p.VAR_POSITIONAL for p in params):
-        return "it takes no positional argument for the sample"
-    required = [p for p in positional[1:] if p.default is p.empty]
-    if required:
-        return f"it requires more than one positional argument ({', '.join(p.name for p in required)})"
-    return None
+    return resolve_plugin("reward", name)
 
 
 def call_reward(fn: Callable[..., Any]) -> Callable[[RewardInput, dict[str, Any]], Awaitable[Any]]:

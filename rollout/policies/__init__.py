@@ -1,26 +1,31 @@
 """Scheduling policies: what to launch, where, and when a rollout step is over.
 
 Each policy is a short loop over a `Step` (rollout.manager): `launch` groups taken from the
-buffer, `next_event` to wait, `stop` to abort and park what is unfinished. Policies are pure
-scheduling logic: no HTTP, Ray or torch; the same code runs on real and simulated engines.
+buffer, `next_event` to see what happened, `stop` to abort and park what is unfinished (each
+group where the policy says). Policies are pure scheduling logic: no HTTP, Ray or torch; the
+same code runs on real and simulated engines. `registry.POLICIES` is the one list of them.
 """
 
 from __future__ import annotations
 
-from rollout.config import AVAILABLE_POLICIES, RolloutConfig
-from rollout.manager import RolloutPolicy
+from typing import TYPE_CHECKING
+
 from rollout.policies.partial import PartialPolicy
+from rollout.policies.registry import POLICIES, POLICY_NAMES, PolicySpecError, policy_config
 from rollout.policies.sync import SyncPolicy
+from rollout.policies.tail_batching import TailBatchingPolicy
 
-def make_policy(cfg: RolloutConfig) -> RolloutPolicy:
-    if cfg.policy == "sync":
-        return SyncPolicy()
-    if cfg.policy == "partial":
-        return PartialPolicy(over_provision=cfg.over_provision)
-    raise ValueError(
-        f"rollout.policy={cfg.policy!r} is not available yet "
-        f"(available: {', '.join(AVAILABLE_POLICIES)})"
-    )
+if TYPE_CHECKING:
+    from rollout.config import RolloutConfig
+    from rollout.manager import RolloutPolicy
 
 
-__all__ = ["PartialPolicy", "SyncPolicy", "make_policy"]
+def make_policy(cfg: "RolloutConfig") -> "RolloutPolicy":
+    """The policy a rollout config names (`rollout.policy` and its knobs)."""
+    return POLICIES[cfg.policy].build(cfg)
+
+
+__all__ = [
+    "POLICIES", "POLICY_NAMES", "PartialPolicy", "PolicySpecError", "SyncPolicy",
+    "TailBatchingPolicy", "make_policy", "policy_config",
+]

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from rollout.manager import Step
+if TYPE_CHECKING:
+    from rollout.manager import Step
 
 
 @dataclass
@@ -28,4 +30,4 @@ class PartialPolicy:
         while step.completed < step.target:
             step.launch_all(step.buffer.acquire(in_flight - step.completed - step.running))
             await step.next_event()
-        await step.stop(park="requeue")
+        await step.stop(park="partial")

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from rollout.manager import Step
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rollout.manager import Step
 
 
 class SyncPolicy:
@@ -10,6 +13,6 @@ class SyncPolicy:
 
     async def run(self, step: Step) -> None:
         while step.completed < step.target:
-            # Only a dropped group (failed sample) makes room for another.
+            # Only a dropped or filtered group makes room for another.
             step.launch_all(step.buffer.acquire(step.target - step.completed - step.running))
             await step.next_event()

@@ -110,14 +110,19 @@ class BufferMachine(RuleBasedStateMachine):
         assert len(g.samples) == self.n  # speculative extras shed
 
     @precondition(lambda self: self.flying)
-    @rule(data=st.data())
-    def defer(self, data):
+    @rule(data=st.data(), restart=st.booleans())
+    def defer(self, data, restart):
         g = self._take_flying(data)
         if g.failed:
             self.buf.drop(g, "failed")
             return
-        self.buf.defer(g)
-        assert self.buf.place_of(g) is Place.LONG
+        unfinished, deferrals = not g.trainable, g.deferrals
+        self.buf.defer(g, restart=restart)
+        if unfinished:  # a group that finished meanwhile is completed instead
+            assert self.buf.place_of(g) is Place.LONG and g.deferrals == deferrals + 1
+            assert len(g.samples) == self.n
+            if restart:
+                assert g.tokens == 0 and g.birth_version == self.buf.version
 
     @precondition(lambda self: self.flying)
     @rule(data=st.data(), reason=st.sampled_from(["filtered", "failed"]))

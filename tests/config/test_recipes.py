@@ -11,6 +11,7 @@ from rlkit.cli import main
 from rlkit.config import Recipe, RecipeError, load_recipe
 from rlkit.config.loader import iter_fields
 from rlkit.config.reference import render_reference
+from rollout.policies import POLICY_NAMES
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -94,6 +95,12 @@ def test_off_policy_modes_require_an_explicit_correction_choice():
         load_recipe(None, ["mode=async", "train.algorithm.off_policy_correction=tis"])
     r = load_recipe(None, ["rollout.policy=partial", "train.algorithm.off_policy_correction=tis"])
     assert r.train.algorithm.off_policy_correction == "tis"
+    # the registry says which policies make off-policy tokens: tail batching only when resuming
+    assert load_recipe(None, ["rollout.policy=tail_batching"]).rollout.tail_batching.deferred == "restart"
+    with pytest.raises(RecipeError, match="tail_batching.deferred=resume continues deferred"):
+        load_recipe(None, ["rollout.policy=tail_batching", "rollout.tail_batching.deferred=resume"])
+    with pytest.raises(RecipeError, match="staleness_policy=correct keeps stale groups"):
+        load_recipe(None, ["rollout.staleness_policy=correct"])
 
 
 def test_global_batch_must_divide_the_rollout_batch():
@@ -133,9 +140,11 @@ def test_config_show_prints_the_resolved_recipe(capsys):
     assert "rollout.bogus: unknown key" in capsys.readouterr().err
 
 
-def test_planned_policies_are_refused_clearly():
-    with pytest.raises(RecipeError, match="rollout.policy='tail_batching' is planned but not available"):
-        load_recipe(None, ["rollout.policy=tail_batching"])
+def test_an_unknown_policy_is_refused_naming_the_registered_ones():
+    with pytest.raises(RecipeError, match="rollout.policy") as e:
+        load_recipe(None, ["rollout.policy=ranked_dispatch"])
+    for name in POLICY_NAMES:
+        assert repr(name) in str(e.value)
 
 
 def test_a_check_across_a_section_names_every_file_that_set_its_keys(tmp_path):

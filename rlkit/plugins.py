@@ -1,0 +1,115 @@
+"""One rule for finding every kind of plugin (rewards, group filters, ...): a built-in name, an
+entry point in the kind's group (so `pip install my-package` is all a user does), or a dotted
+path `pkg.module:attr` (or `pkg.module.attr`). `PLUGIN_KINDS` is the one list of kinds."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from rollout.config import FilterConfig
+    from rollout.filters import GroupFilter
+
+
+class PluginNotFound(LookupError):
+    """A plugin name that resolves to nothing usable; the message says what was tried."""
+
+
+@dataclass(frozen=True)
+class PluginKind:
+    name: str  # as messages name it: "reward"
+    group: str  # entry point group
+    builtins: Callable[[], dict[str, Any]]  # lazily: built-ins may import heavy libraries
+
+
+def _reward_builtins() -> dict[str, Any]:
+    from rlkit.rewards import builtin
+
+    return {"math": builtin.math_reward, "exact_match": builtin.exact_match,
+            "format": builtin.boxed_format}
+
+
+def _filter_builtins() -> dict[str, Any]:
+    from rollout.filters import builtin_filters
+
+    return builtin_filters()
+
+
+PLUGIN_KINDS: dict[str, PluginKind] = {
+    k.name: k
+    for k in (
+        PluginKind("reward", "rlkit.rewards", _reward_builtins),
+        PluginKind("filter", "rlkit.filters", _filter_builtins),
+    )
+}
+
+
+def resolve_plugin(kind: str | PluginKind, name: str) -> Callable[..., Any]:
+    """A built-in name, an entry point name in the kind's group, or a dotted path."""
+    k = PLUGIN_KINDS[kind] if isinstance(kind, str) else kind
+    builtins = k.builtins()
+    if name in builtins:
+        return builtins[name]
+    eps = {ep.name: ep for ep in entry_points(group=k.group)}
+    if name in eps:
+        try:
+            fn = eps[name].load()
+        except Exception as e:
+            raise PluginNotFound(
+                f"{k.name} {name!r}: entry point {eps[name].value!r} failed to load: "
+                f"{type(e).__name__}: {e}"
+            ) from None
+        return _callable(k, fn, f"entry point {name!r} ({eps[name].value})")
+    if ":" in name or "." in name:
+        module, _, attr = name.partition(":") if ":" in name else name.rpartition(".")
+        try:
+            mod = importlib.import_module(module)
+        except (ImportError, TypeError, ValueError) as e:  # also '.mod' and ':fn' (no module)
+            raise PluginNotFound(f"{k.name} {name!r}: cannot import module {module!r} ({e})") from None
+        if not hasattr(mod, attr):
+            raise PluginNotFound(f"{k.name} {name!r}: module {module!r} has no attribute {attr!r}")
+        return _callable(k, getattr(mod, attr), repr(name))
+    raise PluginNotFound(
+        f"{k.name} {name!r} not found: not a built-in ({', '.join(builtins)}), no entry point of "
+        f"that name in group {k.group!r} (installed: {', '.join(sorted(eps)) or 'none'}), and "
+        "not a dotted path 'pkg.module:function'"
+    )
+
+
+def _callable(kind: PluginKind, fn: Any, where: str) -> Callable[..., Any]:
+    if not callable(fn):
+        raise PluginNotFound(f"{kind.name} {where} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def signature_problem(fn: Callable[..., Any]) -> str | None:
+    """Why `fn` cannot be called as fn(x, **kwargs), or None."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None  # builtins and C functions: trust them
+    params = list(sig.parameters.values())
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if not positional and not any(p.kind is p.VAR_POSITIONAL for p in params):
+        return "it takes no positional argument for the sample"
+    required = [p for p in positional[1:] if p.default is p.empty]
+    if required:
+        return f"it requires more than one positional argument ({', '.join(p.name for p in required)})"
+    return None
+
+
+def load_group_filter(cfg: "FilterConfig") -> "GroupFilter | None":
+    """The recipe's group filter (rollout.filter), resolved and checked, or None."""
+    from rollout.filters import GroupFilter
+
+    if cfg.name is None:
+        return None
+    fn = resolve_plugin("filter", cfg.name)
+    problem = signature_problem(fn)
+    if problem:
+        raise PluginNotFound(f"filter {cfg.name!r} cannot be called as fn(group, **kwargs): {problem}")
+    return GroupFilter(fn, cfg.name, dict(cfg.kwargs), cfg.max_filtered_ratio)

@@ -1,0 +1,122 @@
+"""The one list of rollout policies: the recipe schema, `make_policy`, `rlkit bench rollout` and
+`rlkit bench suite` all read it, and the recipe's "off-policy correction required" rule asks
+each entry whether its tokens can be off-policy.
+
+Imports nothing from rollout.manager or rollout.config at import time (rollout.config reads the
+names from here; the policies take the config and the Step only as arguments).
+
+Bench specs name a policy with its knobs: `name[@value][+option...]`, e.g. `partial@1.5`
+(over-provision 1.5), `tail_batching@1.5` (eta 1.5 for prompts and responses),
+`tail_batching+resume`. `policy_config(spec)` turns one into a RolloutConfig.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from rollout.policies.partial import PartialPolicy
+from rollout.policies.sync import SyncPolicy
+from rollout.policies.tail_batching import TailBatchingPolicy
+
+if TYPE_CHECKING:
+    from rollout.config import RolloutConfig
+    from rollout.manager import RolloutPolicy
+
+
+@dataclass(frozen=True)
+class PolicyInfo:
+    name: str
+    summary: str
+    build: Callable[["RolloutConfig"], "RolloutPolicy"]
+    # Why the policy's batches can hold tokens from older policy versions, or None: the recipe
+    # then requires an explicit train.algorithm.off_policy_correction.
+    off_policy: Callable[["RolloutConfig"], str | None] = lambda cfg: None
+    arg: tuple[str, ...] = ()  # recipe keys (under rollout.) a bench spec's "@value" sets
+    options: dict[str, dict[str, Any]] = field(default_factory=dict)  # "+option" -> keys
+
+
+def _tail_off_policy(cfg: "RolloutConfig") -> str | None:
+    if cfg.tail_batching.deferred == "resume":
+        return ("rollout.tail_batching.deferred=resume continues deferred responses across "
+                "policy versions")
+    return None
+
+
+POLICIES: dict[str, PolicyInfo] = {
+    p.name: p
+    for p in (
+        PolicyInfo(
+            "sync", "launch exactly batch_size groups and wait for every one",
+            build=lambda cfg: SyncPolicy(),
+        ),
+        PolicyInfo(
+            "partial", "APRIL: over-provision, abort at batch_size complete, resume the rest first",
+            build=lambda cfg: PartialPolicy(over_provision=cfg.over_provision),
+            off_policy=lambda cfg: "rollout.policy=partial resumes responses across policy versions",
+            arg=("over_provision",),
+        ),
+        PolicyInfo(
+            "tail_batching",
+            "Flexes/RollPacker: speculative short rounds defer unfinished prompts to long rounds",
+            build=lambda cfg: TailBatchingPolicy.from_config(cfg),
+            off_policy=_tail_off_policy,
+            arg=("tail_batching.eta_prompts", "tail_batching.eta_responses"),
+            options={"resume": {"tail_batching.deferred": "resume"}},
+        ),
+    )
+}
+POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
+
+
+class PolicySpecError(ValueError):
+    """A bench policy spec that names no policy, or a knob the policy does not have."""
+
+
+def describe_specs() -> str:
+    """One line per policy, for --help texts."""
+    out = []
+    for p in POLICIES.values():
+        extra = "".join(
+            [f" [@{'/'.join(a.split('.')[-1] for a in p.arg)}]" if p.arg else ""]
+            + [f" [+{o}]" for o in p.options]
+        )
+        out.append(f"{p.name}{extra}: {p.summary}")
+    return "; ".join(out)
+
+
+def policy_config(spec: str, base: "RolloutConfig | None" = None) -> "RolloutConfig":
+    """The rollout config a bench spec names: `base` (default: the schema's defaults) with the
+    policy and the knobs the spec sets."""
+    from rollout.config import RolloutConfig
+
+    head, *options = spec.strip().split("+")
+    name, at, value = head.partition("@")
+    info = POLICIES.get(name)
+    if info is None:
+        raise PolicySpecError(f"policy spec {spec!r}: unknown policy {name!r} (known: {describe_specs()})")
+    updates: dict[str, Any] = {"policy": name}
+    if at:
+        if not info.arg:
+            raise PolicySpecError(f"policy spec {spec!r}: {name} takes no @value")
+        try:
+            number = float(value)
+        except ValueError:
+            raise PolicySpecError(f"policy spec {spec!r}: @{value!r} is not a number") from None
+        updates.update({key: number for key in info.arg})
+    for opt in options:
+        if opt not in info.options:
+            known = ", ".join(f"+{o}" for o in info.options) or "none"
+            raise PolicySpecError(f"policy spec {spec!r}: {name} has no option +{opt} ({known})")
+        updates.update(info.options[opt])
+    data = (base or RolloutConfig()).model_dump()
+    for key, v in updates.items():
+        *path, last = key.split(".")
+        node = data
+        for part in path:
+            node = node[part]
+        node[last] = v
+    try:
+        return RolloutConfig.model_validate(data)
+    except ValueError as e:
+        raise PolicySpecError(f"policy spec {spec!r}: {e}") from None
