@@ -15,7 +15,8 @@ trained. Every group created is, at any moment, in exactly one place: in flight,
 
 A prompt is never out twice at once: when the source wraps to a new epoch while the row's
 previous copy is still in flight, partial or long (a deferred prompt waits for its long round),
-the new copy is held back and handed out once the old one is ready, trained or dropped. Held
+the new copy is held back and handed out once the old one is ready, trained or dropped. With
+fewer rows than live groups, `acquire` returns fewer groups rather than a duplicate. Held
 prompts are part of the saved state; they are not groups yet, so the balance does not count them.
 
 The staleness rule lives here and nowhere else: when a group whose oldest token lags the
@@ -158,9 +159,11 @@ class RolloutBuffer:
 
     # -- producer side ------------------------------------------------------------------
     def acquire(self, k: int) -> list[Group]:
-        """Up to k groups to generate: partial groups first (oldest first), then fresh prompts.
+        """Up to k groups to generate: partial groups first (oldest first), then fresh prompts
+        (held-back ones first).
 
-        Returns fewer than k only when there is no source and the partial queue runs dry.
+        Returns fewer than k when the partial queue runs dry and there is no source, or when
+        every row the source offers is out already (fewer rows than live groups).
         """
         with self._lock:
             out = self._pop_fit(self._partial, k)
@@ -168,6 +171,8 @@ class RolloutBuffer:
                 self._hand_out(g)
             while len(out) < k and self.source is not None:
                 g = self._new_group()
+                if g is None:
+                    break
                 self._hand_out(g)  # before the next draw, which must see this row as live
                 out.append(g)
         return out
@@ -195,15 +200,16 @@ class RolloutBuffer:
 
     def extend(self, group: Group, k: int) -> list[Sample]:
         """Add k speculative samples to an in-flight group (it still keeps target_n: the first
-        to finish, see Group.settle)."""
+        to finish, see Group.settle). They take the lowest slots the group does not hold, so a
+        group extended again after a park reuses the slots its discarded extras had."""
         with self._lock:
             if self._place.get(group.group_id) is not Place.IN_FLIGHT:
                 raise BufferError(f"extend: group {group.group_id} is not in flight")
-            first_slot = max(s.slot for s in group.samples) + 1
+            held = {s.slot for s in group.samples}
+            slots = [i for i in range(len(held) + k) if i not in held][:k]
             new = [
-                Sample(self._next_sample_index + i, group.group_id, group.prompt.ids,
-                       slot=first_slot + i)
-                for i in range(k)
+                Sample(self._next_sample_index + i, group.group_id, group.prompt.ids, slot=slot)
+                for i, slot in enumerate(slots)
             ]
             self._next_sample_index += k
             group.samples.extend(new)
@@ -478,17 +484,19 @@ class RolloutBuffer:
             self._held = deque(held)
 
     # -- internals (lock held) ----------------------------------------------------------
-    def _new_group(self) -> Group:
+    def _new_group(self) -> Group | None:
         """A group for the next prompt: a held-back one whose row is free again, else the
-        source's next, holding back draws whose row is live (the module docstring)."""
+        source's next, holding back draws whose row is live (the module docstring). None when
+        every row of the data set is out: then no draw can be handed out (each epoch has a free
+        row otherwise, so the loop ends)."""
         prompt = self._free_held()
-        if prompt is None:
+        while prompt is None:
+            if len(self._live_rows) >= len(self.source):  # type: ignore[arg-type]
+                return None
             prompt = self.source.next_prompt()  # type: ignore[union-attr]
-            # At most one held copy per live row: past that the data set has fewer rows than
-            # there are live groups, and a duplicate beats a stall (or an ever-growing hold).
-            while prompt.source_index in self._live_rows and len(self._held) < len(self._live_rows):
+            if prompt.source_index in self._live_rows:
                 self._held.append(prompt)
-                prompt = self.source.next_prompt()  # type: ignore[union-attr]
+                prompt = None
         group = Group.new(
             self._next_group_id, prompt, self.n_samples_per_prompt,
             self._next_sample_index, self._version,

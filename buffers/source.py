@@ -18,6 +18,10 @@ class PromptSource(Protocol):
         """The next prompt; cycles through epochs, reshuffling each one."""
         ...
 
+    def __len__(self) -> int:
+        """Rows in one epoch (distinct `source_index` values)."""
+        ...
+
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
@@ -85,6 +89,9 @@ class ListPromptSource:
         self._records = list(records)
         self._order = EpochOrder(len(self._records), seed, shuffle)
         self._name = name
+
+    def __len__(self) -> int:
+        return len(self._records)
 
     def next_prompt(self) -> PromptRecord:
         row, epoch = self._order.next()

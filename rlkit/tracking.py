@@ -43,7 +43,11 @@ class Tracker:
         if self._console is not None:
             self._console.print(_summary_line(step, metrics))
 
-    def log_timeline(self, step: int, spans: Iterable[dict[str, Any]]) -> None:
+    def log_timeline(self, step: int, spans: Iterable[dict[str, Any]],
+                     header: dict[str, Any] | None = None) -> None:
+        """One step's request spans, after its step line (policy, round, window, workers)."""
+        if header:
+            self._timeline.write(json.dumps({"kind": "step", "step": step, **header}) + "\n")
         for span in spans:
             self._timeline.write(json.dumps({"step": step, **span}) + "\n")
         self._timeline.flush()

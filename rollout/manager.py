@@ -83,6 +83,7 @@ class StepReport:
     target: int
     policy: str
     round: str = ""  # the policy's kind of step, when it has several (tail batching: short | long)
+    started: float = 0.0  # loop time at the start (the clock of the timeline's spans)
     seconds: float = 0.0
     completed: list[int] = field(default_factory=list)  # group ids completed in this step
     groups_launched: int = 0
@@ -224,7 +225,7 @@ class Step:
         self._completed: list[Group] = []
         self._cancelled: list[asyncio.Task] = []  # awaited by stop(): their spans count too
         self._tokens_at_launch: dict[int, int] = {}  # sample index -> response length at launch
-        self.report_ = StepReport(version, target, manager.policy.name)
+        self.report_ = StepReport(version, target, manager.policy.name, started=self._t0)
 
     # -- what policies use ------------------------------------------------------------
     @property

@@ -14,10 +14,12 @@ Span line (one stay of one request on one worker):
                                     simulator knows; HTTP engines do not report it)
      "response_before": int}        optional: response length it resumed from (0: fresh)
 
-Step line (optional; the simulator writes one per step, before its spans):
+Step line (optional; the simulator and the real driver write one per step, before its spans):
 
     {"kind": "step", "step": int, "policy": str, "start": float, "end": float,
-     "workers": [str, ...], "source": "sim" | "real"}
+     "workers": [str, ...], "source": "sim" | "real",
+     "round": str}                  optional: the policy's kind of step (tail batching: short
+                                    | long)
 
 Times are seconds on the run's clock (`loop.time()`; virtual in the simulator). `start` is
 when the request was sent (or queued at the engine), `end` when it returned with `tokens`
@@ -70,10 +72,12 @@ class StepTimeline:
     workers: list[str]
     source: str = "sim"
     spans: list[Span] = field(default_factory=list)
+    round: str = ""
 
     def header(self) -> dict[str, Any]:
         return {"kind": "step", "step": self.step, "policy": self.policy, "start": self.start,
-                "end": self.end, "workers": self.workers, "source": self.source}
+                "end": self.end, "workers": self.workers, "source": self.source,
+                "round": self.round}
 
 
 def append_step(path: str | Path, timeline: StepTimeline) -> None:
@@ -106,6 +110,7 @@ def read_timeline(path: str | Path) -> list[StepTimeline]:
                 tl.policy, tl.start, tl.end = str(d["policy"]), float(d["start"]), float(d["end"])
                 tl.workers = [str(w) for w in d["workers"]]
                 tl.source = str(d.get("source", "real"))
+                tl.round = str(d.get("round") or "")
                 declared.add(step)
                 continue
             step = int(d["step"])

@@ -71,6 +71,9 @@ class DatasetPromptSource:
         self.dataset = dataset
         self._order = EpochOrder(len(dataset), seed, shuffle)
 
+    def __len__(self) -> int:
+        return len(self.dataset)
+
     def next_prompt(self) -> PromptRecord:
         position, epoch = self._order.next()
         return self.dataset.record(position, epoch)

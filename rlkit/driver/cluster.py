@@ -47,6 +47,7 @@ class RolloutActor:
         self.tokenizer: Any = None
         self.source: Any = None
         self.score: Any = None
+        self.group_filter: Any = None
         self.router = None
         self.client = None
         self.service: RolloutService | None = None
@@ -57,6 +58,7 @@ class RolloutActor:
         from transformers import AutoTokenizer
 
         from rlkit.data.prompts import load_prompt_source
+        from rlkit.plugins import load_group_filter
         from rlkit.rewards.scoring import make_score_fn
 
         r = self.recipe
@@ -67,6 +69,7 @@ class RolloutActor:
             return tokenizer.decode(list(ids), skip_special_tokens=True)
 
         self.score = make_score_fn(r.rollout.reward, decode)
+        self.group_filter = load_group_filter(r.rollout.filter)
 
     async def start(self, engine_urls: list[str]) -> None:
         """Start the router in front of the engines and the rollout service over them."""
@@ -78,11 +81,12 @@ class RolloutActor:
         self.router = Router(r.rollout.router, log_path=self.log_dir / "router.log")
         router_url = await asyncio.to_thread(self.router.start, engine_urls)
         self.client = await EngineClient(router_url, worker_urls=engine_urls).connect()
-        self.service = RolloutService(r.rollout, self.source, self.client, self.score)
+        self.service = RolloutService(r.rollout, self.source, self.client, self.score,
+                                      self.group_filter)
 
-    async def run_step(self, version: int) -> StepResult:
+    async def run_step(self, version: int, final: bool = False) -> StepResult:
         assert self.service is not None
-        return await self.service.run_step(version)
+        return await self.service.run_step(version, final=final)
 
     def progress(self) -> dict[str, Any] | None:
         return self.service.progress() if self.service is not None else None
@@ -122,10 +126,10 @@ class RayRolloutBox:
         self.on_progress = on_progress
         self.poll_s = poll_s
 
-    def run_step(self, version: int) -> StepResult:
+    def run_step(self, version: int, final: bool = False) -> StepResult:
         import ray
 
-        ref = self.actor.run_step.remote(version)
+        ref = self.actor.run_step.remote(version, final)
         while True:
             done, _ = ray.wait([ref], timeout=self.poll_s)
             if done:

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 from buffers import Group, PromptSource, RolloutBuffer, load_buffer, save_buffer
 from rollout.config import RolloutConfig
 from rollout.engine_api import Engines
+from rollout.filters import GroupFilter
 from rollout.manager import RolloutManager, StepReport
 from rollout.policies import make_policy
 from rollout.rewards import RewardScheduler, ScoreFn
@@ -28,6 +29,7 @@ class StepResult:
     timeline: list[dict[str, Any]]
     completed: list[int]
     buffer: dict[str, Any] = field(default_factory=dict)
+    header: dict[str, Any] = field(default_factory=dict)  # the timeline's step line
 
 
 class RolloutService:
@@ -37,6 +39,7 @@ class RolloutService:
         source: PromptSource,
         engines: Engines,
         score: ScoreFn,
+        group_filter: GroupFilter | None = None,
     ) -> None:
         self.cfg = cfg
         self.engines = engines
@@ -47,13 +50,16 @@ class RolloutService:
             staleness_policy=cfg.staleness_policy,
         )
         rewards = RewardScheduler(score, timeout_s=cfg.reward.timeout_s, on_error=cfg.reward.on_error)
-        self.manager = RolloutManager(self.buffer, engines, make_policy(cfg), cfg.sampling, rewards)
+        self.manager = RolloutManager(self.buffer, engines, make_policy(cfg), cfg.sampling, rewards,
+                                      group_filter=group_filter)
         self._current: asyncio.Task | None = None
 
-    async def run_step(self, version: int) -> StepResult:
-        """One rollout step at policy `version`; afterwards `batch_size` groups are ready."""
+    async def run_step(self, version: int, *, final: bool = False) -> StepResult:
+        """One rollout step at policy `version`; afterwards `batch_size` groups are ready.
+        `final`: the run's last step (tail batching drains its long queue)."""
         self.buffer.set_version(version)
-        self._current = asyncio.ensure_future(self.manager.run_step(self.cfg.batch_size, version))
+        self._current = asyncio.ensure_future(
+            self.manager.run_step(self.cfg.batch_size, version, final=final))
         try:
             report: StepReport = await self._current
         finally:
@@ -63,6 +69,9 @@ class RolloutService:
             timeline=[s.to_json() for s in report.timeline],
             completed=report.completed,
             buffer=self.stats(),
+            header={"policy": report.policy, "round": report.round, "start": report.started,
+                    "end": report.started + report.seconds, "workers": self.engines.workers(),
+                    "source": "real"},
         )
 
     def progress(self) -> dict[str, Any] | None:

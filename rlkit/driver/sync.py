@@ -21,7 +21,7 @@ from train.protocol import Trainer
 
 
 class RolloutBox(Protocol):
-    def run_step(self, version: int) -> StepResult: ...
+    def run_step(self, version: int, final: bool = False) -> StepResult: ...
 
     def take(self, n: int) -> list[Group]: ...
 
@@ -68,7 +68,7 @@ def run_sync(
     every = recipe.checkpoint.every_steps
     while state.step < recipe.run.num_steps:
         t0 = time.monotonic()
-        result = rollout.run_step(state.version)
+        result = rollout.run_step(state.version, final=state.step + 1 == recipe.run.num_steps)
         groups = rollout.take(batch_size)
         t1 = time.monotonic()
         batch = build_batch_from_config(groups, recipe.train.algorithm, state.version)
@@ -93,7 +93,7 @@ def run_sync(
             **{f"buffer/{k}": v for k, v in result.buffer.items() if isinstance(v, (int, float))},
         }
         tracker.log(state.step, row)
-        tracker.log_timeline(state.step, result.timeline)
+        tracker.log_timeline(state.step, result.timeline, header=result.header)
         last = state.step == recipe.run.num_steps
         if last or (every and state.step % every == 0):
             save_checkpoint(

@@ -23,6 +23,7 @@ from buffers.group import Group
 from buffers.sample import Sample
 from buffers.source import ListPromptSource
 from rollout.config import SamplingConfig
+from rollout.filters import GroupFilter
 from rollout.manager import RolloutManager, RolloutPolicy
 from rollout.rewards import RewardScheduler
 from rollout.sim.clock import run_virtual
@@ -39,6 +40,7 @@ class StepResult:
 
     step: int
     policy: str
+    round: str  # the policy's kind of step ('' for one-kind policies; tail batching: short | long)
     rollout_s: float
     tokens_generated: int  # by this step's requests (the manager's count)
     engine_tokens: int  # decoded by the engines in this step (must equal the above)
@@ -58,6 +60,12 @@ class StepResult:
     resumed_token_share: float
     max_versions_per_sample: int
     tokens_discarded: int
+    speculative_tokens: int  # of those, surplus responses cut once their group had its first n
+    deferred_tokens_discarded: int  # of those, short-round tokens of prompts restarted later
+    prompts_deferred: int
+    long_queue: int  # after the step
+    filtered_groups: int
+    max_response_length: int  # in the groups completed
     preemptions: int
     prefill_s: float  # summed over engines
 
@@ -90,27 +98,32 @@ async def simulate(
     seed: int = 0,
     observer: Callable[[SimWorker, str], None] | None = None,
     on_batch: Callable[[int, list[Group]], None] | None = None,
+    group_filter: GroupFilter | None = None,
+    buffer: RolloutBuffer | None = None,
+    first_step: int = 0,
 ) -> list[StepResult]:
     """The coroutine behind `run_simulation` (run it on a VirtualTimeLoop). `observer` sees
-    every simulated worker at every event; `on_batch(step, groups)` each trained batch."""
+    every simulated worker at every event; `on_batch(step, groups)` each trained batch.
+    `buffer` (with `first_step`, its version) continues a run from a restored buffer; by
+    default a fresh one over the trace's prompts. The last of `steps` is the run's final step."""
     batch = batch_size or trace.batch_size
     cap = max_new_tokens or trace.cap
     loop = asyncio.get_running_loop()
-    source = ListPromptSource(trace.prompt_records(), seed=trace.order_seed, shuffle=True,
-                              name=f"trace:{trace.name}")
-    buffer = RolloutBuffer(source, n_samples_per_prompt=trace.group_size,
-                           max_staleness=max_staleness)
+    if buffer is None:
+        buffer = RolloutBuffer(trace_source(trace), n_samples_per_prompt=trace.group_size,
+                               max_staleness=max_staleness)
     engines = SimEngines(cluster, observer=observer)
     replay = TraceReplayEngines(engines, trace, BufferPrompts(buffer))
     sampling = SamplingConfig(max_new_tokens=cap, temperature=1.0)
     manager = RolloutManager(buffer, replay, policy, sampling,
-                             RewardScheduler(trace_reward(trace, seed)))
+                             RewardScheduler(trace_reward(trace, seed)), group_filter=group_filter)
     results: list[StepResult] = []
     try:
-        for step in range(steps):
+        for step in range(first_step, first_step + steps):
             before = engines.stats()
             t0 = loop.time()
-            report = await manager.run_step(batch, version=step)
+            report = await manager.run_step(batch, version=step,
+                                            final=step == first_step + steps - 1)
             t1 = loop.time()
             after = engines.stats()
             trained = buffer.take_nowait(batch)
@@ -126,7 +139,7 @@ async def simulate(
             if timeline_path is not None:
                 append_step(timeline_path, StepTimeline(
                     step, policy.name, t0, t1, engines.workers(), "sim",
-                    [_span(s, min(cap, trace.cap)) for s in segments],
+                    [_span(s, min(cap, trace.cap)) for s in segments], round=report.round,
                 ))
             if train_s + sync_s > 0:
                 await asyncio.sleep(train_s + sync_s)  # engines idle while the trainer runs
@@ -134,6 +147,12 @@ async def simulate(
     finally:
         await engines.aclose()
     return results
+
+
+def trace_source(trace: Trace) -> ListPromptSource:
+    """The trace's prompts in the trace's order (what `simulate` builds its buffer over)."""
+    return ListPromptSource(trace.prompt_records(), seed=trace.order_seed, shuffle=True,
+                            name=f"trace:{trace.name}")
 
 
 def run_simulation(cluster: SimConfig, trace: Trace, policy: RolloutPolicy, **kwargs: Any
@@ -156,7 +175,7 @@ def _measure(step: int, policy: str, cluster: SimConfig, report: Any,
                                               batch_limit=cluster.batch_limit)
     bound_s = tokens / (engines * peak) if tokens else 0.0
     return StepResult(
-        step=step, policy=policy, rollout_s=rollout_s,
+        step=step, policy=policy, round=report.round, rollout_s=rollout_s,
         tokens_generated=report.tokens_generated, engine_tokens=tokens,
         tokens_in_batch=report.tokens_in_batch,
         throughput=report.tokens_generated / rollout_s if rollout_s > 0 else 0.0,
@@ -169,7 +188,13 @@ def _measure(step: int, policy: str, cluster: SimConfig, report: Any,
         groups_carried_over=report.groups_carried_over,
         resumed_token_share=report.resumed_token_share,
         max_versions_per_sample=report.max_versions_per_sample,
-        tokens_discarded=report.tokens_discarded, preemptions=int(delta("preemptions")),
+        tokens_discarded=report.tokens_discarded,
+        speculative_tokens=report.speculative_tokens,
+        deferred_tokens_discarded=report.deferred_tokens_discarded,
+        prompts_deferred=report.prompts_deferred, long_queue=report.long_queue,
+        filtered_groups=sum(report.filtered.values()),
+        max_response_length=report.max_response_length,
+        preemptions=int(delta("preemptions")),
         prefill_s=delta("prefill_s"),
     )
 

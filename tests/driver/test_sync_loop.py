@@ -47,8 +47,8 @@ class LocalBox:
     def __init__(self, service):
         self.s = service
 
-    def run_step(self, version):
-        return asyncio.run(self.s.run_step(version))
+    def run_step(self, version, final=False):
+        return asyncio.run(self.s.run_step(version, final=final))
 
     def take(self, n):
         return self.s.take(n)

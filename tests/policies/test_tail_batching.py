@@ -1,0 +1,203 @@
+"""Tail batching (Flexes / RollPacker) over the real manager and buffer on simulated engines:
+known scenarios, the final-step drain, the deferral bound, save/load, and properties over
+random length traces."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from buffers import Place
+from buffers.buffer import STATE_FORMAT
+from rollout.policies import TailBatchingPolicy
+from tests.policies.helpers import in_order_buffer, make_trace, rows_of, simulate
+
+LONG = 600
+
+
+def scenario(row: int, epoch: int, slot: int) -> int:
+    """Odd rows are long (every response LONG tokens); even rows are short, except their third
+    response (slot 2), which is the speculative one a short round cuts."""
+    if row % 2:
+        return LONG + slot
+    return 200 if slot == 2 else 10 + slot
+
+
+def test_exactly_the_slow_prompts_are_deferred_and_the_long_round_trains_exactly_them():
+    trace = make_trace(scenario, rows=32, epochs=1, slots=4, group_size=2)
+    buf = in_order_buffer(trace)
+    batches = {}
+    policy = TailBatchingPolicy(eta_prompts=2.0, eta_responses=1.5)  # 8 prompts x 3 responses
+    steps = simulate(trace, policy, steps=3, batch_size=4, buffer=buf,
+                     on_batch=lambda i, groups: batches.setdefault(i, groups))
+    short, long, short2 = steps
+    # step 0: rows 0..7 launched; the 4 odd (long) rows miss the round and are deferred
+    assert short.round == "short" and rows_of(batches[0]) == [(0, 0), (2, 0), (4, 0), (6, 0)]
+    assert short.prompts_deferred == 4 and short.long_queue == 4
+    assert short.max_response_length < 20  # the short round never waited for a long response
+    # every short prompt's third response was speculative: cut once its first two finished
+    assert all(len(g.samples) == 2 and {s.slot for s in g.samples} == {0, 1} for g in batches[0])
+    assert short.speculative_tokens > 0 and short.tokens_discarded >= short.speculative_tokens
+    # restart (the default): the deferred prompts' short-round tokens are forgotten, counted
+    assert short.deferred_tokens_discarded > 0
+    # step 1: the long queue holds batch_size prompts -> a long round trains exactly them, to
+    # their natural lengths, with no speculation, on the long round's weights
+    assert long.round == "long" and rows_of(batches[1]) == [(1, 0), (3, 0), (5, 0), (7, 0)]
+    assert long.long_queue == 0 and long.prompts_deferred == 0 and long.speculative_tokens == 0
+    for g in batches[1]:
+        assert sorted(len(s.response_ids) for s in g.samples) == [LONG, LONG + 1]
+        assert all(set(s.versions) == {1} for s in g.samples)
+    # step 2: short again, on fresh prompts
+    assert short2.round == "short" and rows_of(batches[2])[0] == (8, 0)
+    assert buf.stats()["balanced"]
+
+
+def test_resume_keeps_the_short_round_tokens_of_deferred_prompts():
+    trace = make_trace(scenario, rows=32, epochs=1, slots=4, group_size=2)
+    buf = in_order_buffer(trace)
+    batches = {}
+    policy = TailBatchingPolicy(eta_prompts=2.0, eta_responses=1.5, deferred="resume")
+    short, long = simulate(trace, policy, steps=2, batch_size=4, buffer=buf,
+                           on_batch=lambda i, groups: batches.setdefault(i, groups))
+    assert short.deferred_tokens_discarded == 0
+    for g in batches[1]:  # continued from version 0 tokens under version 1
+        assert all(s.versions[0] == 0 and s.versions[-1] == 1 for s in g.samples)
+        assert sorted(len(s.response_ids) for s in g.samples) == [LONG, LONG + 1]
+    assert long.tokens_generated < short.tokens_generated + 4 * 2 * LONG
+
+
+def test_the_final_step_drains_the_long_queue_oldest_first():
+    trace = make_trace(scenario, rows=32, epochs=1, slots=4, group_size=2)
+    buf = in_order_buffer(trace)
+    batches = {}
+    policy = TailBatchingPolicy(eta_prompts=2.0, eta_responses=1.0, long_round_size=100)
+    steps = simulate(trace, policy, steps=3, batch_size=4, buffer=buf,
+                     on_batch=lambda i, groups: batches.setdefault(i, groups))
+    # the trigger (100) is never reached, but the run's last step is a long round
+    assert [s.round for s in steps] == ["short", "short", "long"]
+    assert [s.long_queue for s in steps] == [4, 8, 4]
+    assert rows_of(batches[2]) == [(1, 0), (3, 0), (5, 0), (7, 0)]
+    # what one step cannot train stays queued (and in the checkpoint), never lost
+    assert rows_of(buf.queued(Place.LONG)) == [(9, 0), (11, 0), (13, 0), (15, 0)]
+    assert buf.stats()["balanced"]
+
+
+def test_when_the_data_runs_dry_a_short_round_trains_the_long_queue():
+    trace = make_trace(scenario, rows=32, epochs=1, slots=4, group_size=2)
+    buf = in_order_buffer(trace)
+    policy = TailBatchingPolicy(eta_prompts=2.0, eta_responses=1.0, long_round_size=100)
+    simulate(trace, policy, steps=1, batch_size=4, buffer=buf)
+    deferred = rows_of(buf.queued(Place.LONG))
+    assert len(deferred) == 4
+    buf.take_nowait(4)
+    buf.source = None  # no fresh prompt left
+    batches = {}
+    simulate(trace, policy, steps=1, batch_size=4, buffer=buf, first_step=1,
+             on_batch=lambda i, groups: batches.setdefault(i, groups))
+    assert rows_of(batches[1]) == deferred
+
+
+def test_a_prompt_deferred_max_deferrals_times_is_waited_for_not_deferred_again():
+    trace = make_trace(scenario, rows=32, epochs=1, slots=4, group_size=2)
+    buf = in_order_buffer(trace)
+    # a long prompt already deferred twice waits in the partial queue (an interrupted round)
+    [g] = buf.acquire(1)
+    g = buf.acquire(1)[0] if g.prompt.source_index % 2 == 0 else g
+    assert g.prompt.source_index % 2 == 1
+    g.deferrals = 2
+    buf.requeue(g)
+    for other in buf.queued(Place.IN_FLIGHT):
+        buf.requeue(other)
+    batches = {}
+    policy = TailBatchingPolicy(eta_prompts=2.0, eta_responses=1.0, long_round_size=100,
+                                max_deferrals=2)
+    [step] = simulate(trace, policy, steps=1, batch_size=4, buffer=buf,
+                      on_batch=lambda i, groups: batches.setdefault(i, groups))
+    assert step.round == "short"
+    assert g.prompt.source_index in {r for r, _ in rows_of(buf.queued(Place.READY) + batches[0])}
+    assert all(x.deferrals <= 2 for x in buf.queued(Place.LONG))
+    assert step.max_response_length >= LONG  # the round waited for it
+
+
+def test_save_and_load_mid_cycle_continues_exactly_as_the_uninterrupted_run():
+    trace = make_trace(lambda r, e, k: 700 if (r * 7 + e) % 5 == 0 else 20 + 3 * k + r % 4,
+                       rows=24, epochs=4, slots=4, group_size=2)
+    policy = TailBatchingPolicy(eta_prompts=1.5, eta_responses=1.5)
+
+    def run(buf, steps, first=0):
+        out = []
+        simulate(trace, policy, steps=steps, batch_size=4, buffer=buf, first_step=first,
+                 on_batch=lambda i, groups: out.append((i, rows_of(groups))))
+        return out
+
+    whole = run(in_order_buffer(trace), 9)
+    first = in_order_buffer(trace)
+    head = run(first, 4)
+    state = first.state_dict()
+    assert state["format"] == STATE_FORMAT and state["long"], "the cut must hold deferred prompts"
+    second = in_order_buffer(trace)
+    second.load_state_dict(state)
+    tail = run(second, 5, first=4)
+    assert head + tail == whole
+
+
+@settings(max_examples=25)
+@given(
+    seed=st.integers(0, 10_000),
+    batch=st.integers(2, 4),
+    n=st.integers(1, 3),
+    eta_p=st.sampled_from([1.25, 1.5, 2.0]),
+    eta_r=st.sampled_from([1.0, 1.5]),
+    long_round_size=st.integers(0, 6),
+    deferred=st.sampled_from(["restart", "resume"]),
+    rows=st.integers(5, 12),
+)
+def test_properties_over_random_length_traces(seed, batch, n, eta_p, eta_r, long_round_size,
+                                               deferred, rows):
+    import random
+
+    steps = 8
+    epochs = 2 + (steps * 2 * batch) // rows
+    rng = random.Random(seed)
+    table = {(r, e, k): rng.choice([rng.randint(1, 40), rng.randint(200, 900)])
+             for r in range(rows) for e in range(epochs) for k in range(6)}
+    trace = make_trace(lambda r, e, k: table[(r, e, k)], rows=rows, epochs=epochs, slots=6,
+                       group_size=n)
+    policy = TailBatchingPolicy(eta_p, eta_r, long_round_size, deferred, max_deferrals=2)
+
+    def once():
+        buf = in_order_buffer(trace)
+        drawn = []
+        next_prompt = buf.source.next_prompt
+
+        def record():
+            p = next_prompt()
+            drawn.append((p.source_index, p.epoch))
+            return p
+
+        buf.source.next_prompt = record
+        trained = []
+
+        def check(step, groups):
+            assert len(groups) == batch
+            trained.extend(rows_of(groups))
+            stats = buf.stats()
+            assert stats["balanced"], stats
+            long_rows = [g.prompt.source_index for g in buf.queued(Place.LONG)]
+            assert len(long_rows) == len(set(long_rows)), "a prompt is in the long queue twice"
+            live = long_rows + [g.prompt.source_index for g in buf.queued(Place.PARTIAL)]
+            assert len(live) == len(set(live)), "a row is out twice at once"
+            assert all(g.deferrals <= 2 for g in buf.queued(Place.LONG))
+
+        results = simulate(trace, policy, steps=steps, batch_size=batch, buffer=buf,
+                           on_batch=check)
+        queued = [(g.prompt.source_index, g.prompt.epoch)
+                  for p in (Place.PARTIAL, Place.LONG, Place.READY) for g in buf.queued(p)]
+        held = [(p.source_index, p.epoch) for p in buf._held]
+        # every prompt drawn is trained exactly once, or still queued or held (nothing dropped)
+        assert sorted(drawn) == sorted(trained + queued + held)
+        assert len(set(trained)) == len(trained)
+        assert buf.stats()["dropped"] == 0
+        return [r.round for r in results], trained
+
+    assert once() == once()  # the same seed gives the same rounds and batches
