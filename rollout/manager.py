@@ -73,7 +73,9 @@ class StepEvent:
 
     kind: EventKind
     group: Group
-    workers: tuple[str, ...]  # the engines its requests ran on (each has a slot free now)
+    # The engines its requests ran on (each has a slot free now). A request that failed on an
+    # engine the router chose does not say which one, so a dropped group may name none.
+    workers: tuple[str, ...]
     reason: str | None = None
 
 

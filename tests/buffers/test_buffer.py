@@ -187,6 +187,46 @@ async def test_stream_yields_in_completion_order_as_groups_complete():
     assert order == [1, 0]
 
 
+def test_a_row_still_deferred_when_the_data_wraps_is_held_back_not_handed_out_twice(tmp_path):
+    buf = make_buffer(n=1, rows=3)
+    first = buf.acquire(3)  # the whole of epoch 0
+    deferred = first[0]
+    buf.defer(deferred)
+    for g in first[1:]:
+        finish(g, 0)
+        buf.complete(g)
+    buf.take_nowait(2)
+    row = deferred.prompt.source_index
+    nxt = buf.acquire(2)  # epoch 1: the deferred row's new copy waits; the other two go out
+    assert len(nxt) == 2 and row not in {g.prompt.source_index for g in nxt}
+    assert buf.stats()["held"] == 1 and buf.stats()["balanced"]
+    assert buf.acquire(1) == []  # every row is out: fewer groups rather than a duplicate
+    path = tmp_path / "b.json.gz"
+    save_buffer(buf, path)
+    again = make_buffer(n=1, rows=3)
+    load_buffer(again, path)
+    assert again.stats()["held"] == 1
+    (long,) = buf.acquire_long(1)  # the long round runs the old copy ...
+    finish(long, 0)
+    buf.complete(long)
+    (held,) = buf.acquire(1)  # ... and the held copy comes out next, before any fresh draw
+    assert (held.prompt.source_index, held.prompt.epoch) == (row, 1)
+    assert buf.stats()["held"] == 0
+
+
+def test_restart_and_restarting_defer_forget_tokens_and_count_them():
+    buf = make_buffer(n=2)
+    g0, g1 = buf.acquire(2)
+    for g in (g0, g1):
+        g.samples[0].start_request()
+        g.samples[0].append([1, 2, 3], [-0.1] * 3, 0)
+    buf.set_version(1)
+    assert buf.restart(g0) == 3 and g0.tokens == 0 and g0.birth_version == 1
+    assert buf.defer(g1, restart=True) == 3 and g1.tokens == 0 and g1.deferrals == 1
+    stats = buf.stats()
+    assert stats["discarded_tokens"] == 6 and stats["restarted"] == 1 and stats["deferred"] == 1
+
+
 # -- persistence: same future --------------------------------------------------------------
 step_op = st.one_of(
     st.tuples(st.just("step"), st.integers(1, 4), st.integers(1, 3)),  # acquire k, advance p tokens

@@ -93,6 +93,21 @@ def test_pip_installed_plugin_is_found_by_entry_point_and_used_from_a_recipe(ins
     assert main(["check-reward", "concise_math"]) == 0
 
 
+def test_pip_installed_filter_is_found_by_entry_point_through_the_same_rule(installed_plugin):
+    from rlkit.plugins import load_group_filter, resolve_plugin
+    from rollout.config import FilterConfig
+
+    assert resolve_plugin("filter", "min_spread").__module__ == "rlkit_example_reward"
+    f = load_group_filter(FilterConfig(name="min_spread", kwargs={"spread": 0.5}))
+    group = Group.new(0, PromptRecord(ids=(1,), text="q"), 2, 0, 0)
+    for s, r in zip(group.samples, (0.2, 0.4)):
+        s.append([3], [-0.1], 0, finish_reason="stop")
+        s.set_reward(r)
+    assert f.reason(group) == "narrow"
+    group.samples[1].reward = 1.0
+    assert f.reason(group) is None
+
+
 def test_score_fn_decodes_and_passes_metadata_and_kwargs():
     seen = {}
 
