@@ -105,6 +105,7 @@ class StepReport:
     filtered: dict[str, int] = field(default_factory=dict)  # groups filtered out, by reason
     filtered_tokens: int = 0
     filter_exhausted: int = 0  # complete groups kept unfiltered: the step's filter limit was hit
+    surplus_restarted: int = 0  # complete past an exact target: restarted (see Step.exact_target)
     dropped: dict[str, int] = field(default_factory=dict)
     reward_mean: float = math.nan
     reward_failures: int = 0
@@ -147,6 +148,7 @@ class StepReport:
             "rollout/filtered_groups": sum(self.filtered.values()),
             "rollout/filtered_tokens": self.filtered_tokens,
             "rollout/filter_exhausted": self.filter_exhausted,
+            "rollout/surplus_restarted": self.surplus_restarted,
             **{f"rollout/filtered/{k}": v for k, v in self.filtered.items()},
             **{f"rollout/dropped/{k}": v for k, v in self.dropped.items()},
         }
@@ -198,6 +200,7 @@ class _GroupRun:
     tasks: dict[int, asyncio.Task] = field(default_factory=dict)  # sample index -> task
     scoring: set[int] = field(default_factory=set)  # sample indices whose reward is running
     served_by: set[str] = field(default_factory=set)  # workers its requests ran on
+    reserved: bool = False  # Step.launch(reserve=True)
     settled: bool = False
 
 
@@ -214,6 +217,11 @@ class Step:
         # Where stop() parks unfinished groups unless told otherwise, also when the step is
         # interrupted (Ctrl-C, an engine outage): a policy that defers sets "long".
         self.park_to: Park = "partial"
+        # On-policy policies that launch more than the target (tail batching) set this: the step
+        # completes exactly `target` groups, and one that completes after that (in the same
+        # instant, or during the abort) is restarted from its prompt and requeued, rather than
+        # left ready to be trained a version later.
+        self.exact_target = False
         self._m = manager
         self._loop = asyncio.get_running_loop()
         self._runs: dict[int, _GroupRun] = {}
@@ -252,17 +260,20 @@ class Step:
         """The policy's name for this kind of step (metrics, timelines)."""
         self.report_.round = kind
 
-    def launch(self, group: Group, *, worker: str | None = None, responses: int | None = None) -> None:
+    def launch(self, group: Group, *, worker: str | None = None, responses: int | None = None,
+               reserve: bool = False) -> None:
         """Start generating every unfinished sample of an in-flight group.
 
         `responses` > group.n launches speculative extra responses; the group keeps the
-        first n to finish. `worker` pins the group's requests to one engine.
+        first n to finish. `worker` pins the group's requests to one engine. `reserve`: the
+        policy will wait for this group, so an exact-target step keeps it a place (other
+        groups complete only while completed + reserved running < target).
         """
         if self._stopping:
             raise RuntimeError("launch after stop()")
         if responses is not None and responses > len(group.samples):
             self.buffer.extend(group, responses - len(group.samples))
-        run = _GroupRun(group, worker, served_by={worker} if worker else set())
+        run = _GroupRun(group, worker, served_by={worker} if worker else set(), reserved=reserve)
         self._runs[group.group_id] = run
         for s in group.samples:  # what each response had before this step (resumed partials)
             self._tokens_at_launch.setdefault(s.index, len(s.response_ids))
@@ -423,8 +434,19 @@ class Step:
                 if self._error is None:
                     self._error = e
                 return
+            full = self.exact_target and not run.reserved and len(self._completed) + sum(
+                r.reserved for r in self._runs.values() if r is not run) >= self.target
             run.settled = True
             del self._runs[g.group_id]
+            if reason is None and full:
+                for task in run.tasks.values():
+                    if task is not finishing:
+                        self._cancel(task)
+                self.report_.surplus_restarted += 1
+                self.buffer.restart(g)
+                self.buffer.requeue(g)
+                self._emit(EventKind.PARKED, run, "surplus")
+                return
             if reason is not None:
                 for task in run.tasks.values():
                     if task is not finishing:

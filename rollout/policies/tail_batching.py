@@ -64,6 +64,7 @@ class TailBatchingPolicy:
 
     async def run(self, step: "Step") -> None:
         step.park_to = "long"  # also where an interrupted round's groups go, with their tokens
+        step.exact_target = self.deferred == "restart"  # on-policy: no group left over
         queued = step.buffer.count(Place.LONG)
         if queued >= (self.long_round_size or step.target) or (step.final and queued):
             await self._long_round(step)
@@ -83,8 +84,9 @@ class TailBatchingPolicy:
                 if len(groups) < want:  # the data ran dry: train what the long queue holds
                     groups += step.buffer.acquire_long(want - len(groups))
                 for g in groups:
-                    self._launch(step, g, responses)
-                    if g.deferrals >= self.max_deferrals:
+                    wait = g.deferrals >= self.max_deferrals
+                    self._launch(step, g, responses, reserve=wait)
+                    if wait:
                         must_finish.append(g)
             await step.next_event()
         await step.stop(park="long", restart_deferred=self.deferred == "restart")
@@ -104,10 +106,10 @@ class TailBatchingPolicy:
                     self._launch(step, g, n)
             await step.next_event()
 
-    def _launch(self, step: "Step", group: "Group", responses: int) -> None:
+    def _launch(self, step: "Step", group: "Group", responses: int, reserve: bool = False) -> None:
         oldest = group.oldest_version()
         if self.deferred == "restart" and oldest is not None and oldest < step.version:
             # On-policy: tokens from older weights (an interrupted step's, resumed later) are
             # generated again rather than trained on.
             step.buffer.restart(group)
-        step.launch(group, responses=responses)
+        step.launch(group, responses=responses, reserve=reserve)

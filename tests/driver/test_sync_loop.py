@@ -9,7 +9,7 @@ import pytest
 
 from buffers import ListPromptSource, Place
 from buffers.source import records_from_token_lists
-from rlkit.checkpoint import latest_checkpoint, restore_buffer
+from rlkit.checkpoint import latest_checkpoint, list_checkpoints, restore_buffer
 from rlkit.config import load_recipe
 from rlkit.config.schema import TrackingConfig
 from rlkit.driver.rollout_service import RolloutService
@@ -133,3 +133,53 @@ def test_a_short_take_takes_nothing(tmp_path):
         box.take(ready + 1)
     stats = box.s.buffer.stats()
     assert stats["ready"] == ready and stats["trained"] == 0 and stats["balanced"]
+
+
+def tail_recipe(tmp_path, steps, *extra):
+    return load_recipe(None, [
+        f"run.num_steps={steps}", "rollout.batch_size=3", "rollout.n_samples_per_prompt=2",
+        "rollout.policy=tail_batching", "rollout.tail_batching.eta_prompts=2.0",
+        "rollout.tail_batching.long_round_size=6", "train.micro_batch_size=2",
+        "checkpoint.every_steps=1", f"run.output_dir={tmp_path}", *extra,
+    ])
+
+
+class TakeRecorder(LocalBox):
+    def __init__(self, service):
+        super().__init__(service)
+        self.taken = []
+
+    def take(self, n):
+        groups = super().take(n)
+        self.taken.append(sorted(g.group_id for g in groups))
+        return groups
+
+
+def test_tail_batching_checkpoints_its_long_queue_and_a_resumed_run_trains_it(tmp_path):
+    tracker = Tracker(TrackingConfig(wandb="disabled", progress=False), tmp_path, "t", {})
+    r = tail_recipe(tmp_path, 2)
+    box = TakeRecorder(make_box(r).s)
+    run_sync(r, box, RecordingTrainer(), ["e"], tracker, tmp_path, LoopState())
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    # step 1 is a short round (its long prompts 0 and 4 are deferred); step 2, the run's last,
+    # drains the long queue although it holds fewer than long_round_size
+    assert [row["rollout/round"] for row in rows] == ["short", "long"]
+    assert rows[0]["rollout/prompts_deferred"] == 2 and rows[0]["rollout/long_queue"] == 2
+    assert rows[1]["rollout/long_queue"] == 0 and rows[1]["rollout/long_round"] == 1.0
+    assert {0, 4} <= set(box.taken[1])
+    # the timeline's step lines say the round (rlkit plot timeline draws them apart)
+    heads = [json.loads(x) for x in (tmp_path / "timeline.jsonl").read_text().splitlines()
+             if '"kind": "step"' in x]
+    assert [(h["step"], h["policy"], h["round"]) for h in heads] == [
+        (1, "tail_batching", "short"), (2, "tail_batching", "long")]
+
+    # the checkpoint after step 1 holds the long queue; resuming from it trains those prompts
+    ckpt = next(c for c in list_checkpoints(tmp_path) if c.step == 1)
+    resumed = TakeRecorder(make_box(r).s)
+    assert restore_buffer(ckpt, resumed.s.buffer)
+    assert sorted(g.group_id for g in resumed.s.buffer.queued(Place.LONG)) == [0, 4]
+    run_sync(r, resumed, RecordingTrainer(), ["e"], tracker, tmp_path,
+             LoopState(step=ckpt.step, version=ckpt.version))
+    tracker.close()
+    assert {0, 4} <= set(resumed.taken[0])
+    assert resumed.s.buffer.stats()["balanced"]

@@ -52,6 +52,22 @@ def test_exactly_the_slow_prompts_are_deferred_and_the_long_round_trains_exactly
     assert buf.stats()["balanced"]
 
 
+def test_an_on_policy_round_completes_exactly_its_target_and_restarts_the_surplus():
+    # six identical short prompts finish in the same instant, but the batch is four
+    trace = make_trace(lambda r, e, k: 12, rows=32, epochs=1, slots=4, group_size=2)
+    buf = in_order_buffer(trace)
+    batches = {}
+    policy = TailBatchingPolicy(eta_prompts=1.5, eta_responses=1.0)
+    first, second = simulate(trace, policy, steps=2, batch_size=4, buffer=buf,
+                             on_batch=lambda i, groups: batches.setdefault(i, groups))
+    assert first.groups_completed == 4 and first.prompts_deferred == 0
+    assert first.tokens_discarded == 2 * 2 * 12  # the two surplus groups, restarted
+    # they go back to the partial queue (short prompts, not the long queue), generated anew
+    assert rows_of(batches[1])[:2] == [(4, 0), (5, 0)] and second.long_queue == 0
+    for step, groups in batches.items():
+        assert all(set(s.versions) == {step} for g in groups for s in g.samples)
+
+
 def test_resume_keeps_the_short_round_tokens_of_deferred_prompts():
     trace = make_trace(scenario, rows=32, epochs=1, slots=4, group_size=2)
     buf = in_order_buffer(trace)
@@ -181,6 +197,8 @@ def test_properties_over_random_length_traces(seed, batch, n, eta_p, eta_r, long
         def check(step, groups):
             assert len(groups) == batch
             trained.extend(rows_of(groups))
+            if deferred == "restart":  # on-policy: every trained token is this step's
+                assert all(set(s.versions) == {step} for g in groups for s in g.samples)
             stats = buf.stats()
             assert stats["balanced"], stats
             long_rows = [g.prompt.source_index for g in buf.queued(Place.LONG)]
