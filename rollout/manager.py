@@ -154,6 +154,13 @@ class StepReport:
         }
 
 
+def batch_target(buffer: RolloutBuffer, batch_size: int) -> int:
+    """Groups a step must complete so that `batch_size` are ready: groups that completed past
+    the last step's target (during its abort, say) count toward this one's, so the ready queue
+    never grows step after step, its groups staler each time."""
+    return max(0, batch_size - buffer.count(Place.READY))
+
+
 class RolloutManager:
     def __init__(
         self,
@@ -180,6 +187,9 @@ class RolloutManager:
         `final`: the run's last step (a policy may drain what it queued, e.g. tail batching's
         long queue)."""
         step = self.current = Step(self, target, version, final=final)
+        if target <= 0:  # the ready queue already holds the batch (see `batch_target`)
+            self.current = None
+            return step.report()
         try:
             await self.policy.run(step)
             await step.stop()  # a no-op when the policy left nothing in flight

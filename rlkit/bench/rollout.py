@@ -1,11 +1,20 @@
-"""`rlkit bench rollout --policy sync,partial`: rollout throughput of scheduling policies on
-the real engines (router + built-in engine servers), side by side in one run.
+"""`rlkit bench rollout --policy sync,partial,tail_batching`: rollout speed of scheduling
+policies on the real engines (router + built-in engine servers), side by side in one run.
 
 Every policy gets its own RolloutBuffer over the same prompts, and the same long-tail length
-trace is replayed through `ignore_eos` (rollout.sim.replay), so each response is exactly as
-long under every policy: the policies differ only in how they schedule the same work. Steps of
-the policies alternate (sync step 1, partial step 1, sync step 2, ...) so a change in machine
-load hits them alike. Throughput = tokens generated / rollout wall time (APRIL's measure).
+trace (generated, or `--trace FILE` in the format `rlkit bench suite --trace` reads) is
+replayed through `ignore_eos` (rollout.sim.replay), so each response is exactly as long under
+every policy: the policies differ only in how they schedule the same work. Steps of the
+policies alternate (sync step 1, partial step 1, sync step 2, ...) so a change in machine load
+hits them alike. Policies are registry specs (`partial@1.5`, `tail_batching+resume`, ...).
+
+Reported per policy: mean rollout seconds per step (each step trains batch_size groups, so
+this is the time for the same useful work) and its ratio to the first policy; rollout
+tokens/s (tokens generated / rollout wall time, APRIL's measure; it counts waste such as
+tail batching's restarted and speculative tokens); trained tokens/s (response tokens of the
+completed groups / rollout time); and, for policies with rounds, short- and long-round times.
+Measure tail batching over whole cycles of short and long rounds (`--steps` a multiple of
+the cycle: 5 at eta 1.25).
 """
 
 from __future__ import annotations
@@ -13,14 +22,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import statistics
 from pathlib import Path
 from typing import Any
 
+from rollout.policies.registry import describe_specs
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--policy", default="sync,partial", help="comma-separated policies")
+    parser.add_argument("--policy", default="sync,partial",
+                        help="comma-separated policy specs; the first is the baseline. "
+                        + describe_specs())
     parser.add_argument("--model", default="tiny", help="demo model name or HF folder")
     parser.add_argument("--engines", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=8, help="groups per step")
@@ -28,13 +42,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cap", type=int, default=1024,
                         help="max_new_tokens (trace cap); short caps make steps so brief that "
                         "fixed costs (abort round trips) dominate")
-    parser.add_argument("--over-provision", type=float, default=2.0)
+    parser.add_argument("--over-provision", type=float, default=2.0,
+                        help="partial's over-provision when a spec gives none")
     parser.add_argument("--steps", type=int, default=6, help="steps per policy")
     parser.add_argument("--warmup-steps", type=int, default=1, help="steps per policy not counted")
     parser.add_argument("--p-hard", type=float, default=0.15, help="share of long-tail prompts")
     parser.add_argument("--easy-frac", type=float, default=0.08,
                         help="median length of ordinary prompts, as a fraction of the cap")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trace", help="replay this trace (jsonl, as `rlkit bench suite "
+                        "--trace` reads) instead of generating one; its cap and group size "
+                        "replace --cap and --n")
     parser.add_argument("--trace-out", help="also write the trace (jsonl) here")
     parser.add_argument(
         "--simulate", nargs="?", const="auto", metavar="PROFILE",
@@ -46,6 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    specs = policy_specs(args)  # a bad spec or trace fails before any engine starts
+    if args.trace:
+        from rollout.sim.trace import Trace
+
+        trace = Trace.load(args.trace)
+        args.cap, args.n = trace.cap, trace.group_size
+        check_trace_slots(trace, specs)
     result = asyncio.run(bench_rollout(args))
     if args.simulate:
         result["simulated"] = simulate_same(args, result)
@@ -55,10 +80,38 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def policy_specs(args: argparse.Namespace) -> dict[str, Any]:
+    """spec -> RolloutConfig for each --policy entry (partial's default from --over-provision)."""
+    from rollout.config import RolloutConfig
+    from rollout.policies import PolicySpecError, policy_config
+
+    base = RolloutConfig(over_provision=args.over_provision, batch_size=args.batch_size,
+                         n_samples_per_prompt=args.n)
+    specs = [p.strip() for p in args.policy.split(",") if p.strip()]
+    try:
+        return {spec: policy_config(spec, base) for spec in specs}
+    except PolicySpecError as e:
+        raise SystemExit(f"--policy: {e}") from None
+
+
+def check_trace_slots(trace: Any, specs: dict[str, Any]) -> None:
+    """Speculative responses need response slots in the trace: say so before engines start."""
+    for spec, cfg in specs.items():
+        responses = trace.group_size
+        if cfg.policy == "tail_batching":
+            responses = math.ceil(cfg.tail_batching.eta_responses * trace.group_size)
+        if responses > trace.slots:
+            raise SystemExit(f"--trace: {spec} launches {responses} responses per prompt but the "
+                             f"trace has {trace.slots} slots per prompt")
+
+
 def make_trace(args: argparse.Namespace) -> Any:
-    """The bench's trace, with prompts to spare for every policy's steps (the real and the
-    simulated runs replay the same one)."""
-    from rollout.sim.trace import TraceSpec, generate_trace
+    """The bench's trace (`--trace`, or generated with prompts to spare for every policy's
+    steps); the real and the simulated runs replay the same one."""
+    from rollout.sim.trace import Trace, TraceSpec, generate_trace
+
+    if getattr(args, "trace", None):
+        return Trace.load(args.trace)
 
     spec = TraceSpec(
         rows=max(64, args.batch_size * (args.steps + args.warmup_steps) * 3), epochs=4,
@@ -75,15 +128,12 @@ async def bench_rollout(args: argparse.Namespace) -> dict[str, Any]:
     from rollout.config import SamplingConfig
     from rollout.engines.config import EngineConfig, RouterConfig
     from rollout.engines.fleet import EngineFleet
-    from rollout.manager import RolloutManager
-    from rollout.policies import PartialPolicy, SyncPolicy
+    from rollout.manager import RolloutManager, batch_target
+    from rollout.policies import make_policy
     from rollout.rewards import RewardScheduler
     from rollout.sim.replay import BufferPrompts, TraceReplayEngines
 
-    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
-    for p in policies:
-        if p not in ("sync", "partial"):
-            raise SystemExit(f"--policy: unknown policy {p!r} (sync, partial)")
+    specs = policy_specs(args)
     model_path = resolve_model_path(args.model)
     vocab = _vocab_size(model_path)
     trace = make_trace(args)
@@ -104,31 +154,39 @@ async def bench_rollout(args: argparse.Namespace) -> dict[str, Any]:
     with EngineFleet(model_path, engine_cfg, RouterConfig()) as fleet:
         async with fleet.client() as client:
             runs = {}
-            for name in policies:
+            for name, cfg in specs.items():
                 buf = RolloutBuffer(ListPromptSource(records, seed=args.seed),
                                     n_samples_per_prompt=args.n, max_staleness=1000)
                 engines = TraceReplayEngines(client, trace, BufferPrompts(buf))
-                policy = SyncPolicy() if name == "sync" else PartialPolicy(args.over_provision)
-                runs[name] = (buf, RolloutManager(buf, engines, policy, sampling, RewardScheduler(score)))
-            steps: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
+                runs[name] = (buf, RolloutManager(buf, engines, make_policy(cfg), sampling,
+                                                  RewardScheduler(score)))
+            steps: dict[str, list[dict[str, Any]]] = {p: [] for p in specs}
             for step in range(args.warmup_steps + args.steps):
                 for name, (buf, manager) in runs.items():
-                    report = await manager.run_step(args.batch_size, version=0)  # no training
-                    buf.take_nowait(len(report.completed))
+                    # no training: the version is the step, as if each step's weights were new
+                    report = await manager.run_step(batch_target(buf, args.batch_size),
+                                                    version=step)
+                    buf.take_nowait(args.batch_size)
+                    buf.set_version(step + 1)
                     if step >= args.warmup_steps:
-                        steps[name].append({
-                            "seconds": report.seconds, "tokens": report.tokens_generated,
-                            "completed": len(report.completed),
-                            "resumed_token_share": report.resumed_token_share,
-                            "carried_over": report.groups_carried_over,
-                            "discarded": report.tokens_discarded,
-                        })
+                        steps[name].append(step_row(report))
     return summarise(steps, vars(args), trace)
+
+
+def step_row(report: Any) -> dict[str, Any]:
+    """What the bench keeps of one StepReport."""
+    return {
+        "seconds": report.seconds, "tokens": report.tokens_generated,
+        "trained_tokens": report.tokens_in_batch, "completed": len(report.completed),
+        "round": report.round, "max_response_length": report.max_response_length,
+        "resumed_token_share": report.resumed_token_share,
+        "carried_over": report.groups_carried_over, "discarded": report.tokens_discarded,
+    }
 
 
 def simulate_same(args: argparse.Namespace, real: dict[str, Any]) -> dict[str, Any]:
     """The same trace, policies and step counts on simulated engines (virtual time)."""
-    from rollout.policies import PartialPolicy, SyncPolicy
+    from rollout.policies import make_policy
     from rollout.sim.engine import SimConfig
     from rollout.sim.harness import run_simulation
     from rollout.sim.profile import load_profile
@@ -145,10 +203,11 @@ def simulate_same(args: argparse.Namespace, real: dict[str, Any]) -> dict[str, A
     cluster = SimConfig.from_profile(args.engines, load_profile(profile_path), kv_layout="padded",
                                      max_running_requests=256)
     out: dict[str, Any] = {"profile": profile_path, "policies": {}}
+    specs = policy_specs(args)
     for name in real["policies"]:
-        policy = SyncPolicy() if name == "sync" else PartialPolicy(args.over_provision)
-        steps = run_simulation(cluster, trace, policy, steps=args.warmup_steps + args.steps,
-                               batch_size=args.batch_size, max_new_tokens=args.cap)[args.warmup_steps:]
+        steps = run_simulation(cluster, trace, make_policy(specs[name]),
+                               steps=args.warmup_steps + args.steps, batch_size=args.batch_size,
+                               max_new_tokens=args.cap)[args.warmup_steps:]
         seconds = sum(s.rollout_s for s in steps)
         tokens = sum(s.tokens_generated for s in steps)
         out["policies"][name] = {"throughput_tok_s": tokens / seconds if seconds else 0.0}
@@ -164,22 +223,34 @@ def simulate_same(args: argparse.Namespace, real: dict[str, Any]) -> dict[str, A
 def summarise(steps: dict[str, list[dict[str, Any]]], args: dict[str, Any], trace: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"config": {k: v for k, v in args.items() if not callable(v)},
                            "trace": trace.name, "policies": {}}
-    base = None
+    base_tput = base_step = None
     for name, rows in steps.items():
         seconds = sum(r["seconds"] for r in rows)
         tokens = sum(r["tokens"] for r in rows)
         tput = tokens / seconds if seconds else 0.0
-        base = base if base is not None else tput
+        step_s = seconds / len(rows) if rows else 0.0
+        base_tput = base_tput if base_tput is not None else tput
+        base_step = base_step if base_step is not None else step_s
+        rounds = {kind: [r for r in rows if r.get("round") == kind] for kind in ("short", "long")}
         out["policies"][name] = {
             "steps": len(rows),
             "groups": sum(r["completed"] for r in rows),
             "rollout_s": seconds,
+            "rollout_s_per_step": step_s,
+            "speedup_vs_first": base_step / step_s if step_s else 0.0,
             "tokens": tokens,
             "throughput_tok_s": tput,
-            "ratio_to_first": tput / base if base else 0.0,
+            "trained_tok_s": sum(r["trained_tokens"] for r in rows) / seconds if seconds else 0.0,
+            "ratio_to_first": tput / base_tput if base_tput else 0.0,
             "step_s_median": statistics.median(r["seconds"] for r in rows) if rows else 0.0,
             "resumed_token_share": statistics.mean(r["resumed_token_share"] for r in rows) if rows else 0.0,
             "tokens_discarded": sum(r["discarded"] for r in rows),
+            "rounds": {
+                kind: {"steps": len(rs),
+                       "seconds_mean": statistics.mean(r["seconds"] for r in rs) if rs else 0.0,
+                       "max_response_length": max((r["max_response_length"] for r in rs), default=0)}
+                for kind, rs in rounds.items() if rs
+            },
         }
     return out
 
@@ -188,17 +259,23 @@ def format_table(r: dict[str, Any]) -> str:
     c = r["config"]
     lines = [
         f"rollout bench: model {c['model']}, {c['engines']} engines, {c['batch_size']} groups x "
-        f"{c['n']} per step, cap {c['cap']}, over-provision {c['over_provision']}, "
-        f"{c['steps']} steps per policy (+{c['warmup_steps']} warm-up), trace {r['trace']}",
+        f"{c['n']} per step, cap {c['cap']}, {c['steps']} steps per policy "
+        f"(+{c['warmup_steps']} warm-up), trace {r['trace']}; speed-up = first policy's rollout "
+        "s/step / this one's (same trained work per step)",
         "",
-        "| policy | groups | rollout s | tokens | tok/s | vs first | median step s | resumed share | discarded |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| policy | steps | rollout s/step | speed-up | tokens | tok/s | vs first | trained tok/s "
+        "| resumed share | discarded | short rounds | long rounds |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for name, p in r["policies"].items():
+        rounds = {k: f"{v['steps']} x {v['seconds_mean']:.2f} s (max len {v['max_response_length']})"
+                  for k, v in p.get("rounds", {}).items()}
         lines.append(
-            f"| {name} | {p['groups']} | {p['rollout_s']:.1f} | {p['tokens']:,} | "
-            f"{p['throughput_tok_s']:,.0f} | {p['ratio_to_first']:.2f}x | {p['step_s_median']:.2f} | "
-            f"{p['resumed_token_share']:.0%} | {p['tokens_discarded']} |"
+            f"| {name} | {p['steps']} | {p['rollout_s_per_step']:.2f} | "
+            f"{p['speedup_vs_first']:.2f}x | {p['tokens']:,} | {p['throughput_tok_s']:,.0f} | "
+            f"{p['ratio_to_first']:.2f}x | {p['trained_tok_s']:,.0f} | "
+            f"{p['resumed_token_share']:.0%} | {p['tokens_discarded']:,} | "
+            f"{rounds.get('short', '-')} | {rounds.get('long', '-')} |"
         )
     sim = r.get("simulated")
     if sim and "ratio" in sim:

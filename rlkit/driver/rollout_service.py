@@ -16,7 +16,7 @@ from buffers import Group, PromptSource, RolloutBuffer, load_buffer, save_buffer
 from rollout.config import RolloutConfig
 from rollout.engine_api import Engines
 from rollout.filters import GroupFilter
-from rollout.manager import RolloutManager, StepReport
+from rollout.manager import RolloutManager, StepReport, batch_target
 from rollout.policies import make_policy
 from rollout.rewards import RewardScheduler, ScoreFn
 
@@ -59,7 +59,8 @@ class RolloutService:
         `final`: the run's last step (tail batching drains its long queue)."""
         self.buffer.set_version(version)
         self._current = asyncio.ensure_future(
-            self.manager.run_step(self.cfg.batch_size, version, final=final))
+            self.manager.run_step(batch_target(self.buffer, self.cfg.batch_size), version,
+                                  final=final))
         try:
             report: StepReport = await self._current
         finally:

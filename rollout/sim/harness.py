@@ -24,7 +24,7 @@ from buffers.sample import Sample
 from buffers.source import ListPromptSource
 from rollout.config import SamplingConfig
 from rollout.filters import GroupFilter
-from rollout.manager import RolloutManager, RolloutPolicy
+from rollout.manager import RolloutManager, RolloutPolicy, batch_target
 from rollout.rewards import RewardScheduler
 from rollout.sim.clock import run_virtual
 from rollout.sim.engine import Segment, SimConfig, SimEngines, SimWorker, WorkerStats
@@ -122,7 +122,7 @@ async def simulate(
         for step in range(first_step, first_step + steps):
             before = engines.stats()
             t0 = loop.time()
-            report = await manager.run_step(batch, version=step,
+            report = await manager.run_step(batch_target(buffer, batch), version=step,
                                             final=step == first_step + steps - 1)
             t1 = loop.time()
             after = engines.stats()

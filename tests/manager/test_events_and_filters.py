@@ -125,3 +125,21 @@ async def test_a_filter_that_rejects_everything_stands_down_instead_of_sampling_
     assert len(r.completed) == 4 and r.filtered == {"nothing_passes": 6}
     assert r.filter_exhausted == 4 and r.metrics()["rollout/filter_exhausted"] == 4
     assert buf.stats()["balanced"]
+
+
+async def test_groups_ready_from_the_last_step_count_toward_the_next_target():
+    from rollout.manager import batch_target
+
+    buf, engines, mgr = make(make_policy(policy_config("partial@3.0")))
+    await mgr.run_step(target=2, version=0)
+    surplus = buf.count(Place.READY) - 2
+    buf.take_nowait(2)
+    assert batch_target(buf, 2) == max(0, 2 - surplus)
+    if surplus >= 2:  # the batch is already there: nothing is launched
+        requests = engines.requests
+        r = await mgr.run_step(target=batch_target(buf, 2), version=1)
+        assert engines.requests == requests and r.groups_launched == 0
+    for version in range(1, 6):  # the ready queue never grows past one batch
+        await mgr.run_step(target=batch_target(buf, 2), version=version)
+        assert len(buf.take_nowait(2)) == 2
+        assert buf.count(Place.READY) < 2 + 6

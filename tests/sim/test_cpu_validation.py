@@ -29,6 +29,7 @@ def test_simulate_same_runs_the_bench_workload_on_the_measured_profile():
     from rlkit.bench.rollout import simulate_same
 
     args = argparse.Namespace(model="tiny", simulate=str(PROFILE), engines=2, batch_size=8, n=4,
+                              policy="sync,partial", trace=None,
                               cap=256, over_provision=2.0, steps=2, warmup_steps=1,
                               p_hard=0.15, easy_frac=0.08, seed=0)
     real = {"policies": {"sync": {"ratio_to_first": 1.0}, "partial": {"ratio_to_first": 1.5}}}
