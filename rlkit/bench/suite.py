@@ -11,13 +11,20 @@ synchronous driver whose training and weight-sync times come from a TrainTimeMod
   useful work; equal to the above for sync, and on average for partial once it is steady);
 - end-to-end s/step (rollout + train + weight sync);
 - idle share: engine time with no request running / (engines x rollout time);
-- x bound: rollout time / the bubble-free bound (decode tokens / (engines x peak tokens/s at
-  the step's mean KV context));
-- resumed token share and the most policy versions in one trained sample.
+- x bound: rollout time / the bubble-free bound of the tokens it decoded (decode tokens /
+  (engines x peak tokens/s at the step's mean KV context));
+- x sync bound: rollout time / sync's bound on the same trace: every policy trains the same
+  batches' worth of prompts, so this is against the physical limit of the useful work (a
+  policy that decodes waste, such as tail batching's restarts, pays for it here);
+- % of perfect: the end-to-end speed-up over sync as a share of the best a perfect rollout
+  could give, sync step / (sync bound + train + weight sync);
+- resumed token share and the most policy versions in one trained sample;
+- for policies with rounds (tail batching): short- and long-round counts, mean seconds and the
+  longest response trained in each.
 
 Writes DIR/suite.md (the table), DIR/suite.png (the chart), DIR/suite.json (every step), the
 traces under DIR/traces/ and a timeline per run under DIR/timelines/ (`rlkit plot timeline`).
-Later policies register in POLICIES.
+Policies are specs of the policy registry (rollout/policies/registry.py).
 """
 
 from __future__ import annotations
@@ -25,37 +32,25 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-DEFAULT_POLICIES = ("sync", "partial@1.25", "partial@1.5", "partial@2.0")
+from rollout.policies.registry import describe_specs
+
+DEFAULT_POLICIES = ("sync", "partial@1.25", "partial@1.5", "partial@2.0", "tail_batching",
+                    "tail_batching+resume")
 DEFAULT_CAPS = (8192, 16384, 32768)
 
 
-def _policy_factories() -> dict[str, Callable[[str | None], Any]]:
-    from rollout.policies import PartialPolicy, SyncPolicy
-
-    def sync(arg: str | None) -> Any:
-        if arg is not None:
-            raise ValueError("policy 'sync' takes no argument")
-        return SyncPolicy()
-
-    def partial(arg: str | None) -> Any:
-        return PartialPolicy(over_provision=float(arg) if arg else 2.0)
-
-    return {"sync": sync, "partial": partial}
-
-
 def make_policy(spec: str) -> Any:
-    """'sync', 'partial@1.5' (over-provision 1.5), ... -> a policy object."""
-    name, _, arg = spec.partition("@")
-    factories = _policy_factories()
-    if name not in factories:
-        raise ValueError(f"unknown policy {spec!r}; known: {', '.join(factories)} "
-                         "(partial takes @over_provision)")
-    return factories[name](arg or None)
+    """A registry spec ('sync', 'partial@1.5', 'tail_batching+resume', ...) -> a policy."""
+    from rollout.policies import make_policy as from_config
+    from rollout.policies import policy_config
+
+    return from_config(policy_config(spec))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--train-mfu", type=float, default=0.35)
     r = parser.add_argument_group("run")
     r.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
-                   help="policies, comma-separated (sync, partial@OVER_PROVISION)")
+                   help="policy specs, comma-separated; " + describe_specs())
     r.add_argument("--warmup", type=int, default=10, help="steps run before measuring")
     r.add_argument("--steps", type=int, default=30, help="steps measured")
     r.add_argument("--max-staleness", type=int, default=1000,
@@ -108,7 +103,10 @@ def run(args: argparse.Namespace) -> int:
     train = TrainTimeModel(params=args.train_params, gpus=args.train_gpus, mfu=args.train_mfu)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for p in policies:
-        make_policy(p)  # fail early on a bad name
+        try:
+            make_policy(p)  # fail early on a bad spec
+        except ValueError as e:
+            raise SystemExit(f"--policies: {e}") from None
     if args.trace:
         traces = [Trace.load(args.trace)]
     else:
@@ -181,6 +179,32 @@ class SuiteRow:
         return self._sum("rollout_s") / self._sum("bound_s")
 
     @property
+    def bound_s(self) -> float:
+        return self._sum("bound_s") / len(self.steps)
+
+    @property
+    def overhead_s(self) -> float:
+        """Mean training + weight-sync seconds per step."""
+        return (self._sum("train_s") + self._sum("sync_s")) / len(self.steps)
+
+    def sync_bound_ratio(self, sync: "SuiteRow") -> float:
+        return self.rollout_s / sync.bound_s
+
+    def perfect_share(self, sync: "SuiteRow") -> float:
+        """End-to-end speed-up over sync / the best a bubble-free rollout could give."""
+        return (sync.bound_s + sync.overhead_s) / self.step_s
+
+    def rounds(self) -> dict[str, dict[str, float]]:
+        """Per round kind (short, long): steps, mean rollout s, longest response trained."""
+        out = {}
+        for kind in sorted({s.round for s in self.steps if s.round}):
+            steps = [s for s in self.steps if s.round == kind]
+            out[kind] = {"steps": len(steps),
+                         "rollout_s": statistics.mean(s.rollout_s for s in steps),
+                         "max_response_length": max(s.max_response_length for s in steps)}
+        return out
+
+    @property
     def resumed_share(self) -> float:
         return sum(s.resumed_token_share * s.tokens_generated for s in self.steps) / max(
             1.0, self._sum("tokens_generated"))
@@ -195,6 +219,7 @@ class SuiteRow:
                 "step_s": self.step_s,
                 "idle_share": self.idle_share, "bound_ratio": self.bound_ratio,
                 "resumed_share": self.resumed_share, "max_versions": self.max_versions,
+                "bound_s": self.bound_s, "rounds": self.rounds(),
                 "steps": [s.to_json() for s in self.steps]}
 
 
@@ -241,21 +266,47 @@ def format_table(rows: list[SuiteRow], header: str = "") -> str:
     sync = {r.cap: r for r in rows if r.policy == "sync"}
     out = [header, ""] if header else []
     out += [
-        "| cap | policy | rollout s/step | rollout tok/s | vs sync | trained tok/s | "
-        "end-to-end s/step | e2e speed-up | idle share | x bound | resumed tokens | "
-        "max versions |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| cap | policy | rollout s/step | rollout speed-up | rollout tok/s | vs sync | "
+        "trained tok/s | end-to-end s/step | e2e speed-up | % of perfect | idle share | "
+        "x bound | x sync bound | resumed tokens | max versions |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         base = sync.get(r.cap)
         gain = f"{r.throughput / base.throughput - 1:+.0%}" if base else "-"
+        rollout = f"{base.rollout_s / r.rollout_s:.2f}x" if base else "-"
         speed = f"{base.step_s / r.step_s:.2f}x" if base else "-"
+        perfect = f"{r.perfect_share(base):.0%}" if base else "-"
+        vs_bound = f"{r.sync_bound_ratio(base):.2f}" if base else "-"
         out.append(
-            f"| {r.cap // 1024}k | {r.policy} | {r.rollout_s:.1f} | {r.throughput:,.0f} | "
-            f"{gain} | {r.trained_throughput:,.0f} | {r.step_s:.1f} | {speed} | "
-            f"{r.idle_share:.1%} | {r.bound_ratio:.2f} | "
+            f"| {r.cap // 1024}k | {r.policy} | {r.rollout_s:.1f} | {rollout} | "
+            f"{r.throughput:,.0f} | {gain} | {r.trained_throughput:,.0f} | {r.step_s:.1f} | "
+            f"{speed} | {perfect} | {r.idle_share:.1%} | {r.bound_ratio:.2f} | {vs_bound} | "
             f"{r.resumed_share:.0%} | {r.max_versions} |"
         )
+    rounded = [r for r in rows if r.rounds()]
+    if rounded:
+        out += [
+            "",
+            "Rounds (policies that have them), over the measured steps:",
+            "",
+            "| cap | policy | short rounds | short s (mean) | longest short-round response | "
+            "long rounds | long s (mean) | longest long-round response | long share | "
+            "sync s/step | longest sync response |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in rounded:
+            rd, base = r.rounds(), sync.get(r.cap)
+            sh, lo = rd.get("short", {}), rd.get("long", {})
+            n = sum(v["steps"] for v in rd.values())
+            longest_sync = max(s.max_response_length for s in base.steps) if base else 0
+            out.append(
+                f"| {r.cap // 1024}k | {r.policy} | {sh.get('steps', 0)} | "
+                f"{sh.get('rollout_s', 0):.1f} | {sh.get('max_response_length', 0):,} | "
+                f"{lo.get('steps', 0)} | {lo.get('rollout_s', 0):.1f} | "
+                f"{lo.get('max_response_length', 0):,} | {lo.get('steps', 0) / n:.0%} | "
+                f"{base.rollout_s if base else 0:.1f} | {longest_sync:,} |"
+            )
     return "\n".join(out)
 
 

@@ -1,4 +1,8 @@
-"""`rlkit plot metrics RUN [--key K ...]`: curves of a run's per-step metrics as a PNG."""
+"""`rlkit plot metrics RUN [--key K ...]`: curves of a run's per-step metrics as a PNG.
+
+Steps that were long rounds (tail batching: `rollout/round` = long) are shaded, so e.g.
+`--key rollout/long_queue --key rollout/seconds` shows the queue filling over short rounds and
+emptying in each long one."""
 
 from __future__ import annotations
 
@@ -42,6 +46,10 @@ def plot_metrics(rows: list[dict], keys: list[str], out: Path, title: str) -> Pa
         if not pts:
             raise SystemExit(f"no values for {key!r} (keys: {sorted(rows[0]) if rows else []})")
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=key)
+    long_steps = [r["step"] for r in rows if r.get("rollout/round") == "long"]
+    for i, step in enumerate(long_steps):
+        ax.axvspan(step - 0.5, step + 0.5, color="#f3d9a4", alpha=0.6, linewidth=0,
+                   label="long round" if i == 0 else None)
     ax.set_xlabel("step")
     ax.set_title(title)
     ax.grid(alpha=0.3)

@@ -6,7 +6,9 @@ sent (or queued) to when it returned: running requests stacked in lanes, so the 
 engine's band is its running batch, and the long tail shows as the thin end of each band.
 Colour says how the request ended (stopped, truncated at the cap, aborted and parked for the
 next step, cancelled, preempted); a hatched bar resumed a partial response; a pale bar before
-it is time spent queued at the engine (when the engine reports admission).
+it is time spent queued at the engine (when the engine reports admission). Steps of a policy
+with rounds (tail batching) are titled with their round, long rounds on a tinted background;
+`--step all` also draws timeline_rounds.png: each step's rollout time, coloured by round.
 """
 
 from __future__ import annotations
@@ -74,7 +76,38 @@ def run(args: argparse.Namespace) -> int:
             out = folder / f"timeline_step{tl.step}.png"
         plot_step(tl, out, max_engines=args.max_engines)
         print(f"wrote {out}")
+    if args.step == "all" and any(tl.round for tl in steps):
+        out = folder / "timeline_rounds.png"
+        plot_rounds(steps, out)
+        print(f"wrote {out}")
     return 0
+
+
+ROUND_COLOURS = {"short": "#5b7db8", "long": "#e08e0b"}
+
+
+def plot_rounds(steps, out: Path) -> None:
+    """One bar per step: its rollout seconds, coloured by round kind (short and long apart)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.25 * len(steps) + 2), 3.5))
+    ax.bar([tl.step for tl in steps], [tl.end - tl.start for tl in steps],
+           color=[ROUND_COLOURS.get(tl.round, "#888888") for tl in steps])
+    kinds = [k for k in ROUND_COLOURS if any(tl.round == k for tl in steps)]
+    ax.legend(handles=[Patch(color=ROUND_COLOURS[k], label=f"{k} round") for k in kinds], fontsize=8)
+    ax.set_xlabel("step")
+    ax.set_ylabel("rollout seconds")
+    policy = next((tl.policy for tl in steps if tl.policy), "?")
+    ax.set_title(f"{policy}: rollout time per step by round", fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
 
 
 def assign_lanes(intervals: list[tuple[float, float]]) -> list[int]:
@@ -145,7 +178,10 @@ def plot_step(tl, out: Path, *, max_engines: int = 16) -> None:
     tokens = sum(s.tokens for s in tl.spans)
     shown = "" if len(tl.workers) <= len(workers) else f" (first {len(workers)} of " \
         f"{len(tl.workers)} engines)"
-    ax.set_title(f"step {tl.step}, policy {tl.policy or '?'} ({tl.source}): "
+    round_ = f", {tl.round} round" if tl.round else ""
+    if tl.round == "long":
+        ax.set_facecolor("#fdf3e1")
+    ax.set_title(f"step {tl.step}, policy {tl.policy or '?'}{round_} ({tl.source}): "
                  f"{tl.end - t0:.1f} s, {len(tl.spans)} requests, {tokens:,} tokens{shown}",
                  fontsize=10)
     present = [o for o in LABELS if any(s.outcome == o for s in tl.spans)]

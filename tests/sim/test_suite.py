@@ -12,24 +12,36 @@ from rlkit.cli import main
 
 def test_tiny_suite_writes_table_chart_and_steps(tmp_path, capsys):
     code = main([
-        "bench", "suite", "--caps", "1024,2048", "--policies", "sync,partial@1.5",
+        "bench", "suite", "--caps", "1024,2048", "--policies", "sync,partial@1.5,tail_batching",
         "--batch-size", "4", "--group-size", "4", "--prompts", "128", "--engines", "2",
         "--profile", "h100-qwen3-4b-tp1", "--warmup", "1", "--steps", "2", "--out", str(tmp_path),
     ])
     assert code == 0
     table = (tmp_path / "suite.md").read_text()
-    for row in ("| 1k | sync |", "| 1k | partial@1.5 |", "| 2k | sync |", "| 2k | partial@1.5 |"):
-        assert row in table
+    for cap in ("1k", "2k"):
+        for policy in ("sync", "partial@1.5", "tail_batching"):
+            assert f"| {cap} | {policy} |" in table
+    assert "long rounds" in table  # the rounds table, for tail batching
     rows = json.loads((tmp_path / "suite.json").read_text())
-    assert len(rows) == 4 and all(len(r["steps"]) == 2 for r in rows)
+    assert len(rows) == 6 and all(len(r["steps"]) == 2 for r in rows)
+    tail = [r for r in rows if r["policy"] == "tail_batching"]
+    assert all(s["round"] in ("short", "long") for r in tail for s in r["steps"])
     assert (tmp_path / "suite.png").read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "traces" / "trace-cap1024.jsonl").exists()
     assert (tmp_path / "timelines" / "cap2048-partial-1.5" / "timeline.jsonl").exists()
     assert "rollout tok/s" in capsys.readouterr().out
 
 
-def test_policy_specs():
+def test_policy_specs_come_from_the_registry():
     assert make_policy("partial@1.25").over_provision == 1.25
     assert make_policy("sync").name == "sync"
-    with pytest.raises(ValueError, match="unknown policy"):
+    tail = make_policy("tail_batching@1.5+resume")
+    assert (tail.eta_prompts, tail.eta_responses, tail.deferred) == (1.5, 1.5, "resume")
+    with pytest.raises(ValueError, match="unknown policy 'magic'"):
         make_policy("magic")
+    with pytest.raises(ValueError, match="sync takes no @value"):
+        make_policy("sync@2")
+    with pytest.raises(ValueError, match=r"no option \+fast \(\+resume\)"):
+        make_policy("tail_batching+fast")
+    with pytest.raises(ValueError, match="over_provision"):
+        make_policy("partial@0.5")  # the schema's own range check

@@ -76,3 +76,25 @@ def test_the_simulators_old_cancel_spelling_reads_as_cancelled(tmp_path):
                                 "outcome": "cancel"}) + "\n")
     [tl] = read_timeline(path)
     assert [s.outcome for s in tl.spans] == ["cancelled"]
+
+
+def test_tail_batching_rounds_are_recorded_and_drawn_apart(tmp_path):
+    from rollout.policies import TailBatchingPolicy
+
+    trace = generate_trace(TraceSpec(rows=64, epochs=2, cap=1024, group_size=2, batch_size=4))
+    cluster = SimConfig(2, constant_profile([0.005, 0.01], [1, 32], prefill_s_per_token=1e-5))
+    results = run_simulation(cluster, trace, TailBatchingPolicy(2.0, 1.5), steps=4, batch_size=4,
+                             timeline_path=tmp_path / "timeline.jsonl")
+    steps = read_timeline(tmp_path)
+    assert [tl.round for tl in steps] == [r.round for r in results]
+    assert {"short", "long"} <= {tl.round for tl in steps}
+    assert main(["plot", "timeline", str(tmp_path), "--step", "all"]) == 0
+    assert (tmp_path / "timeline_rounds.png").read_bytes()[:4] == b"\x89PNG"
+
+    rows = [{"step": r.step + 1, "rollout/round": r.round, "rollout/long_queue": r.long_queue}
+            for r in results]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "m.png"
+    assert main(["plot", "metrics", str(tmp_path), "--key", "rollout/long_queue",
+                 "--out", str(out)]) == 0
+    assert out.read_bytes()[:4] == b"\x89PNG"
