@@ -224,7 +224,8 @@ class BatchedDecoder:
         try:
             while not self._stop:
                 self._run_commands()
-                self._apply_aborts()
+                with torch.inference_mode():  # dropping a middle row moves KV rows in place
+                    self._apply_aborts()
                 self._report_progress()
                 if self._pause_mode is not None or (not self._running and not self._waiting):
                     self._wake.wait(timeout=0.5)

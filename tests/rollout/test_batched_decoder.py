@@ -113,6 +113,23 @@ def test_abort_keeps_partial_tokens_and_empties_the_engine(decoder):
     assert decoder.loads()["num_running_reqs"] == 0
 
 
+def test_aborting_one_request_mid_batch_keeps_the_others_exact(decoder):
+    """A cancelled request (tail batching cancels speculative responses one by one) leaves the
+    batch from the middle: the last row moves into its hole, and the others go on unchanged."""
+    alone = run(decoder, [req(f"a{i}", p, seed=i, max_new_tokens=40) for i, p in enumerate(PROMPTS)])
+    batch = [req(f"b{i}", p, seed=i, max_new_tokens=40) for i, p in enumerate(PROMPTS)]
+    victim = req("victim", PROMPTS[1], seed=99, max_new_tokens=4000)
+    for r in batch[:2] + [victim] + batch[2:]:
+        decoder.submit(r)
+    while len(victim.output_ids) < 3:
+        time.sleep(0.001)
+    decoder.abort("victim")
+    wait(batch + [victim])
+    assert victim.finish_reason.type == "abort"
+    assert [r.output_ids for r in batch] == [r.output_ids for r in alone]
+    assert all(r.finish_reason.type == "length" for r in batch)
+
+
 def test_abort_all_reaches_queued_requests(tiny_model):
     d = BatchedDecoder(tiny_model, eos_token_ids={0}, max_running_requests=1)
     d.start()
