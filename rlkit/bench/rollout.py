@@ -245,6 +245,7 @@ def summarise(steps: dict[str, list[dict[str, Any]]], args: dict[str, Any], trac
             "step_s_median": statistics.median(r["seconds"] for r in rows) if rows else 0.0,
             "resumed_token_share": statistics.mean(r["resumed_token_share"] for r in rows) if rows else 0.0,
             "tokens_discarded": sum(r["discarded"] for r in rows),
+            "per_step": rows,
             "rounds": {
                 kind: {"steps": len(rs),
                        "seconds_mean": statistics.mean(r["seconds"] for r in rs) if rs else 0.0,

@@ -76,3 +76,37 @@ def test_grpo_with_partial_rollouts_end_to_end_and_resume(tmp_path, monkeypatch)
     last = rows(run_dir)[-1]
     assert last["step"] == 4 and last["rollout/groups_resumed"] >= 1
     assert processes_with(str(model_dir)) == []
+
+
+def test_tail_batching_end_to_end_with_a_long_round_and_dynamic_sampling(tmp_path, monkeypatch):
+    """Short rounds defer what does not finish; the run's last step (at the latest) is a long
+    round that trains the deferred prompts; zero-variance groups are filtered and replaced;
+    everything balances and nothing is left running."""
+    monkeypatch.setenv("RLKIT_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "runs"
+    recipe = load_recipe(ROOT / "recipes" / "grpo_tiny_tail_ci.yaml", [
+        f"run.output_dir={out}", "tracking.progress=false", "run.num_steps=3",
+    ])
+    state = train(recipe)
+    run_dir = out / recipe.run.name
+    assert (state.step, state.version) == (3, 3)
+    metrics = rows(run_dir)
+    rounds = [r["rollout/round"] for r in metrics]
+    assert rounds[0] == "short" and "long" in rounds
+    short = [r for r in metrics if r["rollout/round"] == "short"]
+    assert all(r["rollout/prompts_deferred"] >= 1 for r in short)
+    assert sum(r["rollout/speculative_aborted"] for r in short) > 0
+    for before, row in zip(metrics, metrics[1:]):  # a long round trains the deferred prompts
+        if row["rollout/round"] == "long":
+            assert row["rollout/long_queue"] == max(0, before["rollout/long_queue"] - 4)
+            assert row["rollout/prompts_deferred"] == 0
+    assert metrics[-1]["rollout/round"] == "long" or metrics[-1]["rollout/long_queue"] == 0
+    assert all(r["batch/groups"] == recipe.rollout.batch_size for r in metrics)
+    assert all(r["buffer/balanced"] for r in metrics)
+    # every group dropped was filtered (zero variance), and each was counted in its step
+    assert metrics[-1]["buffer/dropped"] == sum(r["rollout/filtered_groups"] for r in metrics)
+    heads = [json.loads(x) for x in (run_dir / "timeline.jsonl").read_text().splitlines()
+             if '"kind": "step"' in x]
+    assert [h["round"] for h in heads] == rounds
+    model_dir = Path(os.environ["RLKIT_CACHE"]) / "models" / "tiny"
+    assert processes_with(str(model_dir)) == []
