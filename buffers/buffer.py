@@ -34,7 +34,7 @@ import heapq
 import threading
 import time
 from collections import Counter, deque
-from typing import Any, AsyncIterator, Iterator, NamedTuple
+from typing import Any, AsyncIterator, Collection, Iterator, NamedTuple
 
 from buffers.group import Group, Lane, PromptRecord
 from buffers.sample import Sample, SampleStatus
@@ -102,6 +102,9 @@ class _OldestFirst:
 
     def __len__(self) -> int:
         return len(self._live)
+
+    def __contains__(self, group: object) -> bool:
+        return isinstance(group, Group) and group.group_id in self._live
 
     def __iter__(self) -> Iterator[Group]:
         return iter([g for _, g in sorted(self._live.values(), key=lambda tg: tg[1].group_id)])
@@ -375,24 +378,12 @@ class RolloutBuffer:
     def queued(self, place: Place) -> list[Group]:
         """A snapshot of one queue, in hand-out order (read-only use: metrics, rankers)."""
         with self._lock:
-            if place is Place.PARTIAL:
-                return list(self._partial)
-            if place is Place.LONG:
-                return list(self._long)
-            if place is Place.READY:
-                return list(self._ready)
-            return list(self._in_flight.values())
+            return list(self._queue(place))
 
     def count(self, place: Place) -> int:
         """How many groups one queue holds (cheap: policies ask it every step)."""
         with self._lock:
-            if place is Place.PARTIAL:
-                return len(self._partial)
-            if place is Place.LONG:
-                return len(self._long)
-            if place is Place.READY:
-                return len(self._ready)
-            return len(self._in_flight)
+            return len(self._queue(place))
 
     def place_of(self, group: Group) -> Place | None:
         """Where a group is (None once trained or dropped)."""
@@ -484,6 +475,15 @@ class RolloutBuffer:
             self._held = deque(held)
 
     # -- internals (lock held) ----------------------------------------------------------
+    def _queue(self, place: Place) -> Collection[Group]:
+        if place is Place.PARTIAL:
+            return self._partial
+        if place is Place.LONG:
+            return self._long
+        if place is Place.READY:
+            return self._ready
+        return self._in_flight.values()
+
     def _new_group(self) -> Group | None:
         """A group for the next prompt: a held-back one whose row is free again, else the
         source's next, holding back draws whose row is live (the module docstring). None when
