@@ -1,0 +1,67 @@
+"""`rlkit bench rollout`: registry policy specs, a trace file replayed on the real engines
+(`--trace`), speed-ups and rounds in the summary."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from rlkit.bench import rollout as bench
+from rollout.sim.trace import TraceSpec, generate_trace
+
+
+def parse(*argv):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_specs_and_trace_slots_are_checked_before_any_engine_starts(tmp_path):
+    specs = bench.policy_specs(parse("--policy", "sync,partial@1.5,tail_batching+resume"))
+    assert specs["partial@1.5"].over_provision == 1.5
+    assert specs["tail_batching+resume"].tail_batching.deferred == "resume"
+    with pytest.raises(SystemExit, match="unknown policy 'magic'"):
+        bench.policy_specs(parse("--policy", "sync,magic"))
+    trace = generate_trace(TraceSpec(rows=8, epochs=1, group_size=2, slots=2, cap=64))
+    with pytest.raises(SystemExit, match="launches 3 responses per prompt but the trace has 2"):
+        bench.check_trace_slots(trace, bench.policy_specs(parse("--policy", "tail_batching@1.5",
+                                                                "--n", "2")))
+
+
+def test_summary_speedup_and_rounds():
+    def row(seconds, rnd="", tokens=100):
+        return {"seconds": seconds, "tokens": tokens, "trained_tokens": 80, "completed": 2,
+                "round": rnd, "max_response_length": 9, "resumed_token_share": 0.0,
+                "carried_over": 0, "discarded": 20}
+
+    trace = generate_trace(TraceSpec(rows=8, epochs=1, group_size=2, cap=64))
+    out = bench.summarise({"sync": [row(2.0), row(2.0)],
+                           "tail_batching": [row(0.5, "short"), row(2.5, "long")]},
+                          vars(parse()), trace)
+    tail = out["policies"]["tail_batching"]
+    assert tail["speedup_vs_first"] == pytest.approx(4.0 / 3.0)
+    assert tail["rounds"]["short"]["steps"] == 1 and tail["rounds"]["long"]["seconds_mean"] == 2.5
+    assert "1 x 0.50 s" in bench.format_table(out)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_trace_file_is_replayed_on_the_real_engines(tiny_model_dir, tmp_path, capsys):
+    trace = generate_trace(TraceSpec(rows=32, epochs=2, group_size=2, cap=48, batch_size=2,
+                                     prompt_median=8, prompt_min=4, prompt_max=16, vocab_size=500))
+    path = trace.save(tmp_path / "t.jsonl")
+    args = parse("--trace", str(path), "--model", str(tiny_model_dir), "--engines", "1",
+                 "--batch-size", "2", "--policy", "sync,tail_batching@1.5", "--steps", "3",
+                 "--warmup-steps", "0", "--out", str(tmp_path / "r.json"))
+    assert bench.run(args) == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["trace"] == trace.name and result["config"]["cap"] == 48
+    sync, tail = result["policies"]["sync"], result["policies"]["tail_batching@1.5"]
+    assert sync["groups"] == tail["groups"] == 6
+    # every sync response is exactly as long as the trace says: the replay is exact
+    assert sync["tokens"] == sum(row["trained_tokens"] for row in sync["per_step"])
+    assert {r["round"] for r in tail["per_step"]} <= {"short", "long"}
+    assert "| tail_batching@1.5 |" in capsys.readouterr().out
