@@ -107,8 +107,11 @@ def _summary_line(step: int, m: dict[str, Any]) -> str:
         v = m.get(key)
         return format(v, fmt) if isinstance(v, (int, float)) and math.isfinite(v) else "-"
 
+    round_ = ""
+    if m.get("rollout/round"):  # tail batching: which round, and what waits for a long one
+        round_ = f" {m['rollout/round']:<5} (queue {f('rollout/long_queue', 'd')})"
     return (
-        f"step {step:>4} | reward {f('rollout/reward_mean', '.3f')} | "
+        f"step {step:>4}{round_} | reward {f('rollout/reward_mean', '.3f')} | "
         f"rollout {f('rollout/seconds', '.1f')} s, {f('rollout/throughput_tok_s', ',.0f')} tok/s, "
         f"resumed {f('rollout/resumed_token_share', '.0%')} | "
         f"train {f('train/seconds', '.1f')} s, loss {f('train/loss', '.4f')}"

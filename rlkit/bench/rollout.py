@@ -207,7 +207,7 @@ def simulate_same(args: argparse.Namespace, real: dict[str, Any]) -> dict[str, A
     for name in real["policies"]:
         steps = run_simulation(cluster, trace, make_policy(specs[name]),
                                steps=args.warmup_steps + args.steps, batch_size=args.batch_size,
-                               max_new_tokens=args.cap)[args.warmup_steps:]
+                               max_new_tokens=args.cap, final_step=False)[args.warmup_steps:]
         seconds = sum(s.rollout_s for s in steps)
         tokens = sum(s.tokens_generated for s in steps)
         out["policies"][name] = {"throughput_tok_s": tokens / seconds if seconds else 0.0}

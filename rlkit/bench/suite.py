@@ -239,6 +239,7 @@ def run_suite(suite: SuiteSpec, traces: list[Any], policies: list[str],
                 suite.cluster, trace, make_policy(spec), steps=suite.warmup + suite.steps,
                 batch_size=suite.batch_size, train=suite.train,
                 max_staleness=suite.max_staleness, timeline_path=tl, seed=suite.seed,
+                final_step=False,  # the steady state: no drain of tail batching's queue
             )
             rows.append(SuiteRow(trace.cap, spec, results[suite.warmup:]))
     return rows

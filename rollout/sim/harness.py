@@ -101,11 +101,14 @@ async def simulate(
     group_filter: GroupFilter | None = None,
     buffer: RolloutBuffer | None = None,
     first_step: int = 0,
+    final_step: bool = True,
 ) -> list[StepResult]:
     """The coroutine behind `run_simulation` (run it on a VirtualTimeLoop). `observer` sees
     every simulated worker at every event; `on_batch(step, groups)` each trained batch.
     `buffer` (with `first_step`, its version) continues a run from a restored buffer; by
-    default a fresh one over the trace's prompts. The last of `steps` is the run's final step."""
+    default a fresh one over the trace's prompts. The last of `steps` is the run's final step
+    (tail batching drains its long queue there) unless `final_step` is False, as benchmarks of
+    the steady state want."""
     batch = batch_size or trace.batch_size
     cap = max_new_tokens or trace.cap
     loop = asyncio.get_running_loop()
@@ -123,7 +126,7 @@ async def simulate(
             before = engines.stats()
             t0 = loop.time()
             report = await manager.run_step(batch_target(buffer, batch), version=step,
-                                            final=step == first_step + steps - 1)
+                                            final=final_step and step == first_step + steps - 1)
             t1 = loop.time()
             after = engines.stats()
             trained = buffer.take_nowait(batch)
