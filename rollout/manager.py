@@ -448,37 +448,12 @@ class Step:
                 r.reserved for r in self._runs.values() if r is not run) >= self.target
             run.settled = True
             del self._runs[g.group_id]
-            if reason is None and full:
-                for task in run.tasks.values():
-                    if task is not finishing:
-                        self._cancel(task)
-                self.report_.surplus_restarted += 1
-                self.buffer.restart(g)
-                self.buffer.requeue(g)
-                self._emit(EventKind.PARKED, run, "surplus")
-                return
             if reason is not None:
-                for task in run.tasks.values():
-                    if task is not finishing:
-                        self._cancel(task)
-                tokens = g.tokens
-                self.buffer.drop(g, f"filtered:{reason}")
-                self.report_.filtered[reason] = self.report_.filtered.get(reason, 0) + 1
-                self.report_.filtered_tokens += tokens
-                self._emit(EventKind.FILTERED, run, reason)
-                return
-            done = self.buffer.complete(g)
-            for s in done.surplus:  # speculative responses, most still running
-                self._cancel(run.tasks.get(s.index))
-            self.report_.speculative_aborted += len(done.surplus)
-            self.report_.speculative_tokens += sum(len(s.response_ids) for s in done.surplus)
-            if done.queued:  # not dropped or sent back by the staleness rule
-                self._completed.append(g)
-                self._emit(EventKind.COMPLETED, run)
-            elif self.buffer.place_of(g) is None:
-                self._emit(EventKind.DROPPED, run, "stale")
+                self._filter_out(run, reason, finishing)
+            elif full:
+                self._restart_surplus(run, finishing)
             else:
-                self._emit(EventKind.PARKED, run, "stale")
+                self._complete(run)
             return
         failed = g.failed
         if failed:
@@ -491,8 +466,7 @@ class Step:
                 return  # stop() parks it, with the failed sample recorded on it
             run.settled = True
             del self._runs[g.group_id]
-            for task in run.tasks.values():
-                self._cancel(task)
+            self._cancel_all(run, finishing)
             reason = "reward_failed" if reward_failed else "engine_failed"
             self.buffer.drop(g, reason)
             self.report_.dropped[reason] = self.report_.dropped.get(reason, 0) + 1
@@ -513,6 +487,40 @@ class Step:
             self.report_.groups_carried_over += 1
             self._park(g, self.park_to, restart=False)
             self._emit(EventKind.PARKED, run, "interrupted")
+
+    def _complete(self, run: _GroupRun) -> None:
+        done = self.buffer.complete(run.group)
+        for s in done.surplus:  # speculative responses, most still running
+            self._cancel(run.tasks.get(s.index))
+        self.report_.speculative_aborted += len(done.surplus)
+        self.report_.speculative_tokens += sum(len(s.response_ids) for s in done.surplus)
+        if done.queued:  # not dropped or sent back by the staleness rule
+            self._completed.append(run.group)
+            self._emit(EventKind.COMPLETED, run)
+        elif self.buffer.place_of(run.group) is None:
+            self._emit(EventKind.DROPPED, run, "stale")
+        else:
+            self._emit(EventKind.PARKED, run, "stale")
+
+    def _filter_out(self, run: _GroupRun, reason: str, finishing: asyncio.Task | None) -> None:
+        self._cancel_all(run, finishing)
+        self.report_.filtered[reason] = self.report_.filtered.get(reason, 0) + 1
+        self.report_.filtered_tokens += run.group.tokens
+        self.buffer.drop(run.group, f"filtered:{reason}")
+        self._emit(EventKind.FILTERED, run, reason)
+
+    def _restart_surplus(self, run: _GroupRun, finishing: asyncio.Task | None) -> None:
+        """A group complete past an exact target (see `exact_target`): from the prompt again."""
+        self._cancel_all(run, finishing)
+        self.report_.surplus_restarted += 1
+        self.buffer.restart(run.group)
+        self.buffer.requeue(run.group)
+        self._emit(EventKind.PARKED, run, "surplus")
+
+    def _cancel_all(self, run: _GroupRun, finishing: asyncio.Task | None) -> None:
+        for task in run.tasks.values():
+            if task is not finishing:
+                self._cancel(task)
 
     def _filter_reason(self, g: Group) -> str | None:
         f = self._m.group_filter
