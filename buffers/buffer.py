@@ -33,6 +33,7 @@ import enum
 import heapq
 import threading
 import time
+import warnings
 from collections import Counter, deque
 from typing import Any, AsyncIterator, Collection, Iterator, NamedTuple
 
@@ -143,6 +144,7 @@ class RolloutBuffer:
         self._ready: deque[Group] = deque()
         self._live_rows: Counter[int] = Counter()  # source rows in flight, partial or long
         self._held: deque[PromptRecord] = deque()  # fresh draws whose row was live (see above)
+        self._attached: dict[str, Any] = {}  # scheduling state saved with the buffer (a ranker)
         self._counts: Counter[str] = Counter()
         self._dropped: Counter[str] = Counter()
 
@@ -390,6 +392,12 @@ class RolloutBuffer:
         return self._place.get(group.group_id)
 
     # -- persistence ----------------------------------------------------------------------
+    def attach(self, name: str, obj: Any) -> None:
+        """Save `obj.state_dict()` (plain data) with the buffer's state and restore it with
+        `obj.load_state_dict` on load: scheduling state that must survive a restart with the
+        queues it describes (a length ranker)."""
+        self._attached[name] = obj
+
     def fingerprint(self) -> dict[str, Any]:
         return {
             "n_samples_per_prompt": self.n_samples_per_prompt,
@@ -421,6 +429,8 @@ class RolloutBuffer:
                 "counts": dict(self._counts),
                 "dropped": dict(self._dropped),
                 "source": self.source.state_dict() if self.source is not None else None,
+                "attached": {name: {"type": type(obj).__name__, "state": obj.state_dict()}
+                             for name, obj in self._attached.items()},
             }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -454,6 +464,15 @@ class RolloutBuffer:
                     )
             if self.source is not None:
                 self.source.load_state_dict(state["source"])
+            for name, saved in state.get("attached", {}).items():
+                obj = self._attached.get(name)
+                if obj is None:
+                    continue  # this run has none (the recipe turned it off)
+                if saved["type"] != type(obj).__name__:
+                    warnings.warn(f"buffer state: the saved {name} is a {saved['type']}, this run's "
+                                  f"a {type(obj).__name__}; it starts fresh", stacklevel=2)
+                    continue
+                obj.load_state_dict(saved["state"])
         except BufferStateError:
             raise
         except (KeyError, TypeError, ValueError) as e:

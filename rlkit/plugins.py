@@ -1,6 +1,7 @@
-"""One rule for finding every kind of plugin (rewards, group filters, ...): a built-in name, an
-entry point in the kind's group (so `pip install my-package` is all a user does), or a dotted
-path `pkg.module:attr` (or `pkg.module.attr`). `PLUGIN_KINDS` is the one list of kinds."""
+"""One rule for finding every kind of plugin (rewards, group filters, length rankers): a
+built-in name, an entry point in the kind's group (so `pip install my-package` is all a user
+does), or a dotted path `pkg.module:attr` (or `pkg.module.attr`). `PLUGIN_KINDS` is the one
+list of kinds."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
-    from rollout.config import FilterConfig
+    from rollout.config import FilterConfig, RankerConfig
     from rollout.filters import GroupFilter
+    from rollout.rankers import LengthRanker
 
 
 class PluginNotFound(LookupError):
@@ -39,11 +41,18 @@ def _filter_builtins() -> dict[str, Any]:
     return builtin_filters()
 
 
+def _ranker_builtins() -> dict[str, Any]:
+    from rollout.rankers import builtin_rankers
+
+    return builtin_rankers()
+
+
 PLUGIN_KINDS: dict[str, PluginKind] = {
     k.name: k
     for k in (
         PluginKind("reward", "rlkit.rewards", _reward_builtins),
         PluginKind("filter", "rlkit.filters", _filter_builtins),
+        PluginKind("ranker", "rlkit.rankers", _ranker_builtins),  # factories: fn(**kwargs)
     )
 }
 
@@ -113,3 +122,22 @@ def load_group_filter(cfg: "FilterConfig") -> "GroupFilter | None":
     if problem:
         raise PluginNotFound(f"filter {cfg.name!r} cannot be called as fn(group, **kwargs): {problem}")
     return GroupFilter(fn, cfg.name, dict(cfg.kwargs), cfg.max_filtered_ratio)
+
+
+def load_ranker(cfg: "RankerConfig", **extra: Any) -> "LengthRanker | None":
+    """The recipe's length ranker (rollout.ranker): its factory called with the recipe's
+    kwargs (and `extra`, e.g. a benchmark's trace for the oracle), or None when off."""
+    from rollout.rankers import LengthRanker
+
+    if cfg.name is None:
+        return None
+    factory = resolve_plugin("ranker", cfg.name)
+    try:
+        ranker = factory(**{**cfg.kwargs, **extra})
+    except TypeError as e:
+        raise PluginNotFound(f"ranker {cfg.name!r}: cannot be built with kwargs "
+                             f"{sorted({**cfg.kwargs, **extra})}: {e}") from None
+    if not isinstance(ranker, LengthRanker):
+        raise PluginNotFound(f"ranker {cfg.name!r} built a {type(ranker).__name__}, which lacks "
+                             "predict / observe / state_dict / load_state_dict")
+    return ranker

@@ -94,6 +94,13 @@ class TailBatchingConfig(BaseModel):
         "interrupted, a ranker that deferred it up front) is not deferred again: the next round "
         "that runs it waits for it to finish.",
     )
+    proactive: bool = Field(
+        False,
+        description="Short rounds send the prompts rollout.ranker predicts long straight to the "
+        "long queue instead of running them: predicted at or above the (1 - 1/eta_prompts) "
+        "quantile of recent groups' mean lengths (the share a short round defers anyway). "
+        "Needs a ranker; off until a batch's worth of groups has finished.",
+    )
 
 
 class FilterConfig(BaseModel):
@@ -126,16 +133,112 @@ class FilterConfig(BaseModel):
 
 
 class RankerConfig(BaseModel):
-    """Output-length ranker used by ranked dispatch, tail batching and ordering."""
+    """Output-length ranker (StreamRL): predicts each group's response length; drives
+    ranked_dispatch, tail_batching.proactive and adaptive over-provisioning, and every step
+    logs its recall of the truly longest 20 / 10 / 5% of groups (rollout/ranker_recall@*)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(
-        "prompt_length",
-        description="Built-in ranker name, or a dotted path 'pkg.module:Factory' resolving to a "
-        "LengthRanker.",
+    name: str | None = Field(
+        "history",
+        description="'history' (per-prompt running mean from earlier epochs, partial progress as "
+        "a lower bound; the default), 'learned' (a scikit-learn regressor on prompt token "
+        "statistics, refit online: it predicts prompts never seen), 'prompt_length' (baseline), "
+        "'oracle' (a trace's true lengths, benchmarks only: kwargs {trace: path}), an entry "
+        "point in 'rlkit.rankers', or a dotted path to a factory; None: no ranker. Its state is "
+        "saved with the buffer.",
     )
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="Arguments for the ranker.")
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Arguments for the ranker's factory (history: decay; learned: buckets, "
+        "window, refit_every, min_samples).",
+    )
+
+
+class DispatchConfig(BaseModel):
+    """Skewness-aware dispatch (StreamRL Algorithm 2) and longest-first admission; used by
+    policy ranked_dispatch."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    alpha: float = Field(
+        0.2, gt=0, lt=1,
+        description="Share of a step's groups, longest predicted first, treated as long-tail: "
+        "they run on engines of their own, in small batches that decode fast.",
+    )
+    cost_model: Literal["fluid", "streamrl"] = Field(
+        "fluid",
+        description="How many engines serve the long tail alone: 'fluid' predicts each engine's "
+        "makespan under continuous batching from every placed request's predicted length and "
+        "may choose no split (every engine serves every class, longest first, evenly); "
+        "'streamrl' is Algorithm 2 as published (Eq. 2 with the P90 / P50 of recent lengths, "
+        "always a split). docs/policies.md compares them.",
+    )
+    min_recall: float = Field(
+        0.5, ge=0, le=1,
+        description="cost_model=fluid splits engines only while the ranker's recall of the "
+        "longest alpha share of recent groups is at least this (below it, every engine serves "
+        "every group, still longest predicted first): a split on wrong predictions sends the "
+        "wrong groups to the long-tail engines.",
+    )
+    objective: Literal["max", "sum"] = Field(
+        "max",
+        description="cost_model=streamrl: how the long-tail and regular engines' predicted "
+        "latencies combine: 'max' (they run in parallel) or 'sum' (as StreamRL's pseudocode "
+        "writes it).",
+    )
+    profile: str | None = Field(
+        None,
+        description="Engine profile for the cost model (per-token latency by batch size, KV "
+        "capacity): a packaged profile name or a JSON file `rlkit bench engine` wrote; None: "
+        "per-token latency independent of the batch, so the split only balances predicted work.",
+    )
+    slots_per_engine: int | None = Field(
+        None, ge=1,
+        description="Requests the dispatcher lets run on one engine at once, admitting the "
+        "longest predicted remaining work first as slots free (LPT); None: "
+        "rollout.engine.max_running_requests. Set it to the batch the engine really runs.",
+    )
+
+
+class AdaptiveOverProvisionConfig(BaseModel):
+    """Policy 'partial' (also as ranked_dispatch's base) sizing its groups in flight from the
+    ranker's predictions instead of the fixed rollout.over_provision."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(
+        False,
+        description="Keep just enough groups in flight that the engines run at `utilization` of "
+        "their peak throughput until the step's last needed group completes, by the ranker's "
+        "predicted remaining lengths and the filter's recent pass rate; between min and max x "
+        "batch_size. Fewer groups in flight park fewer tokens. Needs a ranker (and a "
+        "rollout.dispatch.profile for the peak; without one, every engine slot counts).",
+    )
+    min: float = Field(1.0, ge=1.0, le=16.0, description="Fewest groups in flight, x batch_size.")
+    max: float = Field(2.0, ge=1.0, le=16.0, description="Most groups in flight, x batch_size.")
+    utilization: float = Field(
+        0.9, gt=0, le=1,
+        description="Share of peak throughput the engines should keep until the target is met.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> "AdaptiveOverProvisionConfig":
+        if self.min > self.max:
+            raise ValueError(f"adaptive_over_provision.min ({self.min}) exceeds max ({self.max})")
+        return self
+
+
+class RankedDispatchConfig(BaseModel):
+    """Policy ranked_dispatch: a base policy whose groups the dispatcher places and orders."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    base: Literal["sync", "partial"] = Field(
+        "sync",
+        description="The policy under the dispatcher: 'sync', or 'partial' (rollout.over_provision "
+        "or rollout.adaptive_over_provision; off-policy, so it needs an explicit correction).",
+    )
 
 
 class RewardConfig(BaseModel):
@@ -197,6 +300,16 @@ class RolloutConfig(BaseModel):
         default_factory=FilterConfig, description="Dynamic sampling: the group filter."
     )
     ranker: RankerConfig = Field(default_factory=RankerConfig, description="Output-length ranker.")
+    dispatch: DispatchConfig = Field(
+        default_factory=DispatchConfig, description="Skewness-aware dispatch (ranked_dispatch)."
+    )
+    ranked_dispatch: RankedDispatchConfig = Field(
+        default_factory=RankedDispatchConfig, description="Policy ranked_dispatch."
+    )
+    adaptive_over_provision: AdaptiveOverProvisionConfig = Field(
+        default_factory=AdaptiveOverProvisionConfig,
+        description="Partial rollouts sized by the ranker.",
+    )
     max_staleness: int = Field(
         4,
         ge=0,
@@ -210,6 +323,24 @@ class RolloutConfig(BaseModel):
         "correction must be on).",
     )
     reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward function.")
+
+    @model_validator(mode="after")
+    def _needs_ranker(self) -> "RolloutConfig":
+        wants = [why for why, on in (
+            ("rollout.policy=ranked_dispatch", self.policy == "ranked_dispatch"),
+            ("rollout.tail_batching.proactive", self.policy == "tail_batching"
+             and self.tail_batching.proactive),
+            ("rollout.adaptive_over_provision", self.adaptive_over_provision.enabled),
+        ) if on]
+        if wants and self.ranker.name is None:
+            raise ValueError(f"{', '.join(wants)} needs a length ranker: set rollout.ranker.name "
+                             "(history, learned, ...)")
+        base = self.ranked_dispatch.base if self.policy == "ranked_dispatch" else self.policy
+        if self.adaptive_over_provision.enabled and base != "partial":
+            raise ValueError("rollout.adaptive_over_provision sizes partial rollouts: it needs "
+                             "rollout.policy=partial (or ranked_dispatch with base partial), not "
+                             f"{self.policy}")
+        return self
 
     def off_policy_reason(self) -> str | None:
         """Why this rollout set-up can train on tokens of older policy versions (the recipe then

@@ -27,7 +27,7 @@ import asyncio
 import bisect
 import enum
 import math
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Protocol, Union
 
@@ -35,8 +35,12 @@ from buffers.buffer import Place, RolloutBuffer
 from buffers.group import Group
 from buffers.sample import Sample, SampleStatus
 from rollout.config import SamplingConfig
+from rollout.dispatch import (AdmissionGate, Dispatcher, GateClosed, LengthWindow, longest_first,
+                              remaining as predicted_remaining)
 from rollout.engine_api import EngineError, Engines
 from rollout.filters import FilterFailure, GroupFilter
+from rollout.rankers import LengthRanker
+from rollout.rankers.recall import recalls
 from rollout.rewards import RewardFailure, RewardScheduler
 from rollout.timeline import Span
 
@@ -106,6 +110,9 @@ class StepReport:
     filtered_tokens: int = 0
     filter_exhausted: int = 0  # complete groups kept unfiltered: the step's filter limit was hit
     surplus_restarted: int = 0  # complete past an exact target: restarted (see Step.exact_target)
+    # (predicted, actual) mean response length of each group completed, when a ranker predicted
+    predictions: list[tuple[float, float]] = field(default_factory=list)
+    dispatch: dict[str, Any] = field(default_factory=dict)  # the dispatcher's plan, if any
     dropped: dict[str, int] = field(default_factory=dict)
     reward_mean: float = math.nan
     reward_failures: int = 0
@@ -120,6 +127,13 @@ class StepReport:
     @property
     def resumed_token_share(self) -> float:
         return self.tokens_from_earlier / self.tokens_in_batch if self.tokens_in_batch else 0.0
+
+    def ranker_recalls(self) -> dict[str, float]:
+        """Recall of the truly longest 20 / 10 / 5% of the step's groups among the predicted
+        longest (rollout.rankers.recall); empty without predictions."""
+        if not self.predictions:
+            return {}
+        return recalls([a for _, a in self.predictions], [p for p, _ in self.predictions])
 
     def metrics(self) -> dict[str, Any]:
         """Flat numbers for the metrics log."""
@@ -149,6 +163,8 @@ class StepReport:
             "rollout/filtered_tokens": self.filtered_tokens,
             "rollout/filter_exhausted": self.filter_exhausted,
             "rollout/surplus_restarted": self.surplus_restarted,
+            **{f"rollout/ranker_{k}": v for k, v in self.ranker_recalls().items()},
+            **{f"rollout/dispatch/{k}": v for k, v in self.dispatch.items()},
             **{f"rollout/filtered/{k}": v for k, v in self.filtered.items()},
             **{f"rollout/dropped/{k}": v for k, v in self.dropped.items()},
         }
@@ -171,6 +187,7 @@ class RolloutManager:
         rewards: RewardScheduler,
         *,
         group_filter: GroupFilter | None = None,
+        ranker: LengthRanker | None = None,
         abort_grace_s: float = 30.0,
     ) -> None:
         self.buffer = buffer
@@ -179,8 +196,13 @@ class RolloutManager:
         self.sampling = sampling
         self.rewards = rewards
         self.group_filter = group_filter
+        self.ranker = ranker
         self.abort_grace_s = abort_grace_s
         self.current: Step | None = None  # the step running now, for progress reports
+        # Recent lengths of finished groups, across steps: the distribution D the dispatcher's
+        # cost model and the ranker-driven policies' thresholds read (responses; group means).
+        self.response_lengths = LengthWindow(4096)
+        self.group_lengths = LengthWindow(1024)
 
     async def run_step(self, target: int, version: int, *, final: bool = False) -> StepReport:
         """Run one rollout step: `target` groups become ready in the buffer (or an error).
@@ -206,7 +228,7 @@ class RolloutManager:
 @dataclass(eq=False)
 class _GroupRun:
     group: Group
-    worker: str | None
+    placed: dict[int, str]  # sample index -> the engine its request is pinned to (if any)
     tasks: dict[int, asyncio.Task] = field(default_factory=dict)  # sample index -> task
     scoring: set[int] = field(default_factory=set)  # sample indices whose reward is running
     served_by: set[str] = field(default_factory=set)  # workers its requests ran on
@@ -232,6 +254,13 @@ class Step:
         # instant, or during the abort) is restarted from its prompt and requeued, rather than
         # left ready to be trained a version later.
         self.exact_target = False
+        # A policy that places its groups sets this (ranked_dispatch): every launch is then
+        # placed on an engine and admitted longest-first there.
+        self.dispatcher: Dispatcher | None = None
+        self.ranker = manager.ranker
+        self._in_flight: Counter[str] = Counter()  # requests this step has on each engine
+        self._gates: dict[str, AdmissionGate] = {}
+        self._planned = False
         self._m = manager
         self._loop = asyncio.get_running_loop()
         self._runs: dict[int, _GroupRun] = {}
@@ -261,6 +290,19 @@ class Step:
     def is_running(self, group: Group) -> bool:
         return group.group_id in self._runs
 
+    def running_groups(self) -> list[Group]:
+        return [run.group for run in self._runs.values()]
+
+    @property
+    def response_lengths(self) -> LengthWindow:
+        """Recent finished responses' lengths (all steps so far)."""
+        return self._m.response_lengths
+
+    @property
+    def group_lengths(self) -> LengthWindow:
+        """Recent finished groups' mean response lengths (all steps so far)."""
+        return self._m.group_lengths
+
     @property
     def round(self) -> str:
         return self.report_.round
@@ -275,24 +317,35 @@ class Step:
         """Start generating every unfinished sample of an in-flight group.
 
         `responses` > group.n launches speculative extra responses; the group keeps the
-        first n to finish. `worker` pins the group's requests to one engine. `reserve`: the
-        policy will wait for this group, so an exact-target step keeps it a place (other
-        groups complete only while completed + reserved running < target).
+        first n to finish. `worker` pins the group's requests to one engine; with a dispatcher
+        and no `worker`, each request is placed on its own (a group's responses spread over
+        the engines of its class, as the router would spread them). `reserve`: the policy
+        will wait for this group, so an exact-target step keeps it a place (other groups
+        complete only while completed + reserved running < target).
         """
         if self._stopping:
             raise RuntimeError("launch after stop()")
         if responses is not None and responses > len(group.samples):
             self.buffer.extend(group, responses - len(group.samples))
-        run = _GroupRun(group, worker, served_by={worker} if worker else set(), reserved=reserve)
+        todo = [s for s in group.samples if not s.is_finished]
+        if worker is not None:
+            placed = {s.index: worker for s in todo}
+        elif self.dispatcher is not None:
+            placed = dict(zip((s.index for s in todo),
+                              self.dispatcher.place(group, len(todo), self._in_flight)))
+        else:
+            placed = {}
+        run = _GroupRun(group, placed, served_by=set(placed.values()), reserved=reserve)
         self._runs[group.group_id] = run
         for s in group.samples:  # what each response had before this step (resumed partials)
             self._tokens_at_launch.setdefault(s.index, len(s.response_ids))
         self.report_.groups_launched += 1
         if group.has_tokens:
             self.report_.groups_resumed += 1
-        for s in group.samples:
-            if not s.is_finished:
-                run.tasks[s.index] = asyncio.create_task(self._sample(run, s))
+        for s in todo:
+            if s.index in placed:
+                self._in_flight[placed[s.index]] += 1
+            run.tasks[s.index] = asyncio.create_task(self._sample(run, s))
         self._check(run)
 
     def progress(self) -> dict[str, Any]:
@@ -306,8 +359,35 @@ class Step:
         }
 
     def launch_all(self, groups: list[Group], **kwargs: Any) -> None:
-        for g in groups:
+        """Launch groups (with `launch`'s options). With a ranker their lengths are predicted
+        first; with a dispatcher they are placed, longest predicted first."""
+        groups = list(groups)
+        self.predict(groups)
+        if self.dispatcher is None or kwargs.get("worker") is not None:
+            for g in groups:
+                self.launch(g, **kwargs)
+            return
+        if not self._planned:  # a step plans on its first launch
+            self._planned = True
+            plan = self.dispatcher.plan(self.engines.workers(), groups,
+                                        self.buffer.n_samples_per_prompt, self._m.response_lengths)
+            self.report_.dispatch = {"long_engines": len(plan.long_workers),
+                                     "threshold": plan.threshold if plan.long_workers else 0.0}
+        for g in longest_first(groups):
             self.launch(g, **kwargs)
+
+    def predict(self, groups: list[Group]) -> None:
+        """Set each group's predicted_length from the ranker (again at each launch: a parked
+        group's partial progress changes it). A no-op without a ranker."""
+        if self.ranker is not None and groups:
+            for g, length in zip(groups, self.ranker.predict(groups)):
+                g.predicted_length = float(length)
+
+    def defer(self, group: Group) -> None:
+        """Send an in-flight group that was never launched straight to the long queue (a ranker
+        predicts it long)."""
+        self.report_.prompts_deferred += 1
+        self.buffer.defer(group)
 
     async def next_event(self) -> StepEvent:
         """The next thing that happened to a launched group (in order; events since the last
@@ -334,6 +414,8 @@ class Step:
             return
         self._stopping = True
         choose = park if callable(park) else (lambda g, p=park or self.park_to: p)
+        for gate in self._gates.values():
+            gate.close()
         abort_error: BaseException | None = None
         tasks = [t for run in self._runs.values() for t in run.tasks.values() if not t.done()]
         if tasks:
@@ -388,6 +470,8 @@ class Step:
             s.interrupt()
         finally:
             run.scoring.discard(s.index)
+            if s.index in run.placed:
+                self._in_flight[run.placed[s.index]] -= 1
             self._check(run, finishing=asyncio.current_task())
 
     async def _generate(self, run: _GroupRun, s: Sample) -> None:
@@ -395,12 +479,20 @@ class Step:
         if remaining <= 0:  # resumed at its budget: nothing to ask for
             s.append([], [], self.version, finish_reason="length")
             return
-        before, start, worker, outcome = len(s.response_ids), self._loop.time(), run.worker, "abort"
+        pinned = run.placed.get(s.index)
+        gate = self._gate(pinned)
+        if gate is not None:
+            try:
+                await gate.acquire(predicted_remaining(run.group))
+            except GateClosed:  # the step stopped first: never sent, nothing to park but itself
+                s.interrupt()
+                return
+        before, start, worker, outcome = len(s.response_ids), self._loop.time(), pinned, "abort"
         try:
             worker = await self._m.engines.generate(
                 s, self._m.sampling, max_new_tokens=remaining, version=self.version,
-                worker=run.worker,
-            ) or run.worker
+                worker=pinned,
+            ) or pinned
             if worker:
                 run.served_by.add(worker)
             outcome = s.finish_reason if s.status.terminal else "abort"
@@ -412,6 +504,8 @@ class Step:
             s.fail(f"engine: {e}")
             self.report_.engine_failures += 1
         finally:
+            if gate is not None:
+                gate.release()
             tokens = len(s.response_ids) - before
             self.report_.tokens_generated += tokens
             self.report_.timeline.append(Span(
@@ -494,6 +588,7 @@ class Step:
             self._cancel(run.tasks.get(s.index))
         self.report_.speculative_aborted += len(done.surplus)
         self.report_.speculative_tokens += sum(len(s.response_ids) for s in done.surplus)
+        self._observe(run.group)
         if done.queued:  # not dropped or sent back by the staleness rule
             self._completed.append(run.group)
             self._emit(EventKind.COMPLETED, run)
@@ -504,6 +599,7 @@ class Step:
 
     def _filter_out(self, run: _GroupRun, reason: str, finishing: asyncio.Task | None) -> None:
         self._cancel_all(run, finishing)
+        self._observe(run.group)  # its lengths are real, whatever its rewards
         self.report_.filtered[reason] = self.report_.filtered.get(reason, 0) + 1
         self.report_.filtered_tokens += run.group.tokens
         self.buffer.drop(run.group, f"filtered:{reason}")
@@ -531,7 +627,28 @@ class Step:
             return None
         return f.reason(g)
 
+    def _observe(self, g: Group) -> None:
+        """Lengths of a finished (or, as lower bounds, parked) group: to the ranker, and to the
+        recent-length windows when finished."""
+        if self.ranker is not None:
+            self.ranker.observe(g)
+        if g.is_complete and self.dispatcher is not None:
+            self.dispatcher.observe(g)
+        if g.is_complete:
+            lengths = [len(s.response_ids) for s in g.first_finished()]
+            self._m.response_lengths.add(lengths)
+            self._m.group_lengths.add([sum(lengths) / len(lengths)])
+
+    def _gate(self, worker: str | None) -> AdmissionGate | None:
+        if self.dispatcher is None or worker is None:
+            return None
+        gate = self._gates.get(worker)
+        if gate is None:
+            gate = self._gates[worker] = AdmissionGate(self.dispatcher.engine.slots)
+        return gate
+
     def _park(self, g: Group, place: Park, restart: bool) -> None:
+        self._observe(g)  # before a restart forgets its tokens
         if place == "long":
             discarded = self.buffer.defer(g, restart=restart)
             self.report_.prompts_deferred += 1
@@ -551,6 +668,10 @@ class Step:
         r = self.report_
         r.completed = [g.group_id for g in self._completed]
         r.long_queue = self.buffer.count(Place.LONG)
+        r.predictions = [
+            (g.predicted_length, sum(len(s.response_ids) for s in g.samples) / len(g.samples))
+            for g in self._completed if g.predicted_length is not None
+        ]
         rewards: list[float] = []
         for g in self._completed:
             for s in g.samples:

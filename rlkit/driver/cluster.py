@@ -48,6 +48,7 @@ class RolloutActor:
         self.source: Any = None
         self.score: Any = None
         self.group_filter: Any = None
+        self.ranker: Any = None
         self.router = None
         self.client = None
         self.service: RolloutService | None = None
@@ -58,7 +59,7 @@ class RolloutActor:
         from transformers import AutoTokenizer
 
         from rlkit.data.prompts import load_prompt_source
-        from rlkit.plugins import load_group_filter
+        from rlkit.plugins import load_group_filter, load_ranker
         from rlkit.rewards.scoring import make_score_fn
 
         r = self.recipe
@@ -70,6 +71,7 @@ class RolloutActor:
 
         self.score = make_score_fn(r.rollout.reward, decode)
         self.group_filter = load_group_filter(r.rollout.filter)
+        self.ranker = load_ranker(r.rollout.ranker)
 
     async def start(self, engine_urls: list[str]) -> None:
         """Start the router in front of the engines and the rollout service over them."""
@@ -82,7 +84,7 @@ class RolloutActor:
         router_url = await asyncio.to_thread(self.router.start, engine_urls)
         self.client = await EngineClient(router_url, worker_urls=engine_urls).connect()
         self.service = RolloutService(r.rollout, self.source, self.client, self.score,
-                                      self.group_filter)
+                                      self.group_filter, self.ranker)
 
     async def run_step(self, version: int, final: bool = False) -> StepResult:
         assert self.service is not None

@@ -18,6 +18,7 @@ from rollout.engine_api import Engines
 from rollout.filters import GroupFilter
 from rollout.manager import RolloutManager, StepReport, batch_target
 from rollout.policies import make_policy
+from rollout.rankers import LengthRanker
 from rollout.rewards import RewardScheduler, ScoreFn
 
 
@@ -40,6 +41,7 @@ class RolloutService:
         engines: Engines,
         score: ScoreFn,
         group_filter: GroupFilter | None = None,
+        ranker: LengthRanker | None = None,
     ) -> None:
         self.cfg = cfg
         self.engines = engines
@@ -49,9 +51,11 @@ class RolloutService:
             max_staleness=cfg.max_staleness,
             staleness_policy=cfg.staleness_policy,
         )
+        if ranker is not None:
+            self.buffer.attach("ranker", ranker)  # its state goes with the buffer's checkpoint
         rewards = RewardScheduler(score, timeout_s=cfg.reward.timeout_s, on_error=cfg.reward.on_error)
         self.manager = RolloutManager(self.buffer, engines, make_policy(cfg), cfg.sampling, rewards,
-                                      group_filter=group_filter)
+                                      group_filter=group_filter, ranker=ranker)
         self._current: asyncio.Task | None = None
 
     async def run_step(self, version: int, *, final: bool = False) -> StepResult:

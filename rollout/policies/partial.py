@@ -4,6 +4,11 @@ Keep over_provision x target groups in flight; the buffer hands out last step's 
 groups first (oldest first). Once `target` groups are complete, abort everything still
 running and park it in the partial queue with its tokens, log-probabilities and versions:
 the long tail no longer holds the step, and none of its work is thrown away.
+
+Adaptive over-provisioning (with a ranker) replaces the fixed factor: groups are launched one
+at a time while the predicted work in flight is too little to keep the engines at their
+target utilization until the step's last needed group completes (rollout.dispatch's
+InFlightSizer), within [min, max] x target; a filter's recent pass rate scales the need.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from rollout.dispatch import InFlightSizer
+
 if TYPE_CHECKING:
     from rollout.manager import Step
 
@@ -19,15 +26,53 @@ if TYPE_CHECKING:
 @dataclass
 class PartialPolicy:
     over_provision: float = 2.0
+    # Adaptive over-provisioning (rollout.adaptive_over_provision): groups in flight between
+    # min and max x target, as many as `sizer` says keep the engines busy (needs a ranker).
+    sizer: InFlightSizer | None = None
+    min_factor: float = 1.0
+    max_factor: float = 2.0
     name: str = "partial"
+    pass_rate: float = 1.0  # share of complete groups the filter kept, recently (adaptive)
 
     def __post_init__(self) -> None:
         if self.over_provision < 1.0:
             raise ValueError(f"over_provision must be >= 1, got {self.over_provision}")
+        if not 1.0 <= self.min_factor <= self.max_factor:
+            raise ValueError("adaptive over-provisioning needs 1 <= min <= max")
 
     async def run(self, step: Step) -> None:
         in_flight = math.ceil(self.over_provision * step.target)
+        adaptive = self.sizer is not None and step.ranker is not None
         while step.completed < step.target:
-            step.launch_all(step.buffer.acquire(in_flight - step.completed - step.running))
+            if adaptive:
+                self._fill(step)
+            else:
+                step.launch_all(step.buffer.acquire(in_flight - step.completed - step.running))
             await step.next_event()
+        if adaptive:
+            self._learn_pass_rate(step)
         await step.stop(park="partial")
+
+    def _fill(self, step: Step) -> None:
+        """Launch one group at a time until the sizer says the work in flight is enough (or a
+        bound is reached); a filter that turns groups down asks for proportionally more."""
+        assert self.sizer is not None
+        lo = math.ceil(self.min_factor * step.target)
+        hi = math.ceil(self.max_factor * step.target)
+        need = math.ceil((step.target - step.completed) / self.pass_rate)
+        context = (step.response_lengths.quantile(0.5) or 0.0) / 2
+        engines = len(step.engines.workers())
+        n = step.buffer.n_samples_per_prompt
+        while step.completed + step.running < hi:
+            if step.completed + step.running >= lo and self.sizer.enough(
+                    step.running_groups(), need, n, engines, context):
+                break
+            groups = step.buffer.acquire(1)
+            if not groups:
+                break
+            step.launch_all(groups)
+
+    def _learn_pass_rate(self, step: Step) -> None:
+        kept, filtered = step.completed, sum(step.report_.filtered.values())
+        if kept + filtered:
+            self.pass_rate = max(0.05, 0.5 * self.pass_rate + 0.5 * kept / (kept + filtered))

@@ -7,7 +7,8 @@ names from here; the policies take the config and the Step only as arguments).
 
 Bench specs name a policy with its knobs: `name[@value][+option...]`, e.g. `partial@1.5`
 (over-provision 1.5), `tail_batching@1.5` (eta 1.5 for prompts and responses),
-`tail_batching+resume`. `policy_config(spec)` turns one into a RolloutConfig.
+`tail_batching+resume`, `ranked_dispatch+partial+oracle`, `partial+adaptive+history`.
+`policy_config(spec)` turns one into a RolloutConfig.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from rollout.policies.partial import PartialPolicy
+from rollout.policies.ranked_dispatch import RankedDispatchPolicy
 from rollout.policies.sync import SyncPolicy
 from rollout.policies.tail_batching import TailBatchingPolicy
 
 if TYPE_CHECKING:
     from rollout.config import RolloutConfig
+    from rollout.dispatch import EngineModel
     from rollout.manager import RolloutPolicy
 
 
@@ -34,6 +37,52 @@ class PolicyInfo:
     off_policy: Callable[["RolloutConfig"], str | None] = lambda cfg: None
     arg: tuple[str, ...] = ()  # recipe keys (under rollout.) a bench spec's "@value" sets
     options: dict[str, dict[str, Any]] = field(default_factory=dict)  # "+option" -> keys
+
+
+# "+ranker" options any policy spec takes (rollout.ranker.name); the oracle's trace comes from
+# the benchmark that builds the ranker.
+RANKER_OPTIONS = {name: {"ranker.name": name}
+                  for name in ("history", "learned", "prompt_length", "oracle")}
+
+
+def engine_model(cfg: "RolloutConfig") -> "EngineModel":
+    """The capacity and latency model dispatch and adaptive sizing plan with: slots per engine,
+    KV capacity, and the per-token latency of rollout.dispatch.profile (if set)."""
+    from rollout.dispatch import EngineModel
+
+    slots = cfg.dispatch.slots_per_engine or cfg.engine.max_running_requests
+    kv, ptl = cfg.engine.max_total_tokens, None
+    if cfg.dispatch.profile is not None:
+        from rollout.sim.profile import load_profile
+
+        profile = load_profile(cfg.dispatch.profile)
+        ptl = profile.ptl
+        kv = kv or profile.kv_capacity_tokens
+    return EngineModel(slots=slots, kv_tokens=kv, ptl=ptl)
+
+
+def _partial(cfg: "RolloutConfig") -> PartialPolicy:
+    a = cfg.adaptive_over_provision
+    if not a.enabled:
+        return PartialPolicy(over_provision=cfg.over_provision)
+    from rollout.dispatch import InFlightSizer
+
+    return PartialPolicy(over_provision=cfg.over_provision,
+                         sizer=InFlightSizer(engine_model(cfg), a.utilization),
+                         min_factor=a.min, max_factor=a.max)
+
+
+def _ranked(cfg: "RolloutConfig") -> RankedDispatchPolicy:
+    from rollout.dispatch import Dispatcher
+
+    partial = cfg.ranked_dispatch.base == "partial"
+    d = cfg.dispatch
+    # The fluid model predicts when everything finishes (a sync step); a partial step ends at
+    # its target and parks the rest, so under partial it places and orders only.
+    return RankedDispatchPolicy(
+        _partial(cfg) if partial else SyncPolicy(),
+        Dispatcher(engine_model(cfg), alpha=d.alpha, objective=d.objective,
+                   cost_model=d.cost_model, min_recall=d.min_recall, split=not partial))
 
 
 def _tail_off_policy(cfg: "RolloutConfig") -> str | None:
@@ -52,9 +101,10 @@ POLICIES: dict[str, PolicyInfo] = {
         ),
         PolicyInfo(
             "partial", "APRIL: over-provision, abort at batch_size complete, resume the rest first",
-            build=lambda cfg: PartialPolicy(over_provision=cfg.over_provision),
+            build=_partial,
             off_policy=lambda cfg: "rollout.policy=partial resumes responses across policy versions",
             arg=("over_provision",),
+            options={"adaptive": {"adaptive_over_provision.enabled": True}, **RANKER_OPTIONS},
         ),
         PolicyInfo(
             "tail_batching",
@@ -62,7 +112,24 @@ POLICIES: dict[str, PolicyInfo] = {
             build=lambda cfg: TailBatchingPolicy.from_config(cfg),
             off_policy=_tail_off_policy,
             arg=("tail_batching.eta_prompts", "tail_batching.eta_responses"),
-            options={"resume": {"tail_batching.deferred": "resume"}},
+            options={"resume": {"tail_batching.deferred": "resume"},
+                     "proactive": {"tail_batching.proactive": True}, **RANKER_OPTIONS},
+        ),
+        PolicyInfo(
+            "ranked_dispatch",
+            "StreamRL: sync or partial, each group placed by predicted length (long tail on its "
+            "own engines) and admitted longest first",
+            build=_ranked,
+            off_policy=lambda cfg: (
+                "rollout.ranked_dispatch.base=partial resumes responses across policy versions"
+                if cfg.ranked_dispatch.base == "partial" else None),
+            arg=("over_provision",),
+            options={"partial": {"ranked_dispatch.base": "partial"},
+                     "streamrl": {"dispatch.cost_model": "streamrl"},
+                     "sum": {"dispatch.cost_model": "streamrl", "dispatch.objective": "sum"},
+                     "adaptive": {"ranked_dispatch.base": "partial",
+                                  "adaptive_over_provision.enabled": True},
+                     **RANKER_OPTIONS},
         ),
     )
 }

@@ -46,13 +46,14 @@ class TailBatchingPolicy:
     long_round_size: int = 0  # 0: the step's target (batch_size)
     deferred: Literal["restart", "resume"] = "restart"
     max_deferrals: int = 2
+    proactive: bool = False  # prompts the ranker predicts long skip the short round
     name: str = "tail_batching"
 
     @classmethod
     def from_config(cls, cfg: "RolloutConfig") -> "TailBatchingPolicy":
         tb = cfg.tail_batching
         return cls(tb.eta_prompts, tb.eta_responses, tb.long_round_size, tb.deferred,
-                   tb.max_deferrals)
+                   tb.max_deferrals, tb.proactive)
 
     def __post_init__(self) -> None:
         if self.eta_prompts < 1.0 or self.eta_responses < 1.0:
@@ -76,13 +77,21 @@ class TailBatchingPolicy:
         prompts = math.ceil(self.eta_prompts * step.target)
         responses = math.ceil(self.eta_responses * step.buffer.n_samples_per_prompt)
         must_finish: list[Group] = []  # deferred often enough: this round waits for them
+        budget = prompts  # proactive deferrals one round may make
         while step.completed < step.target or any(map(step.is_running, must_finish)):
             # A filtered or dropped prompt frees its place for a fresh one.
             want = prompts - step.completed - step.running if step.completed < step.target else 0
-            if want > 0:
+            while want > 0:
                 groups = step.buffer.acquire(want)
                 if len(groups) < want:  # the data ran dry: train what the long queue holds
                     groups += step.buffer.acquire_long(want - len(groups))
+                if not groups:
+                    break
+                if self.proactive and budget > 0:
+                    groups, deferred = self._skip_predicted_long(step, groups, budget)
+                    budget -= deferred
+                want -= len(groups)
+                step.predict(groups)  # (again, cheaply: the recall metric reads them)
                 for g in groups:
                     wait = g.deferrals >= self.max_deferrals
                     self._launch(step, g, responses, reserve=wait)
@@ -90,6 +99,25 @@ class TailBatchingPolicy:
                         must_finish.append(g)
             await step.next_event()
         await step.stop(park="long", restart_deferred=self.deferred == "restart")
+
+    def _skip_predicted_long(self, step: "Step", groups: list["Group"], budget: int
+                             ) -> tuple[list["Group"], int]:
+        """Proactive tail batching: a fresh prompt the ranker predicts long goes straight to
+        the long queue (predicted at or above the (1 - 1/eta_prompts) quantile of recent groups'
+        lengths). Returns the groups to run and how many were deferred."""
+        if len(step.group_lengths) < step.target:
+            return groups, 0  # too little history for a threshold
+        threshold = step.group_lengths.quantile(1.0 - 1.0 / self.eta_prompts)
+        step.predict(groups)
+        keep, deferred = [], 0
+        for g in groups:
+            fresh = g.deferrals == 0 and not g.has_tokens  # the long queue's own stay put
+            if fresh and (g.predicted_length or 0.0) >= threshold and deferred < budget:
+                step.defer(g)
+                deferred += 1
+            else:
+                keep.append(g)
+        return keep, deferred
 
     async def _long_round(self, step: "Step") -> None:
         step.round = "long"
@@ -102,6 +130,7 @@ class TailBatchingPolicy:
                 groups = step.buffer.acquire_long(want)
                 if len(groups) < want:
                     groups += step.buffer.acquire(want - len(groups))
+                step.predict(groups)
                 for g in groups:
                     self._launch(step, g, n)
             await step.next_event()

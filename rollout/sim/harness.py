@@ -25,6 +25,7 @@ from buffers.source import ListPromptSource
 from rollout.config import SamplingConfig
 from rollout.filters import GroupFilter
 from rollout.manager import RolloutManager, RolloutPolicy, batch_target
+from rollout.rankers import LengthRanker
 from rollout.rewards import RewardScheduler
 from rollout.sim.clock import run_virtual
 from rollout.sim.engine import Segment, SimConfig, SimEngines, SimWorker, WorkerStats
@@ -66,6 +67,9 @@ class StepResult:
     long_queue: int  # after the step
     filtered_groups: int
     max_response_length: int  # in the groups completed
+    ranker_recall: dict[str, float]  # recall@20/10/5 of the groups completed (with a ranker)
+    predictions: list[tuple[float, float]]  # (predicted, actual) mean length per group completed
+    long_engines: int  # engines the dispatcher gave the long tail (ranked_dispatch)
     preemptions: int
     prefill_s: float  # summed over engines
 
@@ -99,6 +103,7 @@ async def simulate(
     observer: Callable[[SimWorker, str], None] | None = None,
     on_batch: Callable[[int, list[Group]], None] | None = None,
     group_filter: GroupFilter | None = None,
+    ranker: LengthRanker | None = None,
     buffer: RolloutBuffer | None = None,
     first_step: int = 0,
     final_step: bool = True,
@@ -115,11 +120,14 @@ async def simulate(
     if buffer is None:
         buffer = RolloutBuffer(trace_source(trace), n_samples_per_prompt=trace.group_size,
                                max_staleness=max_staleness)
+    if ranker is not None:
+        buffer.attach("ranker", ranker)
     engines = SimEngines(cluster, observer=observer)
     replay = TraceReplayEngines(engines, trace, BufferPrompts(buffer))
     sampling = SamplingConfig(max_new_tokens=cap, temperature=1.0)
     manager = RolloutManager(buffer, replay, policy, sampling,
-                             RewardScheduler(trace_reward(trace, seed)), group_filter=group_filter)
+                             RewardScheduler(trace_reward(trace, seed)), group_filter=group_filter,
+                             ranker=ranker)
     results: list[StepResult] = []
     try:
         for step in range(first_step, first_step + steps):
@@ -197,6 +205,8 @@ def _measure(step: int, policy: str, cluster: SimConfig, report: Any,
         prompts_deferred=report.prompts_deferred, long_queue=report.long_queue,
         filtered_groups=sum(report.filtered.values()),
         max_response_length=report.max_response_length,
+        ranker_recall=report.ranker_recalls(), predictions=report.predictions,
+        long_engines=int(report.dispatch.get("long_engines", 0)),
         preemptions=int(delta("preemptions")),
         prefill_s=delta("prefill_s"),
     )

@@ -76,6 +76,11 @@ class TraceSpec:
     prompt_min: int = 16
     prompt_max: int = 1024
     vocab_size: int = 32000  # prompt token ids are drawn below this
+    # How much a prompt's tokens say about its difficulty, in [0, 1]: that share of its tokens
+    # are "topic words" of its difficulty band (8 recurring ids in each of 16 bands), and its
+    # length is scaled by 1 + signal x (difficulty - 0.5). Real prompts carry such signal (StreamRL's ranker
+    # premise); 0, the default, keeps token ids pure noise, so only per-prompt history ranks.
+    prompt_signal: float = 0.0
 
     def __post_init__(self) -> None:
         if self.rows < 1 or self.epochs < 1 or self.group_size < 1 or self.cap < 1:
@@ -86,6 +91,8 @@ class TraceSpec:
             raise ValueError("p_hard must be in [0, 1]")
         if self.growth_per_step < 0:
             raise ValueError("growth_per_step must be >= 0")
+        if not 0 <= self.prompt_signal <= 1:
+            raise ValueError("prompt_signal must be in [0, 1]")
 
 
 @dataclass(frozen=True)
@@ -153,13 +160,19 @@ class Trace:
     def prompt_records(self) -> list[PromptRecord]:
         """One PromptRecord per row, with deterministic token ids of the trace's prompt
         lengths (the prompts the simulator and a replay on real engines both use)."""
+        signal = float((self.spec or {}).get("prompt_signal", 0.0))
+        bands, width = 16, 8  # a difficulty band's "topic words": a few recurring token ids
         out = []
         for i in range(self.rows):
             rec = self.records[(i, 0)]
             rng = np.random.default_rng([self.order_seed, i, 7])
-            ids = tuple(int(x) for x in rng.integers(10, max(11, self.vocab_size), rec.prompt_len))
-            out.append(PromptRecord(ids, text="", label=None, source_index=i,
-                                    metadata={"difficulty": rec.difficulty}))
+            ids = rng.integers(10, max(11, self.vocab_size), rec.prompt_len)
+            if signal > 0:  # a share of the tokens from the difficulty's band (TraceSpec)
+                band = min(bands - 1, int(rec.difficulty * bands))
+                banded = 10 + band * width + rng.integers(0, width, rec.prompt_len)
+                ids = np.where(rng.random(rec.prompt_len) < signal, banded, ids)
+            out.append(PromptRecord(tuple(int(x) for x in ids), text="", label=None,
+                                    source_index=i, metadata={"difficulty": rec.difficulty}))
         return out
 
     def in_draw_order(self) -> Iterator[TraceRecord]:
@@ -258,7 +271,8 @@ def generate_trace(spec: TraceSpec, name: str | None = None) -> Trace:
     ranks = np.argsort(np.argsort(log_mean, kind="stable"), kind="stable")
     difficulty = (ranks + 0.5) / spec.rows
     prompt_len = np.clip(
-        np.round(spec.prompt_median * np.exp(spec.prompt_sigma * rng.standard_normal(spec.rows))),
+        np.round(spec.prompt_median * np.exp(spec.prompt_sigma * rng.standard_normal(spec.rows))
+                 * (1.0 + spec.prompt_signal * (difficulty - 0.5))),
         spec.prompt_min, spec.prompt_max,
     ).astype(int)
 

@@ -142,7 +142,7 @@ def test_config_show_prints_the_resolved_recipe(capsys):
 
 def test_an_unknown_policy_is_refused_naming_the_registered_ones():
     with pytest.raises(RecipeError, match="rollout.policy") as e:
-        load_recipe(None, ["rollout.policy=ranked_dispatch"])
+        load_recipe(None, ["rollout.policy=magic_dispatch"])
     for name in POLICY_NAMES:
         assert repr(name) in str(e.value)
 

@@ -41,7 +41,7 @@ def test_policy_specs_come_from_the_registry():
         make_policy("magic")
     with pytest.raises(ValueError, match="sync takes no @value"):
         make_policy("sync@2")
-    with pytest.raises(ValueError, match=r"no option \+fast \(\+resume\)"):
+    with pytest.raises(ValueError, match=r"no option \+fast \(\+resume, \+proactive"):
         make_policy("tail_batching+fast")
     with pytest.raises(ValueError, match="over_provision"):
         make_policy("partial@0.5")  # the schema's own range check

@@ -1,0 +1,63 @@
+"""Output-length rankers (StreamRL §5.2): predict how long each group's responses will be, so
+dispatch can give the long tail its own engines, order work longest first, defer predicted-long
+prompts to tail batching's long queue, and size partial rollouts' over-provisioning.
+
+A ranker is any object with this protocol; rlkit resolves `rollout.ranker.name` to a factory
+called with `rollout.ranker.kwargs` (built-in name, `rlkit.rankers` entry point, or dotted path:
+the rule every plugin kind follows). Pure Python: no torch, HTTP or Ray (`learned` imports
+scikit-learn when it first fits).
+
+Only the order of predictions drives dispatch and deferral; the values feed cost models, so
+they are expected response lengths in tokens (the mean over a group's responses).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+from buffers.group import Group
+
+
+@runtime_checkable
+class LengthRanker(Protocol):
+    name: str
+
+    def predict(self, groups: Sequence[Group]) -> list[float]:
+        """Expected mean response length of each group, in tokens."""
+        ...
+
+    def observe(self, group: Group) -> None:
+        """A group finished (its kept responses' lengths are exact) or was parked (its
+        responses so far are lower bounds): learn from it."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data (JSON), saved with the buffer's checkpoint."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def builtin_rankers() -> dict[str, Any]:
+    from rollout.rankers.basic import HistoryRanker, OracleRanker, PromptLengthRanker
+    from rollout.rankers.learned import LearnedRanker
+
+    return {"prompt_length": PromptLengthRanker, "history": HistoryRanker,
+            "learned": LearnedRanker, "oracle": OracleRanker}
+
+
+def group_lengths(group: Group) -> tuple[list[int], bool]:
+    """The response lengths a group shows a ranker, and whether they are exact (every kept
+    response finished) or lower bounds (parked mid-generation)."""
+    kept = group.first_finished() if group.is_complete else group.samples
+    lengths = [len(s.response_ids) for s in kept]
+    return lengths, group.is_complete
+
+
+def prompt_key(group: Group) -> int:
+    """A prompt's identity across epochs: its data row (or its tokens, when it has none)."""
+    p = group.prompt
+    return p.source_index if p.source_index >= 0 else hash(p.ids) & 0x7FFFFFFF
+
+
+__all__ = ["LengthRanker", "builtin_rankers", "group_lengths", "prompt_key"]

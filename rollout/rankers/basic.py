@@ -1,0 +1,113 @@
+"""The cheap rankers: prompt length (baseline), per-prompt history, and an oracle (benchmarks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from buffers.group import Group
+from rollout.rankers import group_lengths, prompt_key
+
+
+class PromptLengthRanker:
+    """Longer prompts, longer answers: the baseline every other ranker must beat."""
+
+    name = "prompt_length"
+
+    def predict(self, groups: Sequence[Group]) -> list[float]:
+        return [float(len(g.prompt.ids)) for g in groups]
+
+    def observe(self, group: Group) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+@dataclass
+class HistoryRanker:
+    """A per-prompt running estimate of the mean response length, from earlier epochs.
+
+    A finished group updates its prompt's estimate (an exponential moving average with weight
+    `decay` on the past, so lengths that grow with training are followed); a parked group's
+    responses so far are a lower bound until it finishes. A prompt never seen is predicted at
+    the mean of everything seen so far (0 before any observation: no order at all).
+    """
+
+    decay: float = 0.5
+    name: str = "history"
+    _estimate: dict[int, float] = field(default_factory=dict)
+    _floor: dict[int, float] = field(default_factory=dict)
+    _total: float = 0.0
+    _count: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.decay < 1.0:
+            raise ValueError(f"history ranker: decay must be in [0, 1), got {self.decay}")
+
+    def predict(self, groups: Sequence[Group]) -> list[float]:
+        fallback = self._total / self._count if self._count else 0.0
+        out = []
+        for g in groups:
+            key = prompt_key(g)
+            estimate = self._estimate.get(key, fallback)
+            out.append(max(estimate, self._floor.get(key, 0.0)))
+        return out
+
+    def observe(self, group: Group) -> None:
+        lengths, exact = group_lengths(group)
+        if not lengths:
+            return
+        key, mean = prompt_key(group), sum(lengths) / len(lengths)
+        if not exact:  # parked: at least this long
+            self._floor[key] = max(self._floor.get(key, 0.0), mean)
+            return
+        self._floor.pop(key, None)
+        old = self._estimate.get(key)
+        self._estimate[key] = mean if old is None else self.decay * old + (1 - self.decay) * mean
+        self._total += mean
+        self._count += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"decay": self.decay, "estimate": [[k, v] for k, v in self._estimate.items()],
+                "floor": [[k, v] for k, v in self._floor.items()],
+                "total": self._total, "count": self._count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._estimate = {int(k): float(v) for k, v in state["estimate"]}
+        self._floor = {int(k): float(v) for k, v in state["floor"]}
+        self._total, self._count = float(state["total"]), int(state["count"])
+
+
+class OracleRanker:
+    """Knows every response's length from a trace (benchmarks only: the upper bound a ranker
+    can reach). `trace`: a `rollout.sim.trace.Trace` or the path of a trace file."""
+
+    name = "oracle"
+
+    def __init__(self, trace: Any) -> None:
+        if isinstance(trace, str):
+            from rollout.sim.trace import Trace
+
+            trace = Trace.load(trace)
+        self.trace = trace
+
+    def predict(self, groups: Sequence[Group]) -> list[float]:
+        out = []
+        for g in groups:
+            src, epoch = g.prompt.source_index, g.prompt.epoch
+            lengths = [self.trace.length(src, epoch, s.slot) for s in g.samples]
+            out.append(sum(lengths) / len(lengths))
+        return out
+
+    def observe(self, group: Group) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
