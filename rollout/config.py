@@ -97,9 +97,9 @@ class TailBatchingConfig(BaseModel):
     proactive: bool = Field(
         False,
         description="Short rounds send the prompts rollout.ranker predicts long straight to the "
-        "long queue instead of running them: predicted at or above the (1 - 1/eta_prompts) "
-        "quantile of recent groups' mean lengths (the share a short round defers anyway). "
-        "Needs a ranker; off until a batch's worth of groups has finished.",
+        "long queue instead of running them: predicted at or above the 1/eta_prompts quantile "
+        "of recent groups' mean lengths (the longest 1 - 1/eta_prompts share, which a short "
+        "round defers anyway). Needs a ranker; off until a batch's worth of groups has finished.",
     )
 
 

@@ -279,6 +279,7 @@ class AdmissionGate:
         fut = asyncio.get_running_loop().create_future()
         entry = (-work, next(self._order), fut)
         heapq.heappush(self._waiting, entry)
+        self._wake()  # a free slot behind waiters that were cancelled meanwhile
         try:
             await fut
         except BaseException:

@@ -112,6 +112,7 @@ class StepReport:
     surplus_restarted: int = 0  # complete past an exact target: restarted (see Step.exact_target)
     # (predicted, actual) mean response length of each group completed, when a ranker predicted
     predictions: list[tuple[float, float]] = field(default_factory=list)
+    launched_predictions: list[tuple[int, float]] = field(default_factory=list)  # (group, predicted)
     dispatch: dict[str, Any] = field(default_factory=dict)  # the dispatcher's plan, if any
     dropped: dict[str, int] = field(default_factory=dict)
     reward_mean: float = math.nan
@@ -336,6 +337,8 @@ class Step:
         else:
             placed = {}
         run = _GroupRun(group, placed, served_by=set(placed.values()), reserved=reserve)
+        if group.predicted_length is not None:
+            self.report_.launched_predictions.append((group.group_id, group.predicted_length))
         self._runs[group.group_id] = run
         for s in group.samples:  # what each response had before this step (resumed partials)
             self._tokens_at_launch.setdefault(s.index, len(s.response_ids))

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from rollout.policies.partial import PartialPolicy
+from rollout.policies.ranked_dispatch import RankedDispatchPolicy
 from rollout.policies.registry import POLICIES, POLICY_NAMES, PolicySpecError, policy_config
 from rollout.policies.sync import SyncPolicy
 from rollout.policies.tail_batching import TailBatchingPolicy
@@ -26,6 +27,7 @@ def make_policy(cfg: "RolloutConfig") -> "RolloutPolicy":
 
 
 __all__ = [
-    "POLICIES", "POLICY_NAMES", "PartialPolicy", "PolicySpecError", "SyncPolicy",
+    "POLICIES", "POLICY_NAMES", "PartialPolicy", "PolicySpecError", "RankedDispatchPolicy",
+    "SyncPolicy",
     "TailBatchingPolicy", "make_policy", "policy_config",
 ]

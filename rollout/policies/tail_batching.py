@@ -77,18 +77,20 @@ class TailBatchingPolicy:
         prompts = math.ceil(self.eta_prompts * step.target)
         responses = math.ceil(self.eta_responses * step.buffer.n_samples_per_prompt)
         must_finish: list[Group] = []  # deferred often enough: this round waits for them
-        budget = prompts  # proactive deferrals one round may make
+        # Proactive deferrals one round may make before it stops drawing (a ranker that thinks
+        # everything long must not drain the data into the long queue in one round).
+        budget = 4 * prompts
         while step.completed < step.target or any(map(step.is_running, must_finish)):
             # A filtered or dropped prompt frees its place for a fresh one.
             want = prompts - step.completed - step.running if step.completed < step.target else 0
-            while want > 0:
+            while want > 0 and budget > 0:
                 groups = step.buffer.acquire(want)
                 if len(groups) < want:  # the data ran dry: train what the long queue holds
                     groups += step.buffer.acquire_long(want - len(groups))
                 if not groups:
                     break
-                if self.proactive and budget > 0:
-                    groups, deferred = self._skip_predicted_long(step, groups, budget)
+                if self.proactive:
+                    groups, deferred = self._skip_predicted_long(step, groups)
                     budget -= deferred
                 want -= len(groups)
                 step.predict(groups)  # (again, cheaply: the recall metric reads them)
@@ -100,19 +102,26 @@ class TailBatchingPolicy:
             await step.next_event()
         await step.stop(park="long", restart_deferred=self.deferred == "restart")
 
-    def _skip_predicted_long(self, step: "Step", groups: list["Group"], budget: int
+    def long_threshold(self, step: "Step") -> float | None:
+        """Proactive tail batching's bar: the 1/eta_prompts quantile of recent groups' mean
+        lengths (a short round defers the longest 1 - 1/eta_prompts share anyway); None until
+        a batch's worth of groups has finished."""
+        if len(step.group_lengths) < step.target:
+            return None
+        return step.group_lengths.quantile(1.0 / self.eta_prompts)
+
+    def _skip_predicted_long(self, step: "Step", groups: list["Group"]
                              ) -> tuple[list["Group"], int]:
         """Proactive tail batching: a fresh prompt the ranker predicts long goes straight to
-        the long queue (predicted at or above the (1 - 1/eta_prompts) quantile of recent groups'
-        lengths). Returns the groups to run and how many were deferred."""
-        if len(step.group_lengths) < step.target:
-            return groups, 0  # too little history for a threshold
-        threshold = step.group_lengths.quantile(1.0 - 1.0 / self.eta_prompts)
+        the long queue. Returns the groups to run and how many were deferred."""
+        threshold = self.long_threshold(step)
+        if threshold is None:
+            return groups, 0
         step.predict(groups)
         keep, deferred = [], 0
         for g in groups:
             fresh = g.deferrals == 0 and not g.has_tokens  # the long queue's own stay put
-            if fresh and (g.predicted_length or 0.0) >= threshold and deferred < budget:
+            if fresh and (g.predicted_length or 0.0) >= threshold:
                 step.defer(g)
                 deferred += 1
             else:

@@ -69,6 +69,7 @@ class StepResult:
     max_response_length: int  # in the groups completed
     ranker_recall: dict[str, float]  # recall@20/10/5 of the groups completed (with a ranker)
     predictions: list[tuple[float, float]]  # (predicted, actual) mean length per group completed
+    group_predictions: list[tuple[int, float]]  # (group id, predicted) of every group launched
     long_engines: int  # engines the dispatcher gave the long tail (ranked_dispatch)
     preemptions: int
     prefill_s: float  # summed over engines
@@ -206,6 +207,7 @@ def _measure(step: int, policy: str, cluster: SimConfig, report: Any,
         filtered_groups=sum(report.filtered.values()),
         max_response_length=report.max_response_length,
         ranker_recall=report.ranker_recalls(), predictions=report.predictions,
+        group_predictions=report.launched_predictions,
         long_engines=int(report.dispatch.get("long_engines", 0)),
         preemptions=int(delta("preemptions")),
         prefill_s=delta("prefill_s"),
