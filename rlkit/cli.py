@@ -25,6 +25,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "train"), "rlkit.bench.train", "trainer tokens/s (TP=1, TP=2) and weight-sync s/GB"),
     (("bench", "rollout"), "rlkit.bench.rollout", "rollout throughput of policies on the real engines"),
     (("bench", "suite"), "rlkit.bench.suite", "policies side by side on a simulated cluster"),
+    (("bench", "ranker"), "rlkit.bench.ranker", "length rankers' recall of the long tail"),
 ]
 
 

@@ -1,5 +1,7 @@
 """Run tracking: per-step metrics to JSONL and wandb (offline by default), a live console line
-per step, and the rollout timeline (one JSON line per request span) for `rlkit plot timeline`.
+per step, the rollout timeline (one JSON line per request span) for `rlkit plot timeline`, and
+the groups each step trained (RUN/groups.jsonl: prompt row, epoch, response lengths, the
+ranker's prediction, rewards), which `rlkit bench ranker --run RUN` scores rankers on.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Any, Iterable
 from rlkit.config.schema import TrackingConfig
 from rollout.timeline import TIMELINE_FILE
 
+GROUPS_FILE = "groups.jsonl"
+
 
 class Tracker:
     def __init__(self, cfg: TrackingConfig, run_dir: Path, run_name: str, config: dict[str, Any]):
@@ -22,6 +26,7 @@ class Tracker:
         run_dir.mkdir(parents=True, exist_ok=True)
         self._metrics = open(run_dir / "metrics.jsonl", "a") if cfg.jsonl else None
         self._timeline = open(run_dir / TIMELINE_FILE, "a")
+        self._groups = open(run_dir / GROUPS_FILE, "a") if cfg.jsonl else None
         self._wandb = None
         if cfg.wandb != "disabled":
             self._wandb = _start_wandb(cfg, run_dir, run_name, config)
@@ -52,6 +57,20 @@ class Tracker:
             self._timeline.write(json.dumps({"step": step, **span}) + "\n")
         self._timeline.flush()
 
+    def log_groups(self, step: int, groups: Iterable[Any]) -> None:
+        """One line per trained group (RUN/groups.jsonl)."""
+        if self._groups is None:
+            return
+        for g in groups:
+            self._groups.write(json.dumps({
+                "step": step, "group_id": g.group_id, "source_index": g.prompt.source_index,
+                "epoch": g.prompt.epoch, "prompt_len": len(g.prompt.ids),
+                "predicted": g.predicted_length,
+                "lengths": [len(s.response_ids) for s in g.samples],
+                "rewards": [s.reward for s in g.samples],
+            }) + "\n")
+        self._groups.flush()
+
     def progress(self, step: int, done: int, target: int, tokens: int, elapsed: float) -> None:
         """A transient progress line while a rollout step runs."""
         if self._console is not None:
@@ -62,7 +81,7 @@ class Tracker:
             )
 
     def close(self) -> None:
-        for f in (self._metrics, self._timeline):
+        for f in (self._metrics, self._timeline, self._groups):
             if f is not None:
                 f.close()
         if self._wandb is not None:

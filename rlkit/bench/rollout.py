@@ -45,6 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--over-provision", type=float, default=2.0,
                         help="partial's over-provision when a spec gives none")
     parser.add_argument("--steps", type=int, default=6, help="steps per policy")
+    parser.add_argument("--rows", type=int, default=0,
+                        help="prompts in the generated trace; 0: enough that none repeats. A "
+                        "ranker that learns per prompt (history) needs repeats: rows small and "
+                        "--warmup-steps one epoch (rows / batch size)")
     parser.add_argument("--warmup-steps", type=int, default=1, help="steps per policy not counted")
     parser.add_argument("--p-hard", type=float, default=0.15, help="share of long-tail prompts")
     parser.add_argument("--easy-frac", type=float, default=0.08,
@@ -82,11 +86,14 @@ def run(args: argparse.Namespace) -> int:
 
 def policy_specs(args: argparse.Namespace) -> dict[str, Any]:
     """spec -> RolloutConfig for each --policy entry (partial's default from --over-provision)."""
-    from rollout.config import RolloutConfig
+    from rollout.config import DispatchConfig, RolloutConfig
     from rollout.policies import PolicySpecError, policy_config
 
+    profile = _profile_path(args.model)
     base = RolloutConfig(over_provision=args.over_provision, batch_size=args.batch_size,
-                         n_samples_per_prompt=args.n)
+                         n_samples_per_prompt=args.n,
+                         dispatch=DispatchConfig(profile=str(profile) if profile.is_file() else None,
+                                                 slots_per_engine=ENGINE_SLOTS))
     specs = [p.strip() for p in args.policy.split(",") if p.strip()]
     try:
         return {spec: policy_config(spec, base) for spec in specs}
@@ -113,8 +120,10 @@ def make_trace(args: argparse.Namespace) -> Any:
     if getattr(args, "trace", None):
         return Trace.load(args.trace)
 
+    rows = getattr(args, "rows", 0) or max(64, args.batch_size * (args.steps + args.warmup_steps) * 3)
+    epochs = max(4, 3 * args.batch_size * (args.steps + args.warmup_steps) // rows + 2)
     spec = TraceSpec(
-        rows=max(64, args.batch_size * (args.steps + args.warmup_steps) * 3), epochs=4,
+        rows=rows, epochs=epochs,
         group_size=args.n, cap=args.cap, seed=args.seed, batch_size=args.batch_size,
         p_hard=args.p_hard, easy_median_frac=args.easy_frac,
         prompt_median=24, prompt_min=8, prompt_max=64,
@@ -150,7 +159,7 @@ async def bench_rollout(args: argparse.Namespace) -> dict[str, Any]:
     async def score(sample, group) -> float:
         return 0.0
 
-    engine_cfg = EngineConfig(num_engines=args.engines, max_running_requests=256)
+    engine_cfg = EngineConfig(num_engines=args.engines, max_running_requests=ENGINE_SLOTS)
     with EngineFleet(model_path, engine_cfg, RouterConfig()) as fleet:
         async with fleet.client() as client:
             runs = {}
@@ -158,8 +167,11 @@ async def bench_rollout(args: argparse.Namespace) -> dict[str, Any]:
                 buf = RolloutBuffer(ListPromptSource(records, seed=args.seed),
                                     n_samples_per_prompt=args.n, max_staleness=1000)
                 engines = TraceReplayEngines(client, trace, BufferPrompts(buf))
+                ranker = _ranker(cfg, trace)
+                if ranker is not None:
+                    buf.attach("ranker", ranker)
                 runs[name] = (buf, RolloutManager(buf, engines, make_policy(cfg), sampling,
-                                                  RewardScheduler(score)))
+                                                  RewardScheduler(score), ranker=ranker))
             steps: dict[str, list[dict[str, Any]]] = {p: [] for p in specs}
             for step in range(args.warmup_steps + args.steps):
                 for name, (buf, manager) in runs.items():
@@ -193,7 +205,7 @@ def simulate_same(args: argparse.Namespace, real: dict[str, Any]) -> dict[str, A
 
     profile_path = args.simulate
     if profile_path == "auto":
-        profile_path = str(Path(__file__).resolve().parents[2] / "docs" / "profiles" / f"cpu-{args.model}-t1.json")
+        profile_path = str(_profile_path(args.model))
     trace = make_trace(args)
     # The hf engine keeps a left-padded KV cache (every row reads the longest row's context)
     # and pads its prefill forwards; the profile's "serving" object adds what
@@ -207,7 +219,8 @@ def simulate_same(args: argparse.Namespace, real: dict[str, Any]) -> dict[str, A
     for name in real["policies"]:
         steps = run_simulation(cluster, trace, make_policy(specs[name]),
                                steps=args.warmup_steps + args.steps, batch_size=args.batch_size,
-                               max_new_tokens=args.cap, final_step=False)[args.warmup_steps:]
+                               max_new_tokens=args.cap, final_step=False,
+                               ranker=_ranker(specs[name], trace))[args.warmup_steps:]
         seconds = sum(s.rollout_s for s in steps)
         tokens = sum(s.tokens_generated for s in steps)
         out["policies"][name] = {"throughput_tok_s": tokens / seconds if seconds else 0.0}
@@ -288,6 +301,21 @@ def format_table(r: dict[str, Any]) -> str:
             f"({sim['deviation']:+.0%}; the simulator's validation criterion is within 10%)",
         ]
     return "\n".join(lines)
+
+
+ENGINE_SLOTS = 256  # max_running_requests of the bench's engines (and the dispatcher's slots)
+
+
+def _profile_path(model: str) -> Path:
+    """The measured CPU profile of a demo model (docs/profiles), used by the dispatcher's cost
+    model and the simulated side."""
+    return Path(__file__).resolve().parents[2] / "docs" / "profiles" / f"cpu-{model}-t1.json"
+
+
+def _ranker(cfg: Any, trace: Any) -> Any:
+    from rlkit.plugins import load_ranker
+
+    return load_ranker(cfg.ranker, **({"trace": trace} if cfg.ranker.name == "oracle" else {}))
 
 
 def _vocab_size(model_path: str) -> int:

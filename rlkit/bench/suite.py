@@ -45,12 +45,30 @@ DEFAULT_POLICIES = ("sync", "partial@1.25", "partial@1.5", "partial@2.0", "tail_
 DEFAULT_CAPS = (8192, 16384, 32768)
 
 
-def make_policy(spec: str) -> Any:
+def make_policy(spec: str, base: Any = None) -> Any:
     """A registry spec ('sync', 'partial@1.5', 'tail_batching+resume', ...) -> a policy."""
     from rollout.policies import make_policy as from_config
     from rollout.policies import policy_config
 
-    return from_config(policy_config(spec))
+    return from_config(policy_config(spec, base))
+
+
+def make_ranker(spec: str, trace: Any, base: Any = None) -> Any:
+    """The length ranker a spec's recipe names (the oracle reads this trace's lengths)."""
+    from rlkit.plugins import load_ranker
+    from rollout.policies import policy_config
+
+    cfg = policy_config(spec, base).ranker
+    return load_ranker(cfg, **({"trace": trace} if cfg.name == "oracle" else {}))
+
+
+def rollout_base(profile: str, cluster: Any) -> Any:
+    """The rollout config every spec starts from: dispatch plans with the cluster's profile
+    and batch limit (the engines' real batch)."""
+    from rollout.config import DispatchConfig, RolloutConfig
+
+    return RolloutConfig(dispatch=DispatchConfig(profile=profile,
+                                                 slots_per_engine=cluster.batch_limit))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,6 +79,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--batch-size", type=int, default=32, help="groups trained per step")
     w.add_argument("--group-size", type=int, default=8, help="responses per prompt")
     w.add_argument("--prompts", type=int, default=4096, help="prompts in a generated trace")
+    w.add_argument("--epochs", type=int, default=2,
+                   help="epochs in a generated trace (rankers that learn per prompt need the "
+                   "measured steps in a second pass: --prompts small, --warmup one epoch)")
+    w.add_argument("--prompt-signal", type=float, default=0.0,
+                   help="how much prompt tokens say about difficulty (TraceSpec.prompt_signal; "
+                   "the learned ranker needs some)")
     w.add_argument("--growth", type=float, default=0.0,
                    help="length growth per training step (generated traces)")
     w.add_argument("--seed", type=int, default=0)
@@ -102,9 +126,10 @@ def run(args: argparse.Namespace) -> int:
                         request_latency_s=args.request_latency)
     train = TrainTimeModel(params=args.train_params, gpus=args.train_gpus, mfu=args.train_mfu)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    base = rollout_base(args.profile, cluster)
     for p in policies:
         try:
-            make_policy(p)  # fail early on a bad spec
+            make_policy(p, base)  # fail early on a bad spec
         except ValueError as e:
             raise SystemExit(f"--policies: {e}") from None
     if args.trace:
@@ -112,14 +137,14 @@ def run(args: argparse.Namespace) -> int:
     else:
         traces = []
         for cap in (int(c) for c in args.caps.split(",")):
-            spec = TraceSpec(rows=args.prompts, epochs=2, group_size=args.group_size, cap=cap,
-                             seed=args.seed, batch_size=args.batch_size,
-                             growth_per_step=args.growth)
+            spec = TraceSpec(rows=args.prompts, epochs=args.epochs, group_size=args.group_size,
+                             cap=cap, seed=args.seed, batch_size=args.batch_size,
+                             growth_per_step=args.growth, prompt_signal=args.prompt_signal)
             trace = generate_trace(spec)
             trace.save(out / "traces" / f"trace-cap{cap}.jsonl")
             traces.append(trace)
     suite = SuiteSpec(cluster, train, args.batch_size, args.warmup, args.steps,
-                      args.max_staleness, args.seed)
+                      args.max_staleness, args.seed, base)
     t0 = time.perf_counter()
     rows = run_suite(suite, traces, policies,
                      timelines=None if args.no_timelines else out / "timelines")
@@ -143,6 +168,7 @@ class SuiteSpec:
     steps: int
     max_staleness: int = 1000
     seed: int = 0
+    base: Any = None  # RolloutConfig the specs start from (rollout_base)
 
 
 @dataclass
@@ -213,13 +239,24 @@ class SuiteRow:
     def max_versions(self) -> int:
         return max(s.max_versions_per_sample for s in self.steps)
 
+    @property
+    def recall20(self) -> float:
+        got = [s.ranker_recall["recall@20"] for s in self.steps if s.ranker_recall]
+        return sum(got) / len(got) if got else math.nan
+
+    @property
+    def parked_groups(self) -> float:
+        """Groups carried over per step (partial rollouts' parked work)."""
+        return self._sum("groups_carried_over") / len(self.steps)
+
     def to_json(self) -> dict[str, Any]:
         return {"cap": self.cap, "policy": self.policy, "rollout_s": self.rollout_s,
                 "throughput": self.throughput, "trained_throughput": self.trained_throughput,
                 "step_s": self.step_s,
                 "idle_share": self.idle_share, "bound_ratio": self.bound_ratio,
                 "resumed_share": self.resumed_share, "max_versions": self.max_versions,
-                "bound_s": self.bound_s, "rounds": self.rounds(),
+                "bound_s": self.bound_s, "rounds": self.rounds(), "recall20": self.recall20,
+                "parked_groups": self.parked_groups,
                 "steps": [s.to_json() for s in self.steps]}
 
 
@@ -236,10 +273,11 @@ def run_suite(suite: SuiteSpec, traces: list[Any], policies: list[str],
                 tl = timelines / f"cap{trace.cap}-{spec.replace('@', '-')}" / "timeline.jsonl"
                 tl.unlink(missing_ok=True)
             results = run_simulation(
-                suite.cluster, trace, make_policy(spec), steps=suite.warmup + suite.steps,
-                batch_size=suite.batch_size, train=suite.train,
+                suite.cluster, trace, make_policy(spec, suite.base),
+                steps=suite.warmup + suite.steps, batch_size=suite.batch_size, train=suite.train,
                 max_staleness=suite.max_staleness, timeline_path=tl, seed=suite.seed,
                 final_step=False,  # the steady state: no drain of tail batching's queue
+                ranker=make_ranker(spec, trace, suite.base),
             )
             rows.append(SuiteRow(trace.cap, spec, results[suite.warmup:]))
     return rows
@@ -269,8 +307,8 @@ def format_table(rows: list[SuiteRow], header: str = "") -> str:
     out += [
         "| cap | policy | rollout s/step | rollout speed-up | rollout tok/s | vs sync | "
         "trained tok/s | end-to-end s/step | e2e speed-up | % of perfect | idle share | "
-        "x bound | x sync bound | resumed tokens | max versions |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "x bound | x sync bound | resumed tokens | max versions | parked groups | ranker recall@20 |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         base = sync.get(r.cap)
@@ -283,7 +321,8 @@ def format_table(rows: list[SuiteRow], header: str = "") -> str:
             f"| {r.cap // 1024}k | {r.policy} | {r.rollout_s:.1f} | {rollout} | "
             f"{r.throughput:,.0f} | {gain} | {r.trained_throughput:,.0f} | {r.step_s:.1f} | "
             f"{speed} | {perfect} | {r.idle_share:.1%} | {r.bound_ratio:.2f} | {vs_bound} | "
-            f"{r.resumed_share:.0%} | {r.max_versions} |"
+            f"{r.resumed_share:.0%} | {r.max_versions} | {r.parked_groups:.1f} | "
+            f"{'-' if math.isnan(r.recall20) else f'{r.recall20:.2f}'} |"
         )
     rounded = [r for r in rows if r.rounds()]
     if rounded:

@@ -94,6 +94,7 @@ def run_sync(
         }
         tracker.log(state.step, row)
         tracker.log_timeline(state.step, result.timeline, header=result.header)
+        tracker.log_groups(state.step, groups)
         last = state.step == recipe.run.num_steps
         if last or (every and state.step % every == 0):
             save_checkpoint(
