@@ -77,19 +77,19 @@ class TailBatchingPolicy:
         prompts = math.ceil(self.eta_prompts * step.target)
         responses = math.ceil(self.eta_responses * step.buffer.n_samples_per_prompt)
         must_finish: list[Group] = []  # deferred often enough: this round waits for them
-        # Proactive deferrals one round may make before it stops drawing (a ranker that thinks
-        # everything long must not drain the data into the long queue in one round).
+        # Proactive deferrals one round may make; past them it runs what it draws (a ranker that
+        # thinks everything long must neither drain the data into the long queue nor stall).
         budget = 4 * prompts
         while step.completed < step.target or any(map(step.is_running, must_finish)):
             # A filtered or dropped prompt frees its place for a fresh one.
             want = prompts - step.completed - step.running if step.completed < step.target else 0
-            while want > 0 and budget > 0:
+            while want > 0:
                 groups = step.buffer.acquire(want)
                 if len(groups) < want:  # the data ran dry: train what the long queue holds
                     groups += step.buffer.acquire_long(want - len(groups))
                 if not groups:
                     break
-                if self.proactive:
+                if self.proactive and budget > 0:
                     groups, deferred = self._skip_predicted_long(step, groups)
                     budget -= deferred
                 want -= len(groups)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -34,22 +36,23 @@ class HistoryRanker:
     A finished group updates its prompt's estimate (an exponential moving average with weight
     `decay` on the past, so lengths that grow with training are followed); a parked group's
     responses so far are a lower bound until it finishes. A prompt never seen is predicted at
-    the mean of everything seen so far (0 before any observation: no order at all).
+    the median of recent groups (0 before any): mid-pack, where the mean of a long-tailed
+    distribution would rank every unknown prompt among the longest.
     """
 
     decay: float = 0.5
+    window: int = 1024
     name: str = "history"
     _estimate: dict[int, float] = field(default_factory=dict)
     _floor: dict[int, float] = field(default_factory=dict)
-    _total: float = 0.0
-    _count: int = 0
+    _recent: deque = field(default_factory=deque)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.decay < 1.0:
             raise ValueError(f"history ranker: decay must be in [0, 1), got {self.decay}")
 
     def predict(self, groups: Sequence[Group]) -> list[float]:
-        fallback = self._total / self._count if self._count else 0.0
+        fallback = statistics.median(self._recent) if self._recent else 0.0
         out = []
         for g in groups:
             key = prompt_key(g)
@@ -68,18 +71,18 @@ class HistoryRanker:
         self._floor.pop(key, None)
         old = self._estimate.get(key)
         self._estimate[key] = mean if old is None else self.decay * old + (1 - self.decay) * mean
-        self._total += mean
-        self._count += 1
+        self._recent.append(mean)
+        if len(self._recent) > self.window:
+            self._recent.popleft()
 
     def state_dict(self) -> dict[str, Any]:
         return {"decay": self.decay, "estimate": [[k, v] for k, v in self._estimate.items()],
-                "floor": [[k, v] for k, v in self._floor.items()],
-                "total": self._total, "count": self._count}
+                "floor": [[k, v] for k, v in self._floor.items()], "recent": list(self._recent)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._estimate = {int(k): float(v) for k, v in state["estimate"]}
         self._floor = {int(k): float(v) for k, v in state["floor"]}
-        self._total, self._count = float(state["total"]), int(state["count"])
+        self._recent = deque(map(float, state["recent"]))
 
 
 class OracleRanker:

@@ -136,6 +136,6 @@ def test_ranked_dispatch_with_the_history_ranker_end_to_end(tmp_path, monkeypatc
     assert all(g["predicted"] is not None for g in groups)
     saved = json.loads(__import__("gzip").open(latest_checkpoint(run_dir).buffer_file).read())
     ranker = saved["attached"]["ranker"]
-    assert ranker["type"] == "HistoryRanker" and ranker["state"]["count"] > 0
+    assert ranker["type"] == "HistoryRanker" and ranker["state"]["recent"]
     model_dir = Path(os.environ["RLKIT_CACHE"]) / "models" / "tiny"
     assert processes_with(str(model_dir)) == []

@@ -222,3 +222,15 @@ def test_adaptive_over_provisioning_stays_in_bounds_and_launches_fewer_on_satura
         launched[name] = [r.groups_completed + r.groups_carried_over for r in results[1:]]
     assert all(8 <= k <= 24 for k in launched["saturated"] + launched["roomy"])
     assert sum(launched["saturated"]) < sum(launched["roomy"])
+
+
+def test_a_ranker_that_predicts_everything_long_neither_stalls_nor_drains_the_data():
+    class Alarmist(PromptLengthRanker):
+        def predict(self, groups):
+            return [1e9] * len(groups)
+
+    results = run_simulation(SimConfig(2, PROFILE), TRACE, TailBatchingPolicy(proactive=True),
+                             steps=8, batch_size=8, ranker=Alarmist(), final_step=False)
+    assert all(r.groups_completed >= 8 for r in results)
+    # each short round defers at most 4 x its launch (10) before it runs what it draws
+    assert all(r.prompts_deferred <= 40 for r in results)
