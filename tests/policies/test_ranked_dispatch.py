@@ -232,5 +232,6 @@ def test_a_ranker_that_predicts_everything_long_neither_stalls_nor_drains_the_da
     results = run_simulation(SimConfig(2, PROFILE), TRACE, TailBatchingPolicy(proactive=True),
                              steps=8, batch_size=8, ranker=Alarmist(), final_step=False)
     assert all(r.groups_completed >= 8 for r in results)
-    # each short round defers at most 4 x its launch (10) before it runs what it draws
-    assert all(r.prompts_deferred <= 40 for r in results)
+    # a short round defers at most 4 x its launch (10) up front, then runs what it draws
+    # (plus what it defers reactively at its end, at most its launch)
+    assert all(r.prompts_deferred <= 40 + 10 for r in results)
