@@ -99,7 +99,8 @@ class TailBatchingConfig(BaseModel):
         description="Short rounds send the prompts rollout.ranker predicts long straight to the "
         "long queue instead of running them: predicted at or above the 1/eta_prompts quantile "
         "of recent groups' mean lengths (the longest 1 - 1/eta_prompts share, which a short "
-        "round defers anyway). Needs a ranker; off until a batch's worth of groups has finished, "
+        "round defers anyway); each takes one of the round's over-launch places, so the round "
+        "defers as many in all as without a ranker. Needs a ranker; off until a batch's worth of groups has finished, "
         "and for the rest of a round that has deferred 4 x its launch (a ranker predicting "
         "everything long must not drain the data into the long queue).",
     )

@@ -80,10 +80,18 @@ class TailBatchingPolicy:
         # Proactive deferrals one round may make; past them it runs what it draws (a ranker that
         # thinks everything long must neither drain the data into the long queue nor stall).
         budget = 4 * prompts
+        extra = prompts - step.target  # the speculative over-launch
+
+        def wanted() -> int:
+            # A filtered or dropped prompt frees its place for a fresh one; a prompt deferred
+            # up front takes one of the over-launch's places (they are there for the long tail).
+            if step.completed >= step.target:
+                return 0
+            launch = prompts - min(extra, 4 * prompts - budget)
+            return launch - step.completed - step.running
+
         while step.completed < step.target or any(map(step.is_running, must_finish)):
-            # A filtered or dropped prompt frees its place for a fresh one.
-            want = prompts - step.completed - step.running if step.completed < step.target else 0
-            while want > 0:
+            while (want := wanted()) > 0:
                 groups = step.buffer.acquire(want)
                 if len(groups) < want:  # the data ran dry: train what the long queue holds
                     groups += step.buffer.acquire_long(want - len(groups))
@@ -92,7 +100,6 @@ class TailBatchingPolicy:
                 if self.proactive and budget > 0:
                     groups, deferred = self._skip_predicted_long(step, groups)
                     budget -= deferred
-                want -= len(groups)
                 step.predict(groups)  # (again, cheaply: the recall metric reads them)
                 for g in groups:
                     wait = g.deferrals >= self.max_deferrals
