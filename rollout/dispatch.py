@@ -18,15 +18,19 @@ Given a step's groups with predicted lengths (a ranker's, on `Group.predicted_le
     It splits only while the ranker's recent recall of the long tail is at least
     `min_recall`: a split on wrong predictions sends the wrong groups to the long engines.
     Its makespan is the time until every request finishes, which is a sync step; a partial
-    step ends at its target and parks the rest, so under partial it only places and orders
-    (`split=False`).
+    step ends at its target and parks the rest, so under partial it only places
+    (`split=False`): no split, and no LPT order either, which would put the resumed groups,
+    closest to done, last (APRIL resumes them first): in the simulator that cost partial up to
+    5% and grew the version spread of what it trained (measured, docs/policies.md).
   Lengths are the predicted remaining ones (a resumed partial has generated some already).
 - `Dispatcher.place` puts every request of a group on an engine of its class, each on the
   one with the fewest requests in flight (counts the manager keeps, not a load query per
   launch): a group's responses spread over its pool, as the router spreads them. Placement
   is complete: no request is left to the router, which could send it to a long-tail engine.
 - `AdmissionGate` (one per engine) lets at most `slots` requests run and, as slots free,
-  admits the longest predicted remaining work first: Graham's LPT, within 4/3 of optimal.
+  admits the highest `Dispatcher.priority` first: the longest predicted remaining work in a
+  step that waits for all its groups (Graham's LPT, within 4/3 of optimal), arrival order
+  under partial.
 
 Pure Python: the same code runs on real and simulated engines.
 """
@@ -148,7 +152,7 @@ class Dispatcher:
         self.engine, self.alpha, self.objective = engine, alpha, objective
         self.cost_model = cost_model
         self.min_recall = min_recall
-        self.split = split  # False: place and order only (fluid), e.g. under partial rollouts
+        self.split = split  # False: place only (no split, no LPT), e.g. under partial rollouts
         self._seen: deque[tuple[float, float]] = deque(maxlen=512)  # (predicted, actual)
         self.plan_: Plan | None = None
 
@@ -224,6 +228,16 @@ class Dispatcher:
         if n_long == 0:
             return Plan((), tuple(workers), math.inf, cost)
         return Plan(tuple(workers[:n_long]), tuple(workers[n_long:]), ranked[k_long - 1], cost)
+
+    def order(self, groups: Sequence[Group]) -> list[Group]:
+        """Launch order: longest predicted remaining first (LPT) for a step that waits for
+        all its groups; the policy's own order (resumed partials first) otherwise."""
+        return longest_first(groups) if self.split else list(groups)
+
+    def priority(self, group: Group) -> float:
+        """Admission priority at an engine's gate (higher enters first): the predicted
+        remaining work under LPT; first come, first served otherwise."""
+        return remaining(group) if self.split else 0.0
 
     def place(self, group: Group, requests: int, in_flight: Mapping[str, int]) -> list[str]:
         """An engine for each of the group's `requests`: in its class's pool, each to the

@@ -35,8 +35,7 @@ from buffers.buffer import Place, RolloutBuffer
 from buffers.group import Group
 from buffers.sample import Sample, SampleStatus
 from rollout.config import SamplingConfig
-from rollout.dispatch import (AdmissionGate, Dispatcher, GateClosed, LengthWindow, longest_first,
-                              remaining as predicted_remaining)
+from rollout.dispatch import AdmissionGate, Dispatcher, GateClosed, LengthWindow
 from rollout.engine_api import EngineError, Engines
 from rollout.filters import FilterFailure, GroupFilter
 from rollout.rankers import LengthRanker
@@ -363,7 +362,7 @@ class Step:
 
     def launch_all(self, groups: list[Group], **kwargs: Any) -> None:
         """Launch groups (with `launch`'s options). With a ranker their lengths are predicted
-        first; with a dispatcher they are placed, longest predicted first."""
+        first; with a dispatcher they are placed, in the dispatcher's order."""
         groups = list(groups)
         self.predict(groups)
         if self.dispatcher is None or kwargs.get("worker") is not None:
@@ -376,7 +375,7 @@ class Step:
                                         self.buffer.n_samples_per_prompt, self._m.response_lengths)
             self.report_.dispatch = {"long_engines": len(plan.long_workers),
                                      "threshold": plan.threshold if plan.long_workers else 0.0}
-        for g in longest_first(groups):
+        for g in self.dispatcher.order(groups):
             self.launch(g, **kwargs)
 
     def predict(self, groups: list[Group]) -> None:
@@ -486,7 +485,7 @@ class Step:
         gate = self._gate(pinned)
         if gate is not None:
             try:
-                await gate.acquire(predicted_remaining(run.group))
+                await gate.acquire(self.dispatcher.priority(run.group))
             except GateClosed:  # the step stopped first: never sent, nothing to park but itself
                 s.interrupt()
                 return

@@ -124,6 +124,22 @@ def test_longest_predicted_work_is_admitted_first_within_an_engine():
         assert queued == sorted(queued, reverse=True) or len(set(queued)) < len(queued)
 
 
+def test_under_partial_the_dispatcher_keeps_the_policys_order_and_admits_first_come():
+    """A partial step ends at its target: LPT would put the resumed groups (closest to done,
+    APRIL resumes them first) last, so a dispatcher that does not split only places."""
+    resumed = group(1, predicted=500.0)
+    for s in resumed.samples:
+        s.response_ids.extend([7] * 450)  # 50 tokens left
+    fresh_long, fresh_short = group(2, predicted=900.0), group(3, predicted=100.0)
+    groups = [resumed, fresh_long, fresh_short]
+    lpt = Dispatcher(EngineModel(slots=2))
+    assert lpt.order(groups) == [fresh_long, fresh_short, resumed]
+    assert lpt.priority(fresh_long) > lpt.priority(resumed)
+    place_only = Dispatcher(EngineModel(slots=2), split=False)
+    assert place_only.order(groups) == groups
+    assert {place_only.priority(g) for g in groups} == {0.0}  # the gate's ties: arrival order
+
+
 @settings(max_examples=60)
 @given(slots=st.integers(1, 4), works=st.lists(st.floats(1, 1000), min_size=1, max_size=25),
        holds=st.lists(st.floats(0.01, 5.0), min_size=25, max_size=25),
