@@ -11,6 +11,10 @@ Both sides use the same torch thread count; while one side runs the other is idl
 C x N over the wall time of the whole batch (first request sent to last token received), so the
 router, HTTP, SSE parsing and `Sample.append` are included on the engine side.
 
+On a CUDA machine (`--device auto` finds one, or `--device cuda`) both sides run on the GPU in
+bfloat16 (the engine's own default there) and the profile is named after the GPU
+(`h100-<model>-t1.json`, ...) instead of `cpu-<model>-t1.json`.
+
 The profile pass then runs B in (1, 2, 4, ...) requests and reads the engine's own per-step
 timings (GET /rlkit/decode_stats) to write PTL(BS) - seconds per decode step at batch size B -
 in the simulator's EngineProfile format (rollout/sim/profile.py), plus the per-token prefill
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import platform
@@ -56,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2, help="interleaved repetitions per level")
     parser.add_argument("--threads", type=int, default=1, help="torch threads, both sides")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="both sides' device (auto: cuda when available); bfloat16 on cuda, "
+                        "float32 on cpu")
     parser.add_argument("--no-stream", action="store_true", help="non-streaming /generate")
     parser.add_argument("--stream-interval", type=int, default=None,
                         help="tokens per streamed chunk (default: EngineConfig's, 8; SGLang's is 1)")
@@ -84,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         print(render_table([r for r in rows]), flush=True)
     from rollout.engines.config import EngineConfig
 
-    conditions = load_conditions(args.threads) | {
+    conditions = load_conditions(args.threads) | device_conditions(resolve_device(args.device)) | {
         "stream": not args.no_stream,
         "stream_interval": args.stream_interval or EngineConfig().stream_interval,
         "engines": 1, "prompt_len": args.prompt_len,
@@ -108,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
 def _argv_of(args: argparse.Namespace) -> list[str]:
     out = [f"--models {args.models}", f"--concurrency {args.concurrency}",
            f"--prompt-len {args.prompt_len}", f"--rounds {args.rounds}", f"--threads {args.threads}"]
+    if getattr(args, "device", "auto") != "auto":
+        out.append(f"--device {args.device}")
     if args.new_tokens:
         out.append(f"--new-tokens {args.new_tokens}")
     if args.no_stream:
@@ -125,6 +135,40 @@ def load_conditions(threads: int) -> dict[str, Any]:
         "machine": platform.machine(),
         "python": platform.python_version(),
     }
+
+
+def resolve_device(name: str = "auto") -> str:
+    """'cuda' or 'cpu' (auto: cuda when torch sees a GPU)."""
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device")
+    return name
+
+
+@functools.lru_cache(maxsize=None)
+def device_tag(device: str = "auto") -> str:
+    """The profile-name prefix of this machine: 'cpu', or the GPU's model in lower case
+    ('h100', 'h200', 'a100', ...; 'cuda' for a name without a recognisable model)."""
+    import re
+
+    if resolve_device(device) != "cuda":
+        return "cpu"
+    import torch
+
+    m = re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Z]?)\b", torch.cuda.get_device_name(0).upper())
+    return m.group(1).lower() if m else "cuda"
+
+
+def device_conditions(device: str) -> dict[str, Any]:
+    if device != "cuda":
+        return {"device": "cpu"}
+    import torch
+
+    return {"device": "cuda", "gpu": torch.cuda.get_device_name(0),
+            "torch": torch.__version__, "cuda": torch.version.cuda}
 
 
 def render_table(rows: list[Measurement]) -> str:
@@ -146,16 +190,18 @@ def bench_model(model_name: str, levels: list[int], n: int, args: argparse.Names
     from rollout.engines.config import EngineConfig, RouterConfig
     from rollout.engines.fleet import EngineFleet
 
+    device = resolve_device(getattr(args, "device", "auto"))
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the engine's auto dtype
     path = resolve_model_path(model_name)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                 attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                 attn_implementation="sdpa").to(device).eval()
     vocab = model.get_input_embeddings().weight.shape[0]
     g = torch.Generator().manual_seed(0)
     max_c = max(levels + [int(x) for x in args.profile_batch_sizes.split(",") if x])
     prompts = torch.randint(10, vocab - 10, (max_c, args.prompt_len), generator=g)
 
     engine = EngineConfig(num_engines=1, cpu_threads=args.threads, max_running_requests=max_c,
-                          startup_timeout_s=600)
+                          startup_timeout_s=600, device=device)
     if args.stream_interval:
         engine = engine.model_copy(update={"stream_interval": args.stream_interval})
     rows = []
@@ -185,11 +231,15 @@ def plain_generate(model: Any, prompts: Any, n: int) -> float:
     """Seconds for HF generate to sample exactly n tokens for every prompt."""
     import torch
 
+    device = next(model.parameters()).device
+    prompts = prompts.to(device)
     t0 = time.perf_counter()
     with torch.no_grad():
         model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=n,
                        min_new_tokens=n, do_sample=True, temperature=1.0, top_k=None, top_p=None,
                        eos_token_id=None, pad_token_id=0)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return time.perf_counter() - t0
 
 
@@ -253,14 +303,23 @@ def write_profile(fleet: Any, model_name: str, prompts: list[list[int]], n: int,
     # ptl_s is reported at zero context: the measured step minus the context term.
     base = [max(p - kv_slope * c, 0.5 * p) for p, c in zip(ptl, ctx)]
     label = Path(model_name).name or model_name  # a demo name, or a folder's name
+    device = resolve_device(getattr(args, "device", "auto"))
+    if device == "cuda":
+        import torch
+
+        where = f"bfloat16 on {torch.cuda.get_device_name(0)} ({os.cpu_count()} CPU cores)"
+        device_text = f"{torch.cuda.get_device_name(0)} (1 GPU; {os.cpu_count()} CPU cores)"
+    else:
+        where = f"float32, {os.cpu_count()}-core CPU"
+        device_text = f"cpu ({platform.machine()}, {os.cpu_count()} cores)"
     profile = EngineProfile(
-        name=f"cpu-{label}-t{args.threads}",
+        name=f"{device_tag(device)}-{label}-t{args.threads}",
         source=(f"rlkit bench engine: hf engine (rollout.engines.hf_server), {args.threads} torch "
-                f"thread(s), float32, {os.cpu_count()}-core CPU, load avg "
+                f"thread(s), {where}, load avg "
                 f"{os.getloadavg()[0]:.2f}; ptl_s = median decode-step seconds at each batch size "
                 f"(prompt {args.prompt_len} tokens, {n} new) minus kv_s_per_token x context; "
                 f"kv slope from a 4x-longer-prompt pass"),
-        device=f"cpu ({platform.machine()}, {os.cpu_count()} cores)",
+        device=device_text,
         model=label,
         batch_sizes=tuple(sizes),
         ptl_s=tuple(base),

@@ -60,9 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace-out", help="also write the trace (jsonl) here")
     parser.add_argument(
         "--simulate", nargs="?", const="auto", metavar="PROFILE",
-        help="also run the same trace on simulated engines with this engine profile (default: "
-        "the measured docs/profiles/cpu-<model>-t1.json) and report both partial/sync ratios "
-        "(the simulator's validation)",
+        help="also run the same trace on simulated engines with this engine profile (a file or "
+        "a packaged name; default: the measured docs/profiles/<device>-<model>-t1.json, device "
+        "cpu or the GPU's model, e.g. h100) and report both partial/sync ratios (the "
+        "simulator's validation)",
     )
     parser.add_argument("--out", help="write the results as JSON here")
 
@@ -223,13 +224,27 @@ def simulate_same(args: argparse.Namespace, real: dict[str, Any]) -> dict[str, A
                                ranker=_ranker(specs[name], trace))[args.warmup_steps:]
         seconds = sum(s.rollout_s for s in steps)
         tokens = sum(s.tokens_generated for s in steps)
-        out["policies"][name] = {"throughput_tok_s": tokens / seconds if seconds else 0.0}
+        out["policies"][name] = {"throughput_tok_s": tokens / seconds if seconds else 0.0,
+                                 "rollout_s_per_step": seconds / len(steps) if steps else 0.0}
     names = list(out["policies"])
     if len(names) >= 2:
         sim = out["policies"][names[1]]["throughput_tok_s"] / out["policies"][names[0]]["throughput_tok_s"]
         meas = real["policies"][names[1]]["ratio_to_first"]
         out["ratio"], out["measured_ratio"] = sim, meas
         out["deviation"] = sim / meas - 1.0
+        # every later policy against the first: tokens/s ratio and rollout s/step speed-up
+        first_sim = out["policies"][names[0]]
+        out["ratios"] = {}
+        for name in names[1:]:
+            ps, pr = out["policies"][name], real["policies"][name]
+            tok = ps["throughput_tok_s"] / first_sim["throughput_tok_s"]
+            spd = first_sim["rollout_s_per_step"] / ps["rollout_s_per_step"] if ps["rollout_s_per_step"] else 0.0
+            out["ratios"][name] = {
+                "tok_s_simulated": tok, "tok_s_measured": pr["ratio_to_first"],
+                "tok_s_deviation": tok / pr["ratio_to_first"] - 1.0 if pr["ratio_to_first"] else 0.0,
+                "speedup_simulated": spd, "speedup_measured": pr["speedup_vs_first"],
+                "speedup_deviation": spd / pr["speedup_vs_first"] - 1.0 if pr["speedup_vs_first"] else 0.0,
+            }
     return out
 
 
@@ -300,6 +315,12 @@ def format_table(r: dict[str, Any]) -> str:
             f"{sim['ratio']:.2f}x vs measured {sim['measured_ratio']:.2f}x "
             f"({sim['deviation']:+.0%}; the simulator's validation criterion is within 10%)",
         ]
+        for name, v in sim.get("ratios", {}).items():
+            lines.append(
+                f"  {name} vs {names[0]}: tok/s {v['tok_s_simulated']:.2f}x simulated / "
+                f"{v['tok_s_measured']:.2f}x measured ({v['tok_s_deviation']:+.1%}); s/step speed-up "
+                f"{v['speedup_simulated']:.2f}x / {v['speedup_measured']:.2f}x "
+                f"({v['speedup_deviation']:+.1%})")
     return "\n".join(lines)
 
 
@@ -307,9 +328,12 @@ ENGINE_SLOTS = 256  # max_running_requests of the bench's engines (and the dispa
 
 
 def _profile_path(model: str) -> Path:
-    """The measured CPU profile of a demo model (docs/profiles), used by the dispatcher's cost
-    model and the simulated side."""
-    return Path(__file__).resolve().parents[2] / "docs" / "profiles" / f"cpu-{model}-t1.json"
+    """The measured profile of a demo model on this machine's device (docs/profiles:
+    cpu-<model>-t1.json, or h100-<model>-t1.json etc. where the engines run on a GPU), used by
+    the dispatcher's cost model and the simulated side."""
+    from rlkit.bench.engine import device_tag
+
+    return Path(__file__).resolve().parents[2] / "docs" / "profiles" / f"{device_tag()}-{model}-t1.json"
 
 
 def _ranker(cfg: Any, trace: Any) -> Any:
