@@ -1,8 +1,8 @@
 """The optimizer step, CPU and CUDA behind one interface.
 
 CUDA: megatron's own optimizer (`get_megatron_optimizer`: fp32 master weights for bf16 params,
-gradient clipping across TP ranks). UNTESTED on a GPU in this repository: no GPU was available
-when it was written; the CPU path below is what the test suite runs.
+gradient clipping across TP ranks). Run on one H100 at TP=1 (docs/gpu.md;
+tests/train/test_megatron_cuda.py, which skips without a GPU); CI runs the CPU path below.
 
 CPU: `get_megatron_optimizer` hard-codes CUDA tensors (FACTS.md), so a torch AdamW steps the
 parameters after `param.grad = param.main_grad` (megatron's DDP accumulates into main_grad; without
