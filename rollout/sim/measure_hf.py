@@ -201,12 +201,33 @@ def _nonneg_lstsq(a: np.ndarray, y: np.ndarray, w: np.ndarray) -> list[float]:
 
 
 # -- 3. serving stack -------------------------------------------------------------------------------
+async def measure_control(client: Any, url: str, running_s: float) -> dict[str, Any]:
+    """What the client's control calls cost on one engine: a control round trip (each abort
+    poll is one) and abort_all on 32 requests that have run for `running_s`."""
+    from rollout.client import ABORT_POLL_FIRST_S, EngineClient
+
+    ctl = []
+    for _ in range(40):
+        t0 = time.perf_counter()
+        await client.worker_load(url)
+        ctl.append(time.perf_counter() - t0)
+    aborts = []
+    for _ in range(5):
+        task = asyncio.create_task(_batch(client, [[13 + i] * 24 for i in range(32)], 4000))
+        await asyncio.sleep(running_s)
+        t0 = time.perf_counter()
+        await client.abort_all()
+        aborts.append(time.perf_counter() - t0)
+        await task
+    return {"control_rtt_s": statistics.median(ctl), "abort_all_s": aborts,
+            "abort_poll_s": [ABORT_POLL_FIRST_S, EngineClient(url).abort_poll_interval_s]}
+
+
 def measure_serving(model_path: str, stream_interval: int = 8) -> dict[str, Any]:
     import urllib.request
 
     import psutil
 
-    from rollout.client import ABORT_POLL_FIRST_S, EngineClient
     from rollout.engines.config import EngineConfig, RouterConfig
     from rollout.engines.fleet import EngineFleet
 
@@ -253,25 +274,7 @@ def measure_serving(model_path: str, stream_interval: int = 8) -> dict[str, Any]
                 pre = stats()["prefill"]
                 out["request_latency_s"] = max(
                     0.0, statistics.median(rtts) - pre["seconds"] / max(1, pre["forwards"]))
-                # control round trip (what each abort poll costs)
-                ctl = []
-                for _ in range(40):
-                    t0 = time.perf_counter()
-                    await client.worker_load(url)
-                    ctl.append(time.perf_counter() - t0)
-                out["control_rtt_s"] = statistics.median(ctl)
-                # abort_all as is, on 32 running requests
-                aborts = []
-                for _ in range(5):
-                    task = asyncio.create_task(
-                        _batch(client, [[13 + i] * 24 for i in range(32)], 4000))
-                    await asyncio.sleep(0.3)
-                    t0 = time.perf_counter()
-                    await client.abort_all()
-                    aborts.append(time.perf_counter() - t0)
-                    await task
-                out["abort_all_s"] = aborts
-                out["abort_poll_s"] = [ABORT_POLL_FIRST_S, EngineClient(url).abort_poll_interval_s]
+                out.update(await measure_control(client, url, running_s=0.3))
                 out["stream_interval"] = stream_interval
 
         asyncio.run(main())

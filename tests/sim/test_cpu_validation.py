@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import pytest
+
 from rollout.sim.engine import SimConfig
 from rollout.sim.profile import load_profile
 
@@ -32,7 +34,11 @@ def test_simulate_same_runs_the_bench_workload_on_the_measured_profile():
                               policy="sync,partial", trace=None,
                               cap=256, over_provision=2.0, steps=2, warmup_steps=1,
                               p_hard=0.15, easy_frac=0.08, seed=0)
-    real = {"policies": {"sync": {"ratio_to_first": 1.0}, "partial": {"ratio_to_first": 1.5}}}
+    real = {"policies": {"sync": {"ratio_to_first": 1.0, "speedup_vs_first": 1.0},
+                         "partial": {"ratio_to_first": 1.5, "speedup_vs_first": 1.4}}}
     out = simulate_same(args, real)
     assert out["ratio"] > 0 and out["measured_ratio"] == 1.5
+    partial = out["ratios"]["partial"]
+    assert partial["tok_s_simulated"] == pytest.approx(out["ratio"])
+    assert partial["speedup_measured"] == 1.4 and partial["speedup_simulated"] > 0
     assert set(out["policies"]) == {"sync", "partial"}

@@ -176,10 +176,9 @@ def measure_prefill(model_path: str, rows_list=PREFILL_ROWS, widths=PREFILL_WIDT
 
 def measure_serving(model_path: str, prefill_1x24_s: float, stream_interval: int = 8,
                     device: str = "cuda") -> dict[str, Any]:
-    from rollout.client import ABORT_POLL_FIRST_S, EngineClient
     from rollout.engines.config import EngineConfig, RouterConfig
     from rollout.engines.fleet import EngineFleet
-    from rollout.sim.measure_hf import _batch
+    from rollout.sim.measure_hf import _batch, measure_control
 
     cfg = EngineConfig(num_engines=1, cpu_threads=1, max_running_requests=256,
                        stream_interval=stream_interval, device=device)
@@ -193,22 +192,7 @@ def measure_serving(model_path: str, prefill_1x24_s: float, stream_interval: int
                 rtts = [await _batch(client, [[11] * 24], 1) for _ in range(40)]
                 out["request_rtt_s"] = statistics.median(rtts)
                 out["request_latency_s"] = max(0.0, out["request_rtt_s"] - prefill_1x24_s)
-                ctl = []
-                for _ in range(40):
-                    t0 = time.perf_counter()
-                    await client.worker_load(url)
-                    ctl.append(time.perf_counter() - t0)
-                out["control_rtt_s"] = statistics.median(ctl)
-                aborts = []
-                for _ in range(5):
-                    task = asyncio.create_task(_batch(client, [[13 + i] * 24 for i in range(32)], 4000))
-                    await asyncio.sleep(0.5)
-                    t0 = time.perf_counter()
-                    await client.abort_all()
-                    aborts.append(time.perf_counter() - t0)
-                    await task
-                out["abort_all_s"] = aborts
-                out["abort_poll_s"] = [ABORT_POLL_FIRST_S, EngineClient(url).abort_poll_interval_s]
+                out.update(await measure_control(client, url, running_s=0.5))
                 out["stream_interval"] = stream_interval
 
         asyncio.run(main())
