@@ -50,7 +50,7 @@ import platform
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -137,14 +137,7 @@ def measure_decode(model_path: str, batches=DECODE_BATCHES, widths=DECODE_WIDTHS
              "alone_s": statistics.median(per_point[(b, w, "alone")]),
              "both_s": statistics.median(per_point[(b, w, "both")]),
              "passes": {m: per_point[(b, w, m)] for m in ("alone", "both")}} for b, w in grid]
-    base, slope = [], []
-    for b in batches:
-        pts = [r for r in rows if r["batch"] == b]
-        x = np.array([r["kv_tokens"] for r in pts])
-        y = np.array([r["alone_s"] for r in pts])
-        k, c = np.polyfit(x, y, 1)
-        slope.append(max(float(k), 0.0))
-        base.append(max(float(c), 0.5 * float(y.min())))
+    base, slope = fit_ptl(rows, batches, "alone_s")
     interference = float(np.median([r["both_s"] / r["alone_s"] for r in rows])) - 1.0
     return {"batch_sizes": list(batches), "ptl_s": base, "kv_s_per_token_by_batch": slope,
             "interference": max(0.0, interference), "points": rows, "new_tokens": [n1, n2]}
@@ -201,6 +194,21 @@ def _nonneg_lstsq(a: np.ndarray, y: np.ndarray, w: np.ndarray) -> list[float]:
 
 
 # -- 3. serving stack -------------------------------------------------------------------------------
+def fit_ptl(rows: list[dict[str, Any]], batches: Sequence[int], key: str) -> tuple[list[float], list[float]]:
+    """Per batch size, step time = PTL + slope x KV tokens (least squares over the contexts
+    measured): the profile's ptl_s and kv_s_per_token_by_batch. The slope is floored at 0 and
+    PTL at half the fastest step (a noisy fit must not predict free steps)."""
+    base, slope = [], []
+    for b in batches:
+        pts = [r for r in rows if r["batch"] == b]
+        x = np.array([r["kv_tokens"] for r in pts])
+        y = np.array([r[key] for r in pts])
+        k, c = np.polyfit(x, y, 1)
+        slope.append(max(float(k), 0.0))
+        base.append(max(float(c), 0.5 * float(y.min())))
+    return base, slope
+
+
 async def measure_control(client: Any, url: str, running_s: float) -> dict[str, Any]:
     """What the client's control calls cost on one engine: a control round trip (each abort
     poll is one) and abort_all on 32 requests that have run for `running_s`."""

@@ -65,7 +65,7 @@ def measure_decode(model_path: str, vocab: int, batches=DECODE_BATCHES, widths=D
                    n1: int = 16, n2: int = 80, shared=SHARED_POINTS, device: str = "cuda") -> dict[str, Any]:
     from rollout.engines.config import EngineConfig, RouterConfig
     from rollout.engines.fleet import EngineFleet
-    from rollout.sim.measure_hf import _batch
+    from rollout.sim.measure_hf import _batch, fit_ptl
 
     cfg = EngineConfig(num_engines=2, cpu_threads=1, max_running_requests=256, device=device)
     rows: list[dict[str, Any]] = []
@@ -111,14 +111,7 @@ def measure_decode(model_path: str, vocab: int, batches=DECODE_BATCHES, widths=D
                           f"{1e3 * min(both):.2f} ms/step", flush=True)
 
         asyncio.run(main())
-    base, slope = [], []
-    for b in batches:
-        pts = [r for r in rows if r["batch"] == b]
-        x = np.array([r["kv_tokens"] for r in pts])
-        y = np.array([r["step_s"] for r in pts])
-        k, c = np.polyfit(x, y, 1)
-        slope.append(max(float(k), 0.0))
-        base.append(max(float(c), 0.5 * float(y.min())))
+    base, slope = fit_ptl(rows, batches, "step_s")
     slowdown = [r["both_s"] / r["alone_s"] - 1.0 for r in shared_rows]
     return {"batch_sizes": list(batches), "ptl_s": base, "kv_s_per_token_by_batch": slope,
             "points": rows, "new_tokens": [n1, n2], "shared_gpu": shared_rows,
