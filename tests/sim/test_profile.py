@@ -88,3 +88,15 @@ def test_prefill_forward_cost_and_kv_slope_per_batch(tmp_path):
     assert again == by_batch and again.max_prefill_tokens == 64
     with pytest.raises(ProfileError, match="kv_s_per_token_by_batch"):
         EngineProfile.from_json({**prof.to_json(), "kv_s_per_token_by_batch": [1e-6]})
+
+
+def test_ptl_fit_recovers_the_step_time_model_and_floors_noise():
+    from rollout.sim.measure_hf import fit_ptl
+
+    rows = [{"batch": b, "kv_tokens": kv, "s": 0.01 * b + 2e-6 * kv}
+            for b in (1, 4) for kv in (100, 1000, 5000)]
+    ptl, slope = fit_ptl(rows, [1, 4], "s")
+    assert ptl == pytest.approx([0.01, 0.04]) and slope == pytest.approx([2e-6, 2e-6])
+    noisy = [{"batch": 1, "kv_tokens": kv, "s": s} for kv, s in ((100, 0.05), (5000, 0.01))]
+    ptl, slope = fit_ptl(noisy, [1], "s")  # falling with context: no negative slope
+    assert slope == [0.0] and ptl[0] >= 0.005
