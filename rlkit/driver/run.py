@@ -9,7 +9,7 @@ import yaml
 
 from rlkit.checkpoint import resume_point
 from rlkit.config.schema import Recipe
-from rlkit.driver.sync import LoopState, run_sync
+from rlkit.driver.sync import LoopState, push_weights, run_sync
 from rlkit.tracking import Tracker
 
 
@@ -45,10 +45,7 @@ def train(recipe: Recipe) -> LoopState:
                 box.load(str(ckpt.buffer_file))
             state = LoopState(step=ckpt.step, version=ckpt.version)
             # fresh engines hold the initial weights: give them the checkpoint's
-            cluster.trainer.sync_weights(cluster.engine_urls, version=ckpt.version,
-                                         method=recipe.train.weight_sync.method,
-                                         folder=run_dir / "weights")
-            box.set_version(ckpt.version)
+            push_weights(cluster.trainer, box, cluster.engine_urls, ckpt.version, recipe, run_dir)
 
         return run_sync(recipe, box, cluster.trainer, cluster.engine_urls, tracker, run_dir, state)
     finally:

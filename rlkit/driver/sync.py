@@ -55,6 +55,39 @@ def train_on_batch(trainer: Trainer, batch: TrainBatch, recipe: Recipe) -> dict[
     return metrics
 
 
+def push_weights(trainer: Trainer, rollout: RolloutBox, engine_urls: Sequence[str], version: int,
+                 recipe: Recipe, run_dir: Path) -> None:
+    """The trainer's weights, as `version`, to the engines, and the rollout box told which
+    version it now generates with: the one weight sync of every mode and of a resume."""
+    trainer.sync_weights(list(engine_urls), version=version,
+                         method=recipe.train.weight_sync.method, folder=run_dir / "weights")
+    rollout.set_version(version)
+
+
+def finish_step(recipe: Recipe, state: LoopState, tracker: Tracker, rollout: RolloutBox,
+                trainer: Trainer, run_dir: Path, result: StepResult, groups: list[Group],
+                row: dict[str, float]) -> None:
+    """After a trained step: its metrics row (rollout, batch, train, buffer), timeline and
+    trained groups to the tracker, and a checkpoint when one is due (always after the last)."""
+    tracker.log(state.step, {
+        **result.metrics,
+        **batch_metrics(groups),
+        **row,
+        "version": state.version,
+        **{f"buffer/{k}": v for k, v in result.buffer.items() if isinstance(v, (int, float))},
+    })
+    tracker.log_timeline(state.step, result.timeline, header=result.header)
+    tracker.log_groups(state.step, groups)
+    every = recipe.checkpoint.every_steps
+    if state.step == recipe.run.num_steps or (every and state.step % every == 0):
+        save_checkpoint(
+            run_dir, state.step, state.version,
+            save_trainer=trainer.save,
+            save_buffer=(lambda p: rollout.save(str(p))) if recipe.checkpoint.save_buffer else None,
+            keep_last=recipe.checkpoint.keep_last,
+        )
+
+
 def run_sync(
     recipe: Recipe,
     rollout: RolloutBox,
@@ -64,43 +97,19 @@ def run_sync(
     run_dir: Path,
     state: LoopState,
 ) -> LoopState:
-    batch_size = recipe.rollout.batch_size
-    every = recipe.checkpoint.every_steps
     while state.step < recipe.run.num_steps:
         t0 = time.monotonic()
         result = rollout.run_step(state.version, final=state.step + 1 == recipe.run.num_steps)
-        groups = rollout.take(batch_size)
+        groups = rollout.take(recipe.rollout.batch_size)
         t1 = time.monotonic()
         batch = build_batch_from_config(groups, recipe.train.algorithm, state.version)
         metrics = train_on_batch(trainer, batch, recipe)
         t2 = time.monotonic()
         state.version += 1
-        trainer.sync_weights(list(engine_urls), version=state.version,
-                             method=recipe.train.weight_sync.method,
-                             folder=run_dir / "weights")
-        rollout.set_version(state.version)
+        push_weights(trainer, rollout, engine_urls, state.version, recipe, run_dir)
         t3 = time.monotonic()
         state.step += 1
-
-        row = {
-            **result.metrics,
-            **batch_metrics(groups),
-            **metrics,
-            "train/seconds": t2 - t1,
-            "sync/seconds": t3 - t2,
-            "step/seconds": t3 - t0,
-            "version": state.version,
-            **{f"buffer/{k}": v for k, v in result.buffer.items() if isinstance(v, (int, float))},
-        }
-        tracker.log(state.step, row)
-        tracker.log_timeline(state.step, result.timeline, header=result.header)
-        tracker.log_groups(state.step, groups)
-        last = state.step == recipe.run.num_steps
-        if last or (every and state.step % every == 0):
-            save_checkpoint(
-                run_dir, state.step, state.version,
-                save_trainer=trainer.save,
-                save_buffer=(lambda p: rollout.save(str(p))) if recipe.checkpoint.save_buffer else None,
-                keep_last=recipe.checkpoint.keep_last,
-            )
+        finish_step(recipe, state, tracker, rollout, trainer, run_dir, result, groups,
+                    {**metrics, "train/seconds": t2 - t1, "sync/seconds": t3 - t2,
+                     "step/seconds": t3 - t0})
     return state
