@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Callable, Literal, Mapping, Sequence
 
 from buffers.group import Group
+from rollout.rankers import mean_length
 
 Objective = Literal["max", "sum"]
 CostModel = Literal["fluid", "streamrl"]
@@ -159,7 +160,7 @@ class Dispatcher:
     def observe(self, group: Group) -> None:
         """A finished group: how long it was against its prediction (the ranker's recall)."""
         if group.predicted_length is not None and group.samples:
-            actual = sum(len(s.response_ids) for s in group.samples) / len(group.samples)
+            actual = mean_length(group)
             self._seen.append((group.predicted_length, actual))
 
     def recall(self) -> float | None:

@@ -38,7 +38,7 @@ from rollout.config import SamplingConfig
 from rollout.dispatch import AdmissionGate, Dispatcher, GateClosed, LengthWindow
 from rollout.engine_api import EngineError, Engines
 from rollout.filters import FilterFailure, GroupFilter
-from rollout.rankers import LengthRanker
+from rollout.rankers import LengthRanker, group_lengths, mean_length
 from rollout.rankers.recall import recalls
 from rollout.rewards import RewardFailure, RewardScheduler
 from rollout.timeline import Span
@@ -637,9 +637,8 @@ class Step:
         if g.is_complete and self.dispatcher is not None:
             self.dispatcher.observe(g)
         if g.is_complete:
-            lengths = [len(s.response_ids) for s in g.first_finished()]
-            self._m.response_lengths.add(lengths)
-            self._m.group_lengths.add([sum(lengths) / len(lengths)])
+            self._m.response_lengths.add(group_lengths(g)[0])
+            self._m.group_lengths.add([mean_length(g)])
 
     def _gate(self, worker: str | None) -> AdmissionGate | None:
         if self.dispatcher is None or worker is None:
@@ -671,8 +670,7 @@ class Step:
         r.completed = [g.group_id for g in self._completed]
         r.long_queue = self.buffer.count(Place.LONG)
         r.predictions = [
-            (g.predicted_length, sum(len(s.response_ids) for s in g.samples) / len(g.samples))
-            for g in self._completed if g.predicted_length is not None
+            (g.predicted_length, mean_length(g)) for g in self._completed if g.predicted_length is not None
         ]
         rewards: list[float] = []
         for g in self._completed:

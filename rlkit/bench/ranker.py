@@ -92,6 +92,7 @@ def bench_rankers(steps: list[StepGroups], names: Iterable[str], *, trace: Any =
     """Mean recall@20/10/5 per ranker over first-pass steps (after `warmup`) and later ones."""
     from rlkit.plugins import load_ranker
     from rollout.config import RankerConfig
+    from rollout.rankers import mean_length
     from rollout.rankers.recall import recalls
 
     out: dict[str, Any] = {"rankers": {}, "steps": len(steps)}
@@ -101,7 +102,7 @@ def bench_rankers(steps: list[StepGroups], names: Iterable[str], *, trace: Any =
         scored: dict[str, list[dict[str, float]]] = {"unseen": [], "seen": []}
         first = 0
         for s in steps:
-            truth = [sum(len(x.response_ids) for x in g.samples) / len(g.samples) for g in s.groups]
+            truth = [mean_length(g) for g in s.groups]
             predicted = ranker.predict(s.groups)
             if s.first_pass:
                 first += 1

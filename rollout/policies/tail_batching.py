@@ -79,7 +79,7 @@ class TailBatchingPolicy:
         must_finish: list[Group] = []  # deferred often enough: this round waits for them
         # Proactive deferrals one round may make; past them it runs what it draws (a ranker that
         # thinks everything long must neither drain the data into the long queue nor stall).
-        budget = 4 * prompts
+        max_deferred, deferred = 4 * prompts, 0
         extra = prompts - step.target  # the speculative over-launch
 
         def wanted() -> int:
@@ -87,7 +87,7 @@ class TailBatchingPolicy:
             # up front takes one of the over-launch's places (they are there for the long tail).
             if step.completed >= step.target:
                 return 0
-            launch = prompts - min(extra, 4 * prompts - budget)
+            launch = prompts - min(extra, deferred)
             return launch - step.completed - step.running
 
         while step.completed < step.target or any(map(step.is_running, must_finish)):
@@ -97,10 +97,10 @@ class TailBatchingPolicy:
                     groups += step.buffer.acquire_long(want - len(groups))
                 if not groups:
                     break
-                if self.proactive and budget > 0:
-                    groups, deferred = self._skip_predicted_long(step, groups)
-                    budget -= deferred
-                step.predict(groups)  # (again, cheaply: the recall metric reads them)
+                step.predict(groups)  # the proactive bar and the recall metric read them
+                if self.proactive and deferred < max_deferred:
+                    groups, skipped = self._skip_predicted_long(step, groups)
+                    deferred += skipped
                 for g in groups:
                     wait = g.deferrals >= self.max_deferrals
                     self._launch(step, g, responses, reserve=wait)
@@ -119,12 +119,12 @@ class TailBatchingPolicy:
 
     def _skip_predicted_long(self, step: "Step", groups: list["Group"]
                              ) -> tuple[list["Group"], int]:
-        """Proactive tail batching: a fresh prompt the ranker predicts long goes straight to
-        the long queue. Returns the groups to run and how many were deferred."""
+        """Proactive tail batching: a fresh prompt the ranker predicts long (its
+        predicted_length, set by the caller) goes straight to the long queue. Returns the
+        groups to run and how many were deferred."""
         threshold = self.long_threshold(step)
         if threshold is None:
             return groups, 0
-        step.predict(groups)
         keep, deferred = [], 0
         for g in groups:
             fresh = g.deferrals == 0 and not g.has_tokens  # the long queue's own stay put

@@ -54,10 +54,17 @@ def group_lengths(group: Group) -> tuple[list[int], bool]:
     return lengths, group.is_complete
 
 
+def mean_length(group: Group) -> float:
+    """A group's mean response length as rankers see it (exact once complete, else a lower
+    bound): what a prediction is scored against."""
+    lengths, _ = group_lengths(group)
+    return sum(lengths) / len(lengths) if lengths else 0.0
+
+
 def prompt_key(group: Group) -> int:
     """A prompt's identity across epochs: its data row (or its tokens, when it has none)."""
     p = group.prompt
     return p.source_index if p.source_index >= 0 else hash(p.ids) & 0x7FFFFFFF
 
 
-__all__ = ["LengthRanker", "builtin_rankers", "group_lengths", "prompt_key"]
+__all__ = ["LengthRanker", "builtin_rankers", "group_lengths", "mean_length", "prompt_key"]
