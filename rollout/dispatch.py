@@ -153,7 +153,9 @@ class Dispatcher:
         self.engine, self.alpha, self.objective = engine, alpha, objective
         self.cost_model = cost_model
         self.min_recall = min_recall
-        self.split = split  # False: place only (no split, no LPT), e.g. under partial rollouts
+        # False (a partial step): no LPT order, and the fluid model keeps no split; the
+        # published model splits as published, by the user's explicit choice.
+        self.split = split
         self._seen: deque[tuple[float, float]] = deque(maxlen=512)  # (predicted, actual)
         self.plan_: Plan | None = None
 
@@ -341,8 +343,14 @@ class InFlightSizer:
     engine: EngineModel
     utilization: float = 0.9
 
-    def enough(self, running: Sequence[Group], need: int, n: int, engines: int,
-               context: float) -> bool:
+    def busy_requests(self, engines: int, context: float) -> int:
+        """Requests that keep `engines` at `utilization` of peak at a mean context of
+        `context` tokens (one PTL scan of the batch sizes: compute it once per fill)."""
+        return engines * self.engine.saturation_batch(context, self.utilization)
+
+    def enough(self, running: Sequence[Group], need: int, n: int, busy: int) -> bool:
+        """Is the predicted work of `running` (n requests each) at least `busy` requests
+        decoding until the need-th shortest finishes?"""
         if need <= 0:
             return True
         rems = sorted(remaining(g) for g in running)
@@ -350,4 +358,4 @@ class InFlightSizer:
             return False
         horizon = rems[need - 1]
         work = n * sum(min(r, horizon) for r in rems)
-        return work >= engines * self.engine.saturation_batch(context, self.utilization) * horizon
+        return work >= busy * horizon

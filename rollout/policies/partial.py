@@ -61,11 +61,11 @@ class PartialPolicy:
         hi = math.ceil(self.max_factor * step.target)
         need = math.ceil((step.target - step.completed) / self.pass_rate)
         context = (step.response_lengths.quantile(0.5) or 0.0) / 2
-        engines = len(step.engines.workers())
+        busy = self.sizer.busy_requests(len(step.engines.workers()), context)
         n = step.buffer.n_samples_per_prompt
         while step.completed + step.running < hi:
             if step.completed + step.running >= lo and self.sizer.enough(
-                    step.running_groups(), need, n, engines, context):
+                    step.running_groups(), need, n, busy):
                 break
             groups = step.buffer.acquire(1)
             if not groups:
