@@ -87,17 +87,24 @@ def load_or_generate(args: argparse.Namespace) -> Any:
                                     seed=args.seed, prompt_signal=args.prompt_signal))
 
 
+def ranker_for_trace(cfg: Any, trace: Any) -> Any:
+    """The ranker a `rollout.ranker` config names, for a benchmark on `trace`: the oracle
+    reads that trace's lengths, every other ranker loads as in a run."""
+    from rlkit.plugins import load_ranker
+
+    return load_ranker(cfg, **({"trace": trace} if cfg.name == "oracle" else {}))
+
+
 def bench_rankers(steps: list[StepGroups], names: Iterable[str], *, trace: Any = None,
                   warmup: int = 0) -> dict[str, Any]:
     """Mean recall@20/10/5 per ranker over first-pass steps (after `warmup`) and later ones."""
-    from rlkit.plugins import load_ranker
     from rollout.config import RankerConfig
     from rollout.rankers import mean_length
     from rollout.rankers.recall import recalls
 
     out: dict[str, Any] = {"rankers": {}, "steps": len(steps)}
     for name in names:
-        ranker = load_ranker(RankerConfig(name=name), **({"trace": trace} if name == "oracle" else {}))
+        ranker = ranker_for_trace(RankerConfig(name=name), trace)
         assert ranker is not None
         scored: dict[str, list[dict[str, float]]] = {"unseen": [], "seen": []}
         first = 0

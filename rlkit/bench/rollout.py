@@ -134,6 +134,7 @@ def make_trace(args: argparse.Namespace) -> Any:
 
 async def bench_rollout(args: argparse.Namespace) -> dict[str, Any]:
     from buffers import ListPromptSource, PromptRecord, RolloutBuffer
+    from rlkit.bench.ranker import ranker_for_trace
     from rlkit.demo_models import resolve_model_path
     from rollout.config import SamplingConfig
     from rollout.engines.config import EngineConfig, RouterConfig
@@ -168,7 +169,7 @@ async def bench_rollout(args: argparse.Namespace) -> dict[str, Any]:
                 buf = RolloutBuffer(ListPromptSource(records, seed=args.seed),
                                     n_samples_per_prompt=args.n, max_staleness=1000)
                 engines = TraceReplayEngines(client, trace, BufferPrompts(buf))
-                ranker = _ranker(cfg, trace)
+                ranker = ranker_for_trace(cfg.ranker, trace)
                 if ranker is not None:
                     buf.attach("ranker", ranker)
                 runs[name] = (buf, RolloutManager(buf, engines, make_policy(cfg), sampling,
@@ -199,6 +200,7 @@ def step_row(report: Any) -> dict[str, Any]:
 
 def simulate_same(args: argparse.Namespace, real: dict[str, Any]) -> dict[str, Any]:
     """The same trace, policies and step counts on simulated engines (virtual time)."""
+    from rlkit.bench.ranker import ranker_for_trace
     from rollout.policies import make_policy
     from rollout.sim.engine import SimConfig
     from rollout.sim.harness import run_simulation
@@ -221,7 +223,7 @@ def simulate_same(args: argparse.Namespace, real: dict[str, Any]) -> dict[str, A
         steps = run_simulation(cluster, trace, make_policy(specs[name]),
                                steps=args.warmup_steps + args.steps, batch_size=args.batch_size,
                                max_new_tokens=args.cap, final_step=False,
-                               ranker=_ranker(specs[name], trace))[args.warmup_steps:]
+                               ranker=ranker_for_trace(specs[name].ranker, trace))[args.warmup_steps:]
         seconds = sum(s.rollout_s for s in steps)
         tokens = sum(s.tokens_generated for s in steps)
         out["policies"][name] = {"throughput_tok_s": tokens / seconds if seconds else 0.0,
@@ -334,12 +336,6 @@ def _profile_path(model: str) -> Path:
     from rlkit.bench.engine import device_tag
 
     return Path(__file__).resolve().parents[2] / "docs" / "profiles" / f"{device_tag()}-{model}-t1.json"
-
-
-def _ranker(cfg: Any, trace: Any) -> Any:
-    from rlkit.plugins import load_ranker
-
-    return load_ranker(cfg.ranker, **({"trace": trace} if cfg.ranker.name == "oracle" else {}))
 
 
 def _vocab_size(model_path: str) -> int:

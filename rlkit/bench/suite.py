@@ -55,11 +55,10 @@ def make_policy(spec: str, base: Any = None) -> Any:
 
 def make_ranker(spec: str, trace: Any, base: Any = None) -> Any:
     """The length ranker a spec's recipe names (the oracle reads this trace's lengths)."""
-    from rlkit.plugins import load_ranker
+    from rlkit.bench.ranker import ranker_for_trace
     from rollout.policies import policy_config
 
-    cfg = policy_config(spec, base).ranker
-    return load_ranker(cfg, **({"trace": trace} if cfg.name == "oracle" else {}))
+    return ranker_for_trace(policy_config(spec, base).ranker, trace)
 
 
 def rollout_base(profile: str, cluster: Any) -> Any:
