@@ -197,6 +197,8 @@ class RolloutManager:
         self.rewards = rewards
         self.group_filter = group_filter
         self.ranker = ranker
+        if ranker is not None:  # its state is saved and restored with the buffer's
+            buffer.attach("ranker", ranker)
         self.abort_grace_s = abort_grace_s
         self.current: Step | None = None  # the step running now, for progress reports
         # Recent lengths of finished groups, across steps: the distribution D the dispatcher's

@@ -170,8 +170,6 @@ async def bench_rollout(args: argparse.Namespace) -> dict[str, Any]:
                                     n_samples_per_prompt=args.n, max_staleness=1000)
                 engines = TraceReplayEngines(client, trace, BufferPrompts(buf))
                 ranker = ranker_for_trace(cfg.ranker, trace)
-                if ranker is not None:
-                    buf.attach("ranker", ranker)
                 runs[name] = (buf, RolloutManager(buf, engines, make_policy(cfg), sampling,
                                                   RewardScheduler(score), ranker=ranker))
             steps: dict[str, list[dict[str, Any]]] = {p: [] for p in specs}

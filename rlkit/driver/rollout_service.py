@@ -51,8 +51,6 @@ class RolloutService:
             max_staleness=cfg.max_staleness,
             staleness_policy=cfg.staleness_policy,
         )
-        if ranker is not None:
-            self.buffer.attach("ranker", ranker)  # its state goes with the buffer's checkpoint
         rewards = RewardScheduler(score, timeout_s=cfg.reward.timeout_s, on_error=cfg.reward.on_error)
         self.manager = RolloutManager(self.buffer, engines, make_policy(cfg), cfg.sampling, rewards,
                                       group_filter=group_filter, ranker=ranker)

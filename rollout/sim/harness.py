@@ -121,8 +121,6 @@ async def simulate(
     if buffer is None:
         buffer = RolloutBuffer(trace_source(trace), n_samples_per_prompt=trace.group_size,
                                max_staleness=max_staleness)
-    if ranker is not None:
-        buffer.attach("ranker", ranker)
     engines = SimEngines(cluster, observer=observer)
     replay = TraceReplayEngines(engines, trace, BufferPrompts(buffer))
     sampling = SamplingConfig(max_new_tokens=cap, temperature=1.0)
