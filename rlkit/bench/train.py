@@ -104,20 +104,22 @@ def build_smollm2_shaped(path: Path) -> Path:
     return path
 
 
-def synthetic_batch(name: str, vocab: int, seed: int = 0):
+def synthetic_batch(vocab: int, n: int, prompt: int, median: int, cap: int, *, sigma: float = 0.8,
+                    min_len: int = 4, group_size: int = 4, seed: int = 0):
+    """n random samples of one prompt length and log-normal response lengths (median, sigma,
+    clamped to [min_len, cap]), advantages +-1: a fixed batch for timing the trainer."""
     import torch
 
     from train.batch import TrainBatch, TrainSample
 
-    n, prompt, median, cap = SHAPES[name]
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.exp(torch.randn(n, generator=g) * 0.8 + torch.log(torch.tensor(float(median))))
-    lengths = lengths.round().clamp(4, cap).long().tolist()
+    lengths = torch.exp(torch.randn(n, generator=g) * sigma + torch.log(torch.tensor(float(median))))
+    lengths = lengths.round().clamp(min_len, cap).long().tolist()
     samples = []
     for i, r in enumerate(lengths):
         samples.append(
             TrainSample(
-                index=i, group_id=i // 4,
+                index=i, group_id=i // group_size,
                 tokens=torch.randint(0, vocab, (prompt + r,), generator=g),
                 prompt_length=prompt, loss_mask=torch.ones(r), rollout_logprobs=torch.full((r,), -2.0),
                 advantage=1.0 if i % 2 else -1.0, reward=float(i % 2), min_version=0, max_version=0,
@@ -135,7 +137,7 @@ def time_training(path: str, name: str, tp: int, steps: int, cpus: int) -> dict:
     cfg = TrainConfig.model_validate(
         {"device": "cpu", "parallelism": {"tensor": tp}, "micro_batch_size": 8, "optimizer": {"lr": 1e-6}}
     )
-    batch = synthetic_batch(name, int(read_config(path)["vocab_size"]))
+    batch = synthetic_batch(int(read_config(path)["vocab_size"]), *SHAPES[name])
     per_worker = max(1, cpus // tp)
     t0 = time.perf_counter()
     group = TrainerGroup(path, cfg, num_cpus_per_worker=per_worker, threads_per_worker=per_worker)
@@ -178,7 +180,7 @@ def compare_packing(path: str, name: str, rounds: int) -> dict:
     from train.megatron.trainer import MegatronTrainer
     from train.packing import pack_samples
 
-    batch = synthetic_batch(name, int(read_config(path)["vocab_size"]))
+    batch = synthetic_batch(int(read_config(path)["vocab_size"]), *SHAPES[name])
     trainer = MegatronTrainer.single_process(path, TrainConfig(device="cpu", micro_batch_size=8))
     times: dict[str, list[float]] = {k: [] for k in PACKING_LAYOUTS}
     padding: dict[str, float] = {}

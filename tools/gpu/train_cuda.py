@@ -238,27 +238,16 @@ def cmd_grpo(args, path: Path, device: torch.device) -> dict:
     return result
 
 
-def synthetic_batch(vocab: int, samples: int, prompt: int, median: int, cap: int, seed: int = 0):
-    from train.batch import TrainBatch, TrainSample
-
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.exp(torch.randn(samples, generator=g) * 0.6 + torch.log(torch.tensor(float(median))))
-    lengths = lengths.round().clamp(8, cap).long().tolist()
-    return TrainBatch([
-        TrainSample(index=i, group_id=i // 8, tokens=torch.randint(0, vocab, (prompt + r,), generator=g),
-                    prompt_length=prompt, loss_mask=torch.ones(r), rollout_logprobs=torch.full((r,), -2.0),
-                    advantage=1.0 if i % 2 else -1.0, reward=float(i % 2), min_version=0, max_version=0)
-        for i, r in enumerate(lengths)], 0)
-
-
 def cmd_throughput(args, path: Path, device: torch.device) -> dict:
     """accumulate + step of one fixed batch: 1 warm-up, then timed steps (synchronised);
     tokens/s = prompt + response tokens of the batch / step seconds. Forward-only (logprobs)
     timed too."""
+    from rlkit.bench.train import synthetic_batch
     from train.hf_io import read_config
 
     cfg = read_config(path)
-    batch = synthetic_batch(int(cfg["vocab_size"]), args.samples, args.prompt_len, args.median, args.cap)
+    batch = synthetic_batch(int(cfg["vocab_size"]), args.samples, args.prompt_len, args.median,
+                            args.cap, sigma=0.6, min_len=8, group_size=8)
     trainer = make_trainer(path, args.device, args.dtype, micro_batch_size=args.micro_batch,
                            optimizer={"lr": 1e-6})
     params = sum(p.numel() for p in trainer.module.parameters())
