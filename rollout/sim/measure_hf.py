@@ -290,6 +290,20 @@ def measure_serving(model_path: str, stream_interval: int = 8) -> dict[str, Any]
 
 
 # -- the profile ------------------------------------------------------------------------------------
+def put_fits(data: dict[str, Any], decode: dict[str, Any] | None, prefill: dict[str, Any] | None) -> None:
+    """The simulator's fitted fields from a decode and a prefill measurement (either None:
+    kept as they are), for the CPU profile here and the GPU one (tools/gpu/measure_profile.py)."""
+    if decode is not None:
+        data["batch_sizes"] = decode["batch_sizes"]
+        data["ptl_s"] = decode["ptl_s"]
+        data["kv_s_per_token_by_batch"] = decode["kv_s_per_token_by_batch"]
+        data["kv_s_per_token"] = float(np.median(decode["kv_s_per_token_by_batch"]))
+    if prefill is not None:
+        for k in ("prefill_s_per_forward", "prefill_s_per_token", "prefill_s_per_token_sq"):
+            data[k] = prefill[k]
+        data["max_prefill_tokens"] = MAX_PREFILL_TOKENS
+
+
 def update_profile(path: Path, decode: dict[str, Any] | None, prefill: dict[str, Any] | None,
                    serving: dict[str, Any] | None, command: str) -> dict[str, Any]:
     data = json.loads(path.read_text()) if path.exists() else {}
@@ -299,20 +313,14 @@ def update_profile(path: Path, decode: dict[str, Any] | None, prefill: dict[str,
                   "load_avg_at_end": [round(x, 2) for x in os.getloadavg()],
                   "torch_threads": 1, "timing": "engine-core process CPU time (decode), thread "
                   "CPU time (prefill), process CPU times and wall clock (serving)"}
+    put_fits(data, decode, prefill)
     if decode is not None:
         data.pop("measured", None)  # `rlkit bench engine`'s raw steps: not what ptl_s now is
-        data["batch_sizes"] = decode["batch_sizes"]
-        data["ptl_s"] = decode["ptl_s"]
-        data["kv_s_per_token_by_batch"] = decode["kv_s_per_token_by_batch"]
-        data["kv_s_per_token"] = float(np.median(decode["kv_s_per_token_by_batch"]))
         data["max_running_requests"] = max(decode["batch_sizes"])
         data.setdefault("serving", {})["cpu_interference"] = decode["interference"]
         measured["decode"] = {"points": decode["points"], "new_tokens": decode["new_tokens"],
                               **conditions}
     if prefill is not None:
-        for k in ("prefill_s_per_forward", "prefill_s_per_token", "prefill_s_per_token_sq"):
-            data[k] = prefill[k]
-        data["max_prefill_tokens"] = MAX_PREFILL_TOKENS
         measured["prefill"] = {"points": prefill["points"], **conditions}
     if serving is not None:
         data["serving"] = {

@@ -196,6 +196,7 @@ def write_profile(path: Path, model: str, decode, prefill, serving, command: str
     import torch
 
     from rlkit.bench.engine import device_tag
+    from rollout.sim.measure_hf import put_fits
 
     data = json.loads(path.read_text()) if path.exists() else {}
     measured = data.setdefault("measured_gpu", {})
@@ -204,18 +205,12 @@ def write_profile(path: Path, model: str, decode, prefill, serving, command: str
             "torch": torch.__version__, "cuda": torch.version.cuda, "cpu_count": os.cpu_count(),
             "timing": "wall clock (decode: client-side difference of two lengths; prefill: "
                       "between CUDA synchronisations; serving: round trips)"}
+    put_fits(data, decode, prefill)
     if decode is not None:
-        data["batch_sizes"] = decode["batch_sizes"]
-        data["ptl_s"] = decode["ptl_s"]
-        data["kv_s_per_token_by_batch"] = decode["kv_s_per_token_by_batch"]
-        data["kv_s_per_token"] = float(np.median(decode["kv_s_per_token_by_batch"]))
         data["max_running_requests"] = 256
         measured["decode"] = {k: decode[k] for k in ("points", "new_tokens", "shared_gpu",
                                                      "shared_gpu_slowdown")} | cond
     if prefill is not None:
-        for k in ("prefill_s_per_forward", "prefill_s_per_token", "prefill_s_per_token_sq"):
-            data[k] = prefill[k]
-        data["max_prefill_tokens"] = MAX_PREFILL_TOKENS
         measured["prefill"] = {"points": prefill["points"],
                                "fit_max_rel_error": prefill["fit_max_rel_error"]} | cond
     if serving is not None:
