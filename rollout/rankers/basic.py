@@ -50,6 +50,7 @@ class HistoryRanker:
     def __post_init__(self) -> None:
         if not 0.0 <= self.decay < 1.0:
             raise ValueError(f"history ranker: decay must be in [0, 1), got {self.decay}")
+        self._recent = deque(self._recent, maxlen=self.window)
 
     def predict(self, groups: Sequence[Group]) -> list[float]:
         fallback = statistics.median(self._recent) if self._recent else 0.0
@@ -72,8 +73,6 @@ class HistoryRanker:
         old = self._estimate.get(key)
         self._estimate[key] = mean if old is None else self.decay * old + (1 - self.decay) * mean
         self._recent.append(mean)
-        if len(self._recent) > self.window:
-            self._recent.popleft()
 
     def state_dict(self) -> dict[str, Any]:
         return {"decay": self.decay, "estimate": [[k, v] for k, v in self._estimate.items()],
@@ -82,7 +81,7 @@ class HistoryRanker:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._estimate = {int(k): float(v) for k, v in state["estimate"]}
         self._floor = {int(k): float(v) for k, v in state["floor"]}
-        self._recent = deque(map(float, state["recent"]))
+        self._recent = deque(map(float, state["recent"]), maxlen=self.window)
 
 
 class OracleRanker:
