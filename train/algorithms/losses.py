@@ -13,7 +13,8 @@ Per token t of sample i (mask m_t, n_i = trainable tokens of sample i):
               sequence: r_t = sg(s_i) * exp(lp_t - sg(lp_t)),  s_i = exp(sum_t m_t (lp_t - old_t) / n_i)
   pg_t        max(-A_t r_t, -A_t clip(r_t, 1 - clip_low, 1 + clip_high))
   tis_t       min(exp(old_t - rollout_t), tis_cap), no gradient        (off_policy_correction=tis)
-  kl_t        k1: lp - ref;  k3: exp(ref - lp) - (ref - lp) - 1;  low_var: clamp(k3, -10, 10)
+  kl_t        k1: lp - ref;  k3: exp(ref - lp) - (ref - lp) - 1;
+              low_var: k3 of clamp(lp - ref, +-LOG_RATIO_BOUND), then clamped to +-10 (as verl)
   loss_t      tis_t * pg_t + kl_coef * kl_t - entropy_coef * H_t
   weight w_t  token_mean: m_t (denominator: sum of m);  sequence_mean: m_t / n_i (denominator:
               samples with n_i > 0)
@@ -31,6 +32,10 @@ from train.config import AlgorithmConfig
 
 KLEstimator = Literal["k1", "k3", "low_var"]
 LOW_VAR_KL_BOUND = 10.0
+# Log-ratios are clamped to +-20 before exp (verl's bound): exp(20) ~ 4.9e8 is finite in bf16/fp32
+# where exp(89) is not, and an inf forward gives a NaN gradient even when a later clamp hides the
+# value. For low_var the clamp changes no value: k3 passes 10 already at log-ratio -2.6 and +11.
+LOG_RATIO_BOUND = 20.0
 
 
 @dataclass
@@ -60,11 +65,11 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: K
     log_ratio = logprobs - ref_logprobs
     if estimator == "k1":
         return log_ratio
-    k3 = torch.exp(-log_ratio) - 1 + log_ratio
     if estimator == "k3":
-        return k3
+        return torch.exp(-log_ratio) - 1 + log_ratio
     if estimator == "low_var":
-        return k3.clamp(-LOW_VAR_KL_BOUND, LOW_VAR_KL_BOUND)
+        safe = log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+        return (torch.exp(-safe) - 1 + safe).clamp(-LOW_VAR_KL_BOUND, LOW_VAR_KL_BOUND)
     raise ValueError(f"unknown KL estimator {estimator!r}; expected k1, k3 or low_var")
 
 
