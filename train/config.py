@@ -43,12 +43,16 @@ class AlgorithmConfig(BaseModel):
         0.28, ge=0, le=10, description="PPO clip above: ratio <= 1 + clip_high (DAPO clip-higher)."
     )
     ratio_level: Literal["token", "sequence"] = Field(
-        "token", description="Importance ratio per token (PPO/GRPO) or per sequence (GSPO)."
+        "token",
+        description="Importance ratio per token (PPO/GRPO) or per sequence (GSPO: exp of the "
+        "sequence's mean token log-ratio, clipped per sequence). 'sequence' makes "
+        "loss_aggregation default to 'sequence_mean' and refuses 'token_mean'.",
     )
     loss_aggregation: Literal["token_mean", "sequence_mean"] = Field(
         "token_mean",
-        description="Average the loss over all tokens of the batch, or per sequence then over "
-        "sequences.",
+        description="Average the loss over all tokens of the batch ('token_mean'), or per "
+        "sequence then over sequences ('sequence_mean'). With ratio_level 'sequence' the default "
+        "is 'sequence_mean' (GSPO's objective) and 'token_mean' is an error.",
     )
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the reference model.")
     kl_estimator: Literal["k1", "k3", "low_var"] = Field(
@@ -62,6 +66,22 @@ class AlgorithmConfig(BaseModel):
         "Policies that produce such samples refuse 'unset': the choice must be explicit.",
     )
     tis_cap: float = Field(2.0, gt=0, description="Truncation of the TIS weight.")
+
+    @model_validator(mode="after")
+    def _gspo_aggregation(self) -> "AlgorithmConfig":
+        # GSPO weights each sequence's token terms by 1/|y_i| and averages over sequences; a
+        # sequence ratio with token_mean weights sequences by their length, which is neither GSPO
+        # nor PPO. Unset: take GSPO's aggregation; set to token_mean: refuse rather than guess.
+        if self.ratio_level == "sequence":
+            if "loss_aggregation" not in self.model_fields_set:
+                self.loss_aggregation = "sequence_mean"
+            elif self.loss_aggregation != "sequence_mean":
+                raise ValueError(
+                    "ratio_level 'sequence' (GSPO) needs loss_aggregation 'sequence_mean' "
+                    f"(got {self.loss_aggregation!r}, which weights each sequence by its length); "
+                    "set it to 'sequence_mean' or leave it unset"
+                )
+        return self
 
 
 class WeightSyncConfig(BaseModel):

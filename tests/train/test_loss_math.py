@@ -50,3 +50,89 @@ def test_low_var_kl_values_inside_the_bound_are_unchanged():
     lp, ref = x, torch.zeros_like(x)
     raw_k3 = kl_estimate(lp, ref, "k3")
     assert torch.equal(kl_estimate(lp, ref, "low_var"), raw_k3.clamp(-LOW_VAR_KL_BOUND, LOW_VAR_KL_BOUND))
+
+
+# -- GSPO: sequence ratio, per-sequence clip, sequences averaged --------------------------------
+def gspo_reference_loss(lp, old, adv, lengths, clip_low, clip_high):
+    """-J_GSPO (arXiv 2507.18071): J = 1/G sum_i min(s_i A_i, clip(s_i, 1 - lo, 1 + hi) A_i),
+    s_i = exp(mean over sequence i of (lp - old)); written out, independent of policy_loss."""
+    terms, start = [], 0
+    for n, a in zip(lengths, adv):
+        s = torch.exp((lp[start : start + n] - old[start : start + n]).mean())
+        terms.append(torch.minimum(s * a, s.clamp(1 - clip_low, 1 + clip_high) * a))
+        start += n
+    return -torch.stack(terms).mean()
+
+
+@pytest.mark.parametrize(
+    "old_b, adv",
+    [
+        (-0.9, [1.0, -0.5]),  # both sequences inside the clip range
+        (-1.1, [-1.0, 0.5]),  # sequence b: s = exp(0.4) > 1.28 with A > 0, clipped (no gradient)
+    ],
+)
+def test_gspo_matches_the_reference_gradient(old_b, adv):
+    # sequence a: 4 tokens, mean log-ratio 0.075 (s = 1.078); sequence b: 1 token
+    lp_values = [-1.0, -0.5, -2.0, -0.3, -0.7]
+    old = torch.tensor([-1.1, -0.45, -2.2, -0.35, old_b], dtype=torch.float64)
+    lengths = [4, 1]
+    cfg = AlgorithmConfig(ratio_level="sequence", clip_low=0.2, clip_high=0.28)
+
+    lp = torch.tensor(lp_values, dtype=torch.float64, requires_grad=True)
+    sample_ids = torch.tensor([0, 0, 0, 0, 1])
+    terms = policy_loss(
+        PolicyLossInput(
+            logprobs=lp,
+            advantages=torch.tensor(adv, dtype=torch.float64)[sample_ids],
+            loss_mask=torch.ones(5, dtype=torch.float64),
+            sample_ids=sample_ids,
+            num_samples=2,
+            old_logprobs=old,
+        ),
+        cfg,
+    )
+    ours = terms.numerator / terms.denominator
+    ours.backward()
+
+    ref_lp = torch.tensor(lp_values, dtype=torch.float64, requires_grad=True)
+    expected = gspo_reference_loss(ref_lp, old, adv, lengths, 0.2, 0.28)
+    expected.backward()
+
+    assert terms.denominator == 2  # sequences, not tokens
+    assert ours.item() == pytest.approx(expected.item(), rel=1e-12)
+    assert torch.allclose(lp.grad, ref_lp.grad, rtol=1e-12, atol=0)
+    assert ref_lp.grad.abs().sum() > 0
+    if adv[1] > 0:
+        assert ref_lp.grad[4] == 0.0  # the clipped sequence
+
+
+def test_sequence_ratio_defaults_to_sequence_mean_and_refuses_token_mean():
+    assert AlgorithmConfig().loss_aggregation == "token_mean"
+    assert AlgorithmConfig(ratio_level="sequence").loss_aggregation == "sequence_mean"
+    explicit = AlgorithmConfig(ratio_level="sequence", loss_aggregation="sequence_mean")
+    assert AlgorithmConfig.model_validate(explicit.model_dump()) == explicit
+    with pytest.raises(ValueError, match="ratio_level 'sequence' .*needs loss_aggregation 'sequence_mean'"):
+        AlgorithmConfig(ratio_level="sequence", loss_aggregation="token_mean")
+
+
+@pytest.mark.parametrize("adv", [-1.0, 1.0])
+def test_gspo_sequence_log_ratio_is_clamped_before_exp(adv):
+    # mean log-ratio 94: exp(94) overflows fp32; clamped to 20, s = exp(20) for both tokens
+    lp = torch.tensor([-1.0, -1.0], dtype=torch.float32, requires_grad=True)
+    inp = PolicyLossInput(
+        logprobs=lp,
+        advantages=torch.tensor([adv, adv]),
+        loss_mask=torch.ones(2),
+        sample_ids=torch.tensor([0, 0]),
+        num_samples=1,
+        old_logprobs=torch.tensor([-95.0, -95.0]),
+    )
+    terms = policy_loss(inp, AlgorithmConfig(ratio_level="sequence", clip_high=0.28))
+    terms.numerator.backward()
+    assert math.isfinite(terms.numerator.item()) and torch.isfinite(lp.grad).all()
+    if adv < 0:  # unclipped: loss -A s, gradient -A s / n per token
+        assert terms.numerator.item() == pytest.approx(math.exp(20), rel=1e-6)
+        assert torch.allclose(lp.grad, torch.full((2,), math.exp(20) / 2), rtol=1e-6)
+    else:  # clipped at 1 + clip_high: no gradient
+        assert terms.numerator.item() == pytest.approx(-1.28, rel=1e-6)
+        assert torch.equal(lp.grad, torch.zeros(2))

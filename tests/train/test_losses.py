@@ -86,21 +86,19 @@ def test_loss_mask_excludes_tokens_and_fully_masked_samples_from_denominators():
 
 
 def test_gspo_sequence_ratio():
-    # log-ratios 0.2 and 0.4: s = exp(0.3) = 1.3499 for both tokens
+    # log-ratios 0.2 and 0.4: s = exp(0.3) = 1.3499 for both tokens; sequence_mean weights 1/2 each
     s = math.exp(0.3)
     cfg = AlgorithmConfig(ratio_level="sequence", clip_low=0.2, clip_high=0.28)
+    assert cfg.loss_aggregation == "sequence_mean"  # GSPO's aggregation, taken when unset
     pos, g_pos = _grad(_inp([0.2, 0.4], [1.0, 1.0], old=[0.0, 0.0]), cfg)
-    assert pos.numerator.item() == pytest.approx(-2 * 1.28)  # clipped above
+    assert pos.numerator.item() == pytest.approx(-1.28)  # clipped above
+    assert pos.denominator == 1
     assert torch.equal(g_pos, torch.zeros(2, dtype=torch.float64))
-    assert pos.metric_sums["ratio"] == pytest.approx(2 * s)
+    assert pos.metric_sums["ratio"] == pytest.approx(s)
     neg, g_neg = _grad(_inp([0.2, 0.4], [-1.0, -1.0], old=[0.0, 0.0]), cfg)
-    assert neg.numerator.item() == pytest.approx(2 * s)
-    # d/d lp_t of -A * sg(s) * exp(lp_t - sg(lp_t)) = -A * s, per token
-    assert torch.allclose(g_neg, torch.full((2,), s, dtype=torch.float64))
-    seq_cfg = AlgorithmConfig(ratio_level="sequence", loss_aggregation="sequence_mean")
-    _, g_seq = _grad(_inp([0.2, 0.4], [-1.0, -1.0], old=[0.0, 0.0]), seq_cfg)
-    # sequence_mean: GSPO's own gradient, s * mean_t grad lp_t
-    assert torch.allclose(g_seq, torch.full((2,), s / 2, dtype=torch.float64))
+    assert neg.numerator.item() == pytest.approx(s)
+    # d/d lp_t of -A * sg(s) * exp(lp_t - sg(lp_t)) / n = -A * s / n: GSPO's s * mean_t grad lp_t
+    assert torch.allclose(g_neg, torch.full((2,), s / 2, dtype=torch.float64))
 
 
 def test_gspo_equals_token_ratio_for_single_token_sequences():
@@ -161,8 +159,10 @@ def test_truncated_importance_sampling():
         policy_loss(_inp([-1.0], [1.0]), cfg)
 
 
-@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean"])
-@pytest.mark.parametrize("ratio_level", ["token", "sequence"])
+@pytest.mark.parametrize(
+    "ratio_level, aggregation",
+    [("token", "token_mean"), ("token", "sequence_mean"), ("sequence", "sequence_mean")],
+)  # sequence + token_mean is refused by AlgorithmConfig (tests/train/test_loss_math.py)
 def test_any_partition_into_micro_batches_gives_the_same_normalised_gradient(aggregation, ratio_level):
     g = torch.Generator().manual_seed(0)
     lengths = [3, 1, 4, 2, 5]

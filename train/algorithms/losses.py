@@ -10,14 +10,16 @@ the summed gradient by the global denominator once, at the optimizer step.
 
 Per token t of sample i (mask m_t, n_i = trainable tokens of sample i):
   ratio       token:    r_t = exp(lp_t - old_t)
-              sequence: r_t = sg(s_i) * exp(lp_t - sg(lp_t)),  s_i = exp(sum_t m_t (lp_t - old_t) / n_i)
+              sequence: r_t = sg(s_i) * exp(lp_t - sg(lp_t)),
+                        s_i = exp(clamp(sum_t m_t (lp_t - old_t) / n_i, +-LOG_RATIO_BOUND))
   pg_t        max(-A_t r_t, -A_t clip(r_t, 1 - clip_low, 1 + clip_high))
   tis_t       min(exp(old_t - rollout_t), tis_cap), no gradient        (off_policy_correction=tis)
   kl_t        k1: lp - ref;  k3: exp(ref - lp) - (ref - lp) - 1;
               low_var: k3 of clamp(lp - ref, +-LOG_RATIO_BOUND), then clamped to +-10 (as verl)
   loss_t      tis_t * pg_t + kl_coef * kl_t - entropy_coef * H_t
   weight w_t  token_mean: m_t (denominator: sum of m);  sequence_mean: m_t / n_i (denominator:
-              samples with n_i > 0)
+              samples with n_i > 0). GSPO is sequence ratio + sequence_mean; AlgorithmConfig
+              refuses sequence ratio + token_mean (it would weight sequences by their length).
   numerator   sum_t w_t loss_t
 """
 
@@ -99,6 +101,8 @@ def policy_loss(inp: PolicyLossInput, cfg: AlgorithmConfig) -> LossTerms:
     elif cfg.ratio_level == "sequence":
         seq_log_ratio = _per_sample_sum((lp.detach() - old) * mask, inp.sample_ids, inp.num_samples)
         seq_log_ratio = seq_log_ratio / tokens_per_sample.clamp(min=1)
+        # detached, so the clamp bounds the ratio's value without cutting the gradient path
+        seq_log_ratio = seq_log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
         log_ratio = seq_log_ratio[inp.sample_ids] + lp - lp.detach()
     else:
         raise ValueError(f"unknown ratio_level {cfg.ratio_level!r}")
