@@ -136,3 +136,88 @@ def test_gspo_sequence_log_ratio_is_clamped_before_exp(adv):
     else:  # clipped at 1 + clip_high: no gradient
         assert terms.numerator.item() == pytest.approx(-1.28, rel=1e-6)
         assert torch.equal(lp.grad, torch.zeros(2))
+
+
+# -- normalisation by the global denominator ---------------------------------------------------
+def ppo_token_terms(lp, old, adv, clip_low=0.2, clip_high=0.28):
+    """Per-token PPO-clip loss, written out: -min(A r, A clip(r))."""
+    r = torch.exp(lp - old)
+    return -torch.minimum(adv * r, adv * r.clamp(1 - clip_low, 1 + clip_high))
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean"])
+def test_micro_batches_are_normalised_by_the_global_denominator(aggregation):
+    # micro-batch 1: one sample of 2 tokens; micro-batch 2: two samples of 5 and 3 tokens, one
+    # token masked. A mean of micro-batch means would weight micro-batch 1 as much as 2.
+    g = torch.Generator().manual_seed(0)
+    lengths = [2, 5, 3]
+    n = sum(lengths)
+    lp0 = -torch.rand(n, generator=g, dtype=torch.float64) - 0.5
+    old = lp0 + 0.2 * torch.randn(n, generator=g, dtype=torch.float64)
+    mask = torch.ones(n, dtype=torch.float64)
+    mask[4] = 0.0
+    adv_per_sample = torch.tensor([1.0, -0.5, 2.0], dtype=torch.float64)
+    sid = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))
+    adv = adv_per_sample[sid]
+    cfg = AlgorithmConfig(loss_aggregation=aggregation)
+
+    lp = lp0.clone().requires_grad_(True)
+    num, den = 0.0, 0.0
+    for idx, local in ((torch.arange(0, 2), torch.tensor([0, 0])), (torch.arange(2, n), sid[2:] - 1)):
+        t = policy_loss(
+            PolicyLossInput(logprobs=lp[idx], advantages=adv[idx], loss_mask=mask[idx], sample_ids=local,
+                            num_samples=int(local.max()) + 1, old_logprobs=old[idx]),
+            cfg,
+        )
+        t.numerator.backward()  # as the trainer does: backprop numerators, divide grads once
+        num, den = num + t.numerator.item(), den + t.denominator
+    grad = lp.grad / den
+
+    ref_lp = lp0.clone().requires_grad_(True)
+    terms = ppo_token_terms(ref_lp, old, adv) * mask
+    if aggregation == "token_mean":
+        expected_den = float(mask.sum())  # 9 trainable tokens
+        expected = terms.sum() / expected_den
+    else:
+        n_i = torch.zeros(3, dtype=torch.float64).index_add(0, sid, mask)
+        expected_den = 3.0
+        expected = (torch.zeros(3, dtype=torch.float64).index_add(0, sid, terms) / n_i).sum() / expected_den
+    expected.backward()
+    assert den == expected_den
+    assert num / den == pytest.approx(expected.item(), rel=1e-12)
+    assert torch.allclose(grad, ref_lp.grad, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.integration
+def test_trainer_divides_two_accumulates_by_the_global_token_count(tiny_qwen2_dir):
+    from tests.train.helpers import random_batch
+    from train.config import TrainConfig
+    from train.megatron.trainer import MegatronTrainer
+
+    cfg = TrainConfig.model_validate({"device": "cpu", "micro_batch_size": 4, "optimizer": {"lr": 1e-6}})
+    trainer = MegatronTrainer.single_process(tiny_qwen2_dir, cfg)
+    first, second = random_batch(2, seed=11), random_batch(7, seed=12)
+    n1 = sum(float(s.loss_mask.sum()) for s in first.samples)
+    n2 = sum(float(s.loss_mask.sum()) for s in second.samples)
+    assert n1 != n2  # else a mean of per-call means would pass too
+
+    def normalised_grads(*batches):
+        for b in batches:
+            trainer.accumulate(b)
+        grads = trainer.finalize_grads_for_test()
+        trainer.discard_gradients()
+        return grads
+
+    g1, g2, both = normalised_grads(first), normalised_grads(second), normalised_grads(first, second)
+    scale = max(float(g.abs().max()) for g in both.values())
+    for name, g in both.items():
+        expected = (n1 * g1[name] + n2 * g2[name]) / (n1 + n2)
+        assert torch.allclose(g, expected, rtol=1e-5, atol=1e-6 * scale), name
+
+    # on-policy (no pi_old, no KL/entropy): every token's loss is -A of its sample
+    trainer.accumulate(first)
+    trainer.accumulate(second)
+    metrics = trainer.step()
+    token_loss_sum = sum(-s.advantage * float(s.loss_mask.sum()) for s in first.samples + second.samples)
+    assert metrics["train/loss_denominator"] == n1 + n2
+    assert metrics["train/loss"] == pytest.approx(token_loss_sum / (n1 + n2), rel=1e-5)
