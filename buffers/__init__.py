@@ -3,7 +3,9 @@
 Pure Python: nothing here imports torch, Ray or an HTTP library.
 """
 
-from buffers.buffer import BufferClosed, BufferError, BufferStateError, Place, RolloutBuffer
+from buffers.buffer import (
+    BufferClosed, BufferError, BufferStateError, Place, RolloutBuffer, StalenessBoundError,
+)
 from buffers.group import Group, Lane, PromptRecord
 from buffers.persistence import load_buffer, save_buffer
 from buffers.sample import FINISH_REASON_STATUS, Sample, SampleError, SampleStatus
@@ -26,6 +28,7 @@ __all__ = [
     "Sample",
     "SampleError",
     "SampleStatus",
+    "StalenessBoundError",
     "StalenessPolicy",
     "load_buffer",
     "save_buffer",

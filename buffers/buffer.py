@@ -54,6 +54,10 @@ class BufferClosed(RuntimeError):
     """The buffer was closed while a consumer waited."""
 
 
+class StalenessBoundError(BufferError):
+    """A producer asked to run further ahead of the consumer than max_staleness allows."""
+
+
 class BufferStateError(ValueError):
     """A saved buffer state that cannot be loaded (corrupt, or from a different run set-up)."""
 
@@ -134,7 +138,9 @@ class RolloutBuffer:
         self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._closed = False
 
-        self._version = 0
+        self._version = 0  # the consumer's: the trainer's weights
+        self._producer_version = 0  # the engines' weights (new tokens carry it)
+        self._producing_for = 0  # the consumer version the running rollout step feeds
         self._next_group_id = 0
         self._next_sample_index = 0
         self._place: dict[int, Place] = {}
@@ -155,12 +161,52 @@ class RolloutBuffer:
         return self._version
 
     def set_version(self, version: int) -> None:
+        """The consumer's version moves on (the trainer stepped); ready groups now too old
+        meet the staleness rule."""
         with self._lock:
             if version < self._version:
                 raise BufferError(f"version cannot go back from {self._version} to {version}")
+            self._producing_for = max(self._producing_for, version)
             if version != self._version:
                 self._version = version
                 self._sweep_ready()
+
+    @property
+    def producer_version(self) -> int:
+        """The engines' weights: what the tokens generated now are stamped with."""
+        return self._producer_version
+
+    def set_producer_version(self, version: int) -> None:
+        """New weights reached the engines (at a step boundary, or in the middle of a step in
+        async mode: in-flight requests continue with them)."""
+        with self._lock:
+            if version < self._producer_version:
+                raise BufferError(f"producer version cannot go back from "
+                                  f"{self._producer_version} to {version}")
+            self._producer_version = version
+
+    def admits(self, for_version: int) -> bool:
+        """Whether a rollout step whose groups will be trained at consumer version
+        `for_version` may start now: its tokens, generated with the engines' current weights,
+        would then lag by at most max_staleness (the admission half of the bound; hand-out is
+        the other)."""
+        return for_version - self._producer_version <= self.max_staleness
+
+    def begin_production(self, for_version: int) -> None:
+        """A rollout step starts, to be trained at consumer version `for_version` (the
+        consumer's own in sync and stream modes, one ahead in async mode). Raises
+        StalenessBoundError when that runs further ahead than max_staleness allows; groups
+        handed to it for resumption meet the staleness rule against `for_version`."""
+        with self._lock:
+            if for_version < self._version:
+                raise BufferError(f"a rollout step for version {for_version}, but the consumer "
+                                  f"is at {self._version} already")
+            if not self.admits(for_version):
+                raise StalenessBoundError(
+                    f"a rollout step for consumer version {for_version} with the engines at "
+                    f"version {self._producer_version} runs {for_version - self._producer_version} "
+                    f"versions ahead; rollout.max_staleness is {self.max_staleness}")
+            self._producing_for = for_version
 
     # -- producer side ------------------------------------------------------------------
     def acquire(self, k: int) -> list[Group]:
@@ -354,6 +400,7 @@ class RolloutBuffer:
             c = self._counts
             out = {
                 "version": self._version,
+                "producer_version": self._producer_version,
                 "created": c["created"],
                 "in_flight": len(self._in_flight),
                 "partial": len(self._partial),
@@ -420,6 +467,7 @@ class RolloutBuffer:
                 "format_version": STATE_VERSION,
                 "fingerprint": self.fingerprint(),
                 "version": self._version,
+                "producer_version": self._producer_version,
                 "next_group_id": self._next_group_id,
                 "next_sample_index": self._next_sample_index,
                 "partial": [g.to_state() for g in (*self._partial, *flight_parked)],
@@ -481,6 +529,8 @@ class RolloutBuffer:
             if self._place or self._counts["created"]:
                 raise BufferError("load_state_dict needs a fresh buffer")
             self._version = int(state["version"])
+            self._producer_version = int(state.get("producer_version", self._version))
+            self._producing_for = self._version
             self._next_group_id = int(state["next_group_id"])
             self._next_sample_index = int(state["next_sample_index"])
             self._counts = Counter(state["counts"])
@@ -569,13 +619,15 @@ class RolloutBuffer:
         self._counts["trained"] += 1
         return group
 
-    def _enforce_staleness(self, group: Group) -> str:
-        """The staleness rule, for a group about to be handed out or queued as ready.
+    def _enforce_staleness(self, group: Group, consumer: int | None = None) -> str:
+        """The staleness rule, for a group about to be handed out or queued as ready, against
+        the consumer version it will be trained at (by default the consumer's own).
 
         Returns 'fit' (within the bound), 'corrected' (kept, flagged for off-policy
         correction), 'regenerated' (responses discarded; generate again) or 'dropped'.
         """
-        if staleness(group.oldest_version(), self._version) <= self.max_staleness:
+        consumer = self._version if consumer is None else consumer
+        if staleness(group.oldest_version(), consumer) <= self.max_staleness:
             return "fit"
         policy = self.staleness_policy
         if policy is StalenessPolicy.CORRECT:
@@ -598,7 +650,7 @@ class RolloutBuffer:
             group = queue.pop()
             if group is None:
                 break
-            if self._enforce_staleness(group) != "dropped":
+            if self._enforce_staleness(group, self._producing_for) != "dropped":
                 out.append(group)
         return out
 

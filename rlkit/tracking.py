@@ -57,18 +57,12 @@ class Tracker:
             self._timeline.write(json.dumps({"step": step, **span}) + "\n")
         self._timeline.flush()
 
-    def log_groups(self, step: int, groups: Iterable[Any]) -> None:
-        """One line per trained group (RUN/groups.jsonl)."""
+    def log_groups(self, step: int, records: Iterable[dict[str, Any]]) -> None:
+        """One line per trained group (RUN/groups.jsonl), from `group_record`s."""
         if self._groups is None:
             return
-        for g in groups:
-            self._groups.write(json.dumps({
-                "step": step, "group_id": g.group_id, "source_index": g.prompt.source_index,
-                "epoch": g.prompt.epoch, "prompt_len": len(g.prompt.ids),
-                "predicted": g.predicted_length,
-                "lengths": [len(s.response_ids) for s in g.samples],
-                "rewards": [s.reward for s in g.samples],
-            }) + "\n")
+        for r in records:
+            self._groups.write(json.dumps({"step": step, **r}) + "\n")
         self._groups.flush()
 
     def progress(self, step: int, done: int, target: int, tokens: int, elapsed: float) -> None:

@@ -206,6 +206,12 @@ class RolloutManager:
         self.response_lengths = LengthWindow(4096)
         self.group_lengths = LengthWindow(1024)
 
+    def set_weights_version(self, version: int) -> None:
+        """New weights reached the engines in the middle of a step (async mode): requests
+        sent from now on, and spans an engine reports no version for, carry `version`."""
+        if self.current is not None:
+            self.current.version = max(self.current.version, version)
+
     async def run_step(self, target: int, version: int, *, final: bool = False) -> StepReport:
         """Run one rollout step: `target` groups become ready in the buffer (or an error).
         `final`: the run's last step (a policy may drain what it queued, e.g. tail batching's

@@ -93,11 +93,13 @@ class WeightSyncConfig(BaseModel):
         "through an HF safetensors folder on disk.",
     )
     bucket_mb: int = Field(256, ge=1, description="Bucket size of one broadcast round, in MiB.")
-    pause_mode: Literal["abort", "retract", "in_place"] = Field(
-        "abort",
+    pause_mode: Literal["auto", "abort", "retract", "in_place"] = Field(
+        "auto",
         description="Mode sent with /pause_generation before an update. 'abort' returns in-flight "
-        "requests with their partial tokens (each span keeps the version that produced it); "
-        "'retract'/'in_place' would continue them under the new weights with the old version stamp.",
+        "requests with their partial tokens (parked, resumed later); 'retract' (KV freed, "
+        "recomputed) and 'in_place' (KV kept) let them continue under the new weights, each "
+        "span stamped with the version that produced it. 'auto': 'retract' in mode=async (a "
+        "sync happens while the next step generates), 'abort' otherwise (nothing is in flight).",
     )
     disk_dir: str = Field(
         "",

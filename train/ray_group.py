@@ -43,6 +43,8 @@ class TrainWorker:
         if threads:
             torch.set_num_threads(threads)
         self.trainer = None
+        self.config: TrainConfig | None = None
+        self.batch = None  # the rollout batch being trained (train.stream.RolloutBatchStep)
 
     def master_address(self) -> tuple[str, int]:
         import ray
@@ -69,6 +71,7 @@ class TrainWorker:
             timeout_s=cfg.weight_sync.timeout_s,
         )
         self.trainer = MegatronTrainer(model_path, cfg, temperature=temperature)
+        self.config = cfg
         r = self.trainer.rank
         return {"rank": r.rank, "tp_rank": r.tp_rank, "dp_rank": r.dp_rank, "pid": os.getpid()}
 
@@ -81,6 +84,26 @@ class TrainWorker:
 
     def step(self) -> dict[str, float]:
         return self.trainer.step()
+
+    # -- a rollout batch fed group by group (every driver mode) ----------------------------
+    def begin_batch(self, version: int, rollout_samples: int) -> None:
+        from train.stream import RolloutBatchStep
+
+        cfg = self.config
+        self.batch = RolloutBatchStep(
+            self.trainer, cfg.algorithm, policy_version=version, rollout_samples=rollout_samples,
+            global_batch_size=cfg.global_batch_size, micro_batch_size=cfg.micro_batch_size,
+            dp_rank=self.trainer.rank.dp_rank, dp_size=cfg.parallelism.data)
+
+    def add_groups(self, refs: list) -> None:
+        """Groups as object references: fetched here from the rollout actor's store."""
+        import ray
+
+        self.batch.add_all(ray.get(refs))
+
+    def finish_batch(self) -> dict[str, float]:
+        batch, self.batch = self.batch, None
+        return batch.finish()
 
     def sync_weights(self, engines: list[str], version: int | None, method: str | None, folder: str | None):
         return self.trainer.sync_weights(engines, version=version, method=method, folder=folder)
@@ -198,6 +221,18 @@ class TrainerGroup:
 
     def step(self) -> dict[str, float]:
         return self._all("step")[0]
+
+    # -- a rollout batch fed group by group: calls return object references at once ---------
+    def begin_batch(self, version: int, rollout_samples: int) -> list[Any]:
+        return [w.begin_batch.remote(version, rollout_samples) for w in self.workers]
+
+    def add_groups(self, refs: list[Any]) -> list[Any]:
+        """Every rank gets every group reference (each keeps its replica's samples); a rank
+        runs its calls in the order they were made."""
+        return [w.add_groups.remote(refs) for w in self.workers]
+
+    def finish_batch(self) -> list[Any]:
+        return [w.finish_batch.remote() for w in self.workers]
 
     def sync_weights(
         self,

@@ -15,8 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from rollout.config import RolloutConfig
 from train.config import TrainConfig
 
-# Driver modes that exist (rlkit/driver); the schema names the planned ones too.
-AVAILABLE_MODES = ("sync",)
+from rlkit.driver.modes import MODES
 
 
 class RunConfig(BaseModel):
@@ -118,12 +117,13 @@ class Recipe(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    mode: Literal["sync", "stream", "async"] = Field(
+    mode: Literal[tuple(MODES)] = Field(  # type: ignore[valid-type]
         "sync",
         description="Driver loop: 'sync' (rollout, then train, then sync weights), 'stream' "
-        "(training consumes groups as they complete; same semantics as sync), 'async' "
-        "(generation of step k+1 overlaps training on step k; lag bounded by "
-        "rollout.max_staleness).",
+        "(each group goes to the trainer as it completes: the same updates as sync, less idle "
+        "time), 'async' (generation of step k+1 overlaps training on step k, one version "
+        "behind; needs rollout.max_staleness >= 1 to overlap, and then an explicit "
+        "train.algorithm.off_policy_correction; with max_staleness 0 it is sync, step for step).",
     )
     run: RunConfig = Field(default_factory=RunConfig, description="Run identity and length.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="The policy model.")
@@ -137,15 +137,14 @@ class Recipe(BaseModel):
 
     @model_validator(mode="after")
     def _cross_section(self) -> "Recipe":
-        if self.mode not in AVAILABLE_MODES:
-            raise ValueError(
-                f"mode={self.mode!r} is planned but not available yet "
-                f"(available: {', '.join(AVAILABLE_MODES)})"
-            )
         rollout, algo = self.rollout, self.train.algorithm
         why = rollout.off_policy_reason()
-        if why is None and self.mode == "async":
-            why = "mode=async trains on samples one version old"
+        if why is None and self.mode == "async" and rollout.max_staleness > 0:
+            why = ("mode=async with rollout.max_staleness > 0 trains on samples one version old "
+                   "(max_staleness 0 reproduces sync)")
+        ws = self.train.weight_sync
+        if ws.pause_mode == "auto":  # in async a sync meets requests in flight: keep them
+            ws.pause_mode = "retract" if self.mode == "async" else "abort"
         if why is not None and algo.off_policy_correction == "unset":
             raise ValueError(
                 f"train.algorithm.off_policy_correction must be chosen explicitly: {why}. "

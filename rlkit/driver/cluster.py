@@ -16,9 +16,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from buffers import Group
 from rlkit.config.schema import Recipe
-from rlkit.driver.rollout_service import RolloutService, StepResult
+from rlkit.driver.loop import Handed
+from rlkit.driver.rollout_service import RolloutService, StepResult, group_record
 
 
 class EngineActor:
@@ -83,19 +83,31 @@ class RolloutActor:
         self.router = Router(r.rollout.router, log_path=self.log_dir / "router.log")
         router_url = await asyncio.to_thread(self.router.start, engine_urls)
         self.client = await EngineClient(router_url, worker_urls=engine_urls).connect()
-        self.service = RolloutService(r.rollout, self.source, self.client, self.score,
-                                      self.group_filter, self.ranker)
+        self.service = RolloutService.from_config(r.rollout, self.source, self.client, self.score,
+                                                  self.group_filter, self.ranker)
 
-    async def run_step(self, version: int, final: bool = False) -> StepResult:
+    async def run_step(self, version: int, for_version: int, final: bool) -> StepResult:
         assert self.service is not None
-        return await self.service.run_step(version, final=final)
+        result = await self.service.run_step(version, for_version=for_version, final=final)
+        result.report = None  # the driver needs the plain data only
+        return result
 
     def progress(self) -> dict[str, Any] | None:
         return self.service.progress() if self.service is not None else None
 
-    def take(self, n: int) -> list[Group]:
+    async def next_ready(self) -> tuple[list[Any], list[dict[str, Any]]]:
+        """The next ready group as an object reference (the trainer actors fetch it from here,
+        not through the driver) and its record. Waits without blocking generation."""
         assert self.service is not None
-        return self.service.take(n)
+        return _refs([await self.service.next_ready()])
+
+    def take(self, n: int) -> tuple[list[Any], list[dict[str, Any]]]:
+        assert self.service is not None
+        return _refs(self.service.take(n))
+
+    def admits(self, for_version: int) -> bool:
+        assert self.service is not None
+        return self.service.admits(for_version)
 
     def set_version(self, version: int) -> None:
         assert self.service is not None
@@ -120,36 +132,45 @@ class RolloutActor:
             self.router = None
 
 
+def _refs(groups: list[Any]) -> tuple[list[Any], list[dict[str, Any]]]:
+    import ray
+
+    return [ray.put(g) for g in groups], [group_record(g) for g in groups]
+
+
 class RayRolloutBox:
-    """The driver's synchronous view of the RolloutActor (the sync loop's RolloutBox)."""
+    """The driver's view of the RolloutActor (a mode's RolloutBox)."""
 
     def __init__(self, actor: Any, on_progress: Any = None, poll_s: float = 0.5) -> None:
         self.actor = actor
         self.on_progress = on_progress
         self.poll_s = poll_s
 
-    def run_step(self, version: int, final: bool = False) -> StepResult:
-        import ray
+    def start_step(self, version: int, *, for_version: int, final: bool) -> asyncio.Future[StepResult]:
+        return asyncio.ensure_future(self._step(version, for_version, final))
 
-        ref = self.actor.run_step.remote(version, final)
+    async def _step(self, version: int, for_version: int, final: bool) -> StepResult:
+        done = asyncio.wrap_future(self.actor.run_step.remote(version, for_version, final).future())
         while True:
-            done, _ = ray.wait([ref], timeout=self.poll_s)
-            if done:
-                return ray.get(ref)
+            finished, _ = await asyncio.wait({done}, timeout=self.poll_s)
+            if finished:
+                return done.result()
             if self.on_progress is not None:
-                p = ray.get(self.actor.progress.remote())
+                p = await self.actor.progress.remote()
                 if p:
                     self.on_progress(p)
 
-    def take(self, n: int) -> list[Group]:
-        import ray
+    async def next_ready(self) -> Handed:
+        return Handed(*await self.actor.next_ready.remote())
 
-        return ray.get(self.actor.take.remote(n))
+    async def take(self, n: int) -> Handed:
+        return Handed(*await self.actor.take.remote(n))
 
-    def set_version(self, version: int) -> None:
-        import ray
+    async def admits(self, for_version: int) -> bool:
+        return await self.actor.admits.remote(for_version)
 
-        ray.get(self.actor.set_version.remote(version))
+    async def set_version(self, version: int) -> None:
+        await self.actor.set_version.remote(version)
 
     def save(self, path: str) -> None:
         import ray
@@ -243,3 +264,36 @@ def _quietly(fn: Any) -> None:
         fn()
     except Exception:  # noqa: BLE001 - shutdown must go on past a dead piece
         pass
+
+
+class RayTrainerBox:
+    """The driver's view of the TrainerGroup (a mode's TrainerBox): calls are submitted at once
+    and awaited at `finish`; group references go to the trainer actors as they are."""
+
+    def __init__(self, group: Any, recipe: Recipe, engine_urls: list[str], run_dir: Path) -> None:
+        self.group = group
+        self.recipe = recipe
+        self.engine_urls = engine_urls
+        self.folder = run_dir / "weights"
+        self.samples = recipe.rollout.batch_size * recipe.rollout.n_samples_per_prompt
+        self._calls: list[Any] = []
+
+    def begin(self, version: int) -> None:
+        self._calls = self.group.begin_batch(version, self.samples)
+
+    def add(self, handed: Handed) -> None:
+        self._calls += self.group.add_groups(handed.refs)
+
+    async def finish(self) -> dict[str, float]:
+        import ray
+
+        calls, self._calls = self._calls, []
+        await asyncio.to_thread(ray.get, calls)  # an error in any earlier call surfaces here
+        return (await asyncio.to_thread(ray.get, self.group.finish_batch()))[0]
+
+    async def push_weights(self, version: int) -> None:
+        await asyncio.to_thread(self.group.sync_weights, self.engine_urls, version=version,
+                                method=self.recipe.train.weight_sync.method, folder=self.folder)
+
+    def save(self, path: str | Path) -> None:
+        self.group.save(path)

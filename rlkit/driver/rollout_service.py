@@ -31,37 +31,49 @@ class StepResult:
     completed: list[int]
     buffer: dict[str, Any] = field(default_factory=dict)
     header: dict[str, Any] = field(default_factory=dict)  # the timeline's step line
+    report: StepReport | None = field(default=None, repr=False)  # in-process boxes only
 
 
 class RolloutService:
-    def __init__(
-        self,
+    """The buffer and the manager over it, with what the driver's modes call."""
+
+    def __init__(self, buffer: RolloutBuffer, manager: RolloutManager, batch_size: int) -> None:
+        self.buffer = buffer
+        self.manager = manager
+        self.engines = manager.engines
+        self.batch_size = batch_size
+        self._current: asyncio.Task | None = None
+
+    @classmethod
+    def from_config(
+        cls,
         cfg: RolloutConfig,
         source: PromptSource,
         engines: Engines,
         score: ScoreFn,
         group_filter: GroupFilter | None = None,
         ranker: LengthRanker | None = None,
-    ) -> None:
-        self.cfg = cfg
-        self.engines = engines
-        self.buffer = RolloutBuffer(
+    ) -> "RolloutService":
+        buffer = RolloutBuffer(
             source,
             n_samples_per_prompt=cfg.n_samples_per_prompt,
             max_staleness=cfg.max_staleness,
             staleness_policy=cfg.staleness_policy,
         )
         rewards = RewardScheduler(score, timeout_s=cfg.reward.timeout_s, on_error=cfg.reward.on_error)
-        self.manager = RolloutManager(self.buffer, engines, make_policy(cfg), cfg.sampling, rewards,
-                                      group_filter=group_filter, ranker=ranker)
-        self._current: asyncio.Task | None = None
+        manager = RolloutManager(buffer, engines, make_policy(cfg), cfg.sampling, rewards,
+                                 group_filter=group_filter, ranker=ranker)
+        return cls(buffer, manager, cfg.batch_size)
 
-    async def run_step(self, version: int, *, final: bool = False) -> StepResult:
-        """One rollout step at policy `version`; afterwards `batch_size` groups are ready.
+    async def run_step(self, version: int, *, for_version: int | None = None,
+                       final: bool = False) -> StepResult:
+        """One rollout step with the engines at `version`, for groups the trainer takes at
+        consumer version `for_version` (default: `version`; one more in async mode, which the
+        buffer admits only within max_staleness); afterwards `batch_size` groups are ready.
         `final`: the run's last step (tail batching drains its long queue)."""
-        self.buffer.set_version(version)
+        self.buffer.begin_production(version if for_version is None else for_version)
         self._current = asyncio.ensure_future(
-            self.manager.run_step(batch_target(self.buffer, self.cfg.batch_size), version,
+            self.manager.run_step(batch_target(self.buffer, self.batch_size), version,
                                   final=final))
         try:
             report: StepReport = await self._current
@@ -75,6 +87,7 @@ class RolloutService:
             header={"policy": report.policy, "round": report.round, "start": report.started,
                     "end": report.started + report.seconds, "workers": self.engines.workers(),
                     "source": "real"},
+            report=report,
         )
 
     def progress(self) -> dict[str, Any] | None:
@@ -88,8 +101,22 @@ class RolloutService:
         except TimeoutError as e:
             raise RuntimeError(f"{e} (after the rollout step); nothing was taken") from None
 
+    async def next_ready(self) -> Group:
+        """The next ready group, as soon as there is one (stream mode). It waits on the event
+        loop generation runs on without blocking it."""
+        async for group in self.buffer.stream(1):
+            return group
+        raise RuntimeError("unreachable: stream(1) yields one group")
+
+    def admits(self, for_version: int) -> bool:
+        return self.buffer.admits(for_version)
+
     def set_version(self, version: int) -> None:
+        """The trainer's weights, as `version`, are on the engines now (the consumer's and
+        the producer's version both move; a step in flight stamps its new tokens with it)."""
         self.buffer.set_version(version)
+        self.buffer.set_producer_version(version)
+        self.manager.set_weights_version(version)
 
     def stats(self) -> dict[str, Any]:
         out = self.buffer.stats()
@@ -111,10 +138,21 @@ class RolloutService:
             await asyncio.gather(self._current, return_exceptions=True)
 
 
-def batch_metrics(groups: Sequence[Group]) -> dict[str, float]:
-    """Reward statistics of the groups a training step uses."""
-    rewards = [s.reward for g in groups for s in g.samples if s.reward is not None]
-    lengths = [len(s.response_ids) for g in groups for s in g.samples]
+def group_record(g: Group) -> dict[str, Any]:
+    """What the driver keeps of a trained group (metrics, RUN/groups.jsonl): the groups
+    themselves travel from the rollout box to the trainer without passing through it."""
+    return {
+        "group_id": g.group_id, "source_index": g.prompt.source_index, "epoch": g.prompt.epoch,
+        "prompt_len": len(g.prompt.ids), "predicted": g.predicted_length,
+        "lengths": [len(s.response_ids) for s in g.samples],
+        "rewards": [s.reward for s in g.samples],
+    }
+
+
+def batch_metrics(records: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Reward statistics of the groups a training step uses (from `group_record`s)."""
+    rewards = [r for g in records for r in g["rewards"] if r is not None]
+    lengths = [n for g in records for n in g["lengths"]]
     if not rewards:
         return {}
     mean = sum(rewards) / len(rewards)
@@ -123,7 +161,5 @@ def batch_metrics(groups: Sequence[Group]) -> dict[str, float]:
         "batch/reward_max": max(rewards),
         "batch/response_length_mean": sum(lengths) / len(lengths),
         "batch/response_length_max": max(lengths),
-        "batch/groups": len(groups),
+        "batch/groups": len(records),
     }
-
-

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import signal
 from pathlib import Path
 
@@ -9,7 +10,8 @@ import yaml
 
 from rlkit.checkpoint import resume_point
 from rlkit.config.schema import Recipe
-from rlkit.driver.sync import LoopState, push_weights, run_sync
+from rlkit.driver.loop import LoopState, Run, finish_step
+from rlkit.driver.modes import MODES
 from rlkit.tracking import Tracker
 
 
@@ -19,7 +21,7 @@ def run_dir_of(recipe: Recipe) -> Path:
 
 def train(recipe: Recipe) -> LoopState:
     from rlkit.demo_models import resolve_model_path
-    from rlkit.driver.cluster import Cluster, RayRolloutBox
+    from rlkit.driver.cluster import Cluster, RayRolloutBox, RayTrainerBox
 
     run_dir = run_dir_of(recipe)
     ckpt = resume_point(run_dir, recipe.run.resume)
@@ -38,16 +40,22 @@ def train(recipe: Recipe) -> LoopState:
             tracker.progress(state.step + 1, p["completed"], p["target"], p["tokens"], p["seconds"])
 
         box = RayRolloutBox(cluster.rollout_actor, on_progress=on_progress if recipe.tracking.progress else None)
+        trainer = RayTrainerBox(cluster.trainer, recipe, cluster.engine_urls, run_dir)
         state = LoopState()
         if ckpt is not None:
             cluster.trainer.load(ckpt.trainer_dir)
             if ckpt.buffer_file.is_file():
                 box.load(str(ckpt.buffer_file))
             state = LoopState(step=ckpt.step, version=ckpt.version)
-            # fresh engines hold the initial weights: give them the checkpoint's
-            push_weights(cluster.trainer, box, cluster.engine_urls, ckpt.version, recipe, run_dir)
+        run = Run(box, trainer, recipe.run.num_steps, recipe.rollout.batch_size,
+                  finish_step(recipe, tracker, box, trainer, run_dir), state)
 
-        return run_sync(recipe, box, cluster.trainer, cluster.engine_urls, tracker, run_dir, state)
+        async def main() -> LoopState:
+            if ckpt is not None:  # fresh engines hold the initial weights: give them the checkpoint's
+                await run.push_weights(ckpt.version)
+            return await MODES[recipe.mode](run)
+
+        return asyncio.run(main())
     finally:
         tracker.close()
         cluster.shutdown()

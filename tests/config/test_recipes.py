@@ -91,8 +91,9 @@ def test_missing_and_malformed_files(tmp_path):
 def test_off_policy_modes_require_an_explicit_correction_choice():
     with pytest.raises(RecipeError, match="off_policy_correction must be chosen explicitly"):
         load_recipe(None, ["rollout.policy=partial"])
-    with pytest.raises(RecipeError, match="mode='async' is planned but not available"):
-        load_recipe(None, ["mode=async", "train.algorithm.off_policy_correction=tis"])
+    with pytest.raises(RecipeError, match="mode=async with rollout.max_staleness > 0"):
+        load_recipe(None, ["mode=async"])
+    assert load_recipe(None, ["mode=async", "rollout.max_staleness=0"]).mode == "async"
     r = load_recipe(None, ["rollout.policy=partial", "train.algorithm.off_policy_correction=tis"])
     assert r.train.algorithm.off_policy_correction == "tis"
     # the registry says which policies make off-policy tokens: tail batching only when resuming

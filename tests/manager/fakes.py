@@ -29,6 +29,9 @@ class FakeEngines:
         self.requests = 0
         self.aborts = 0
         self._rids = itertools.count()
+        # Set by a weight sync: spans are then stamped with it, as a real engine reports the
+        # version of the weights that produced them (None: the version the request was sent at).
+        self.weight_version: int | None = None
 
     def workers(self) -> list[str]:
         return list(self._workers)
@@ -65,10 +68,12 @@ class FakeEngines:
                     sample.interrupt()
                     return worker
                 k = min(self.chunk, todo - done)
-                sample.append([sample.slot + 1] * k, [-0.5] * k, version)
+                sample.append([sample.slot + 1] * k, [-0.5] * k,
+                              version if self.weight_version is None else self.weight_version)
                 done += k
             reached = len(sample.response_ids) >= total
-            sample.append([], [], version, finish_reason="stop" if reached else "length")
+            sample.append([], [], version if self.weight_version is None else self.weight_version,
+                          finish_reason="stop" if reached else "length")
             return worker
         except asyncio.CancelledError:
             sample.interrupt()

@@ -1,0 +1,153 @@
+"""What every driver mode's loop works with: the two boxes, the run's length, the state, and
+one place for the end of a step (metrics row, timeline, checkpoint) and for the weight sync.
+
+    rollout box  the buffer + manager (RolloutService): a Ray actor in a run, an in-process
+                 object in tests and in the simulator. `start_step` returns a handle at once
+                 (an awaitable, as slime's `generate.remote` returns a future).
+    trainer box  the trainer: TP x DP Ray actors in a run, a local trainer in tests, a
+                 time model in the simulator. It takes groups as they become ready.
+
+Groups travel from the rollout box to the trainer box as `Handed`: opaque references (Ray
+object references in a run, so the data goes from the rollout actor to the trainer actors
+directly) and small records the driver keeps for metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol, Sequence
+
+from rlkit.driver.rollout_service import StepResult, batch_metrics
+
+if TYPE_CHECKING:
+    from rlkit.config.schema import Recipe
+    from rlkit.tracking import Tracker
+
+
+@dataclass
+class LoopState:
+    step: int = 0  # steps completed
+    version: int = 0  # policy version of the trainer's weights (and the engines', after a sync)
+
+
+@dataclass
+class Handed:
+    """Ready groups on their way to the trainer: references, and the driver's records of them."""
+
+    refs: list[Any] = field(default_factory=list)
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    def extend(self, other: "Handed") -> None:
+        self.refs += other.refs
+        self.records += other.records
+
+
+class RolloutBox(Protocol):
+    def start_step(self, version: int, *, for_version: int, final: bool) -> Awaitable[StepResult]:
+        """Start a rollout step (engines at `version`, groups to be trained at consumer version
+        `for_version`); returns its handle at once."""
+        ...
+
+    async def next_ready(self) -> Handed: ...  # one group, as soon as one is ready
+
+    async def take(self, n: int) -> Handed: ...  # n ready groups now (all or none)
+
+    async def admits(self, for_version: int) -> bool: ...  # the buffer's admission bound
+
+    async def set_version(self, version: int) -> None: ...  # weights now on the engines
+
+    def save(self, path: str) -> None: ...
+
+
+class TrainerBox(Protocol):
+    def begin(self, version: int) -> None: ...  # a rollout batch trained at `version` starts
+
+    def add(self, handed: Handed) -> None: ...  # its groups, as they come (returns at once)
+
+    async def finish(self) -> dict[str, float]: ...  # all in: optimizer step(s), metrics
+
+    async def push_weights(self, version: int) -> None: ...  # to the engines
+
+    def save(self, path: str | Path) -> None: ...
+
+
+OnStep = Callable[[LoopState, StepResult, Handed, dict[str, float]], None]
+
+
+@dataclass
+class Run:
+    """What a mode's loop needs; the modes differ only in where they wait."""
+
+    rollout: RolloutBox
+    trainer: TrainerBox
+    num_steps: int
+    batch_size: int
+    on_step: OnStep  # after each trained step (see `finish_step`)
+    state: LoopState = field(default_factory=LoopState)
+    _last_end: float | None = None
+
+    def now(self) -> float:
+        return asyncio.get_running_loop().time()  # virtual time in the simulator
+
+    def start(self) -> None:
+        """Start the step clock (the first step's seconds count from here)."""
+        self._last_end = self.now()
+
+    def is_final(self, step: int) -> bool:
+        """Whether 1-based `step` is the run's last (tail batching drains its long queue)."""
+        return step == self.num_steps
+
+    async def push_weights(self, version: int) -> None:
+        """The one weight sync of every mode (and of a resume): trainer -> engines, then the
+        rollout box knows the version its engines generate with."""
+        await self.trainer.push_weights(version)
+        await self.rollout.set_version(version)
+
+    def end_step(self, result: StepResult, handed: Handed, metrics: dict[str, float],
+                 row: dict[str, float]) -> None:
+        """The step is trained and its weights pushed: count it, time it, report it."""
+        now = self.now()
+        self.state.step += 1
+        self.state.version += 1
+        row = {**row, "step/seconds": now - (self._last_end if self._last_end is not None else now)}
+        self._last_end = now
+        self.on_step(self.state, result, handed, {**metrics, **row})
+
+
+def finish_step(recipe: "Recipe", tracker: "Tracker", rollout: RolloutBox, trainer: TrainerBox,
+                run_dir: Path) -> OnStep:
+    """The real run's end of a step: its metrics row (rollout, batch, train, buffer),
+    timeline and trained groups to the tracker, and a checkpoint when one is due (always
+    after the last)."""
+    from rlkit.checkpoint import save_checkpoint
+
+    def on_step(state: LoopState, result: StepResult, handed: Handed,
+                row: dict[str, float]) -> None:
+        tracker.log(state.step, {
+            **result.metrics,
+            **batch_metrics(handed.records),
+            **row,
+            "version": state.version,
+            **{f"buffer/{k}": v for k, v in result.buffer.items() if isinstance(v, (int, float))},
+        })
+        tracker.log_timeline(state.step, result.timeline, header=result.header)
+        tracker.log_groups(state.step, handed.records)
+        every = recipe.checkpoint.every_steps
+        if state.step == recipe.run.num_steps or (every and state.step % every == 0):
+            save_checkpoint(
+                run_dir, state.step, state.version,
+                save_trainer=trainer.save,
+                save_buffer=(lambda p: rollout.save(str(p))) if recipe.checkpoint.save_buffer else None,
+                keep_last=recipe.checkpoint.keep_last,
+            )
+
+    return on_step
+
+
+def handed_of(groups: Sequence[Any]) -> Handed:
+    """In-process boxes hand the groups themselves."""
+    from rlkit.driver.rollout_service import group_record
+
+    return Handed(list(groups), [group_record(g) for g in groups])

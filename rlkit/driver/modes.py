@@ -1,0 +1,114 @@
+"""The driver modes, one short loop each, and their registry (recipe key `mode`).
+
+Every mode trains each rollout batch the same way (train/stream.py) and ends each step the same
+way (`Run.end_step`, `Run.push_weights`); they differ only in where they wait:
+
+    sync    rollout step -> train on its batch -> push weights.
+    stream  each group goes to the trainer as it completes: forward/backward overlaps
+            generation; the optimizer steps when the batch is complete. Same updates as sync.
+    async   generation of step k+1 runs (with the weights of step k-1) while step k trains;
+            the weights reach the engines mid-generation and in-flight requests go on with
+            them. The buffer bounds the lag (rollout.max_staleness); a bound of 0 admits no
+            overlap, and the loop is then sync's, step for step.
+
+The simulator (rollout/sim/harness.py) runs these same loops in virtual time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Awaitable, Callable
+
+from rlkit.driver.loop import Handed, LoopState, Run
+
+
+async def run_sync(run: Run) -> LoopState:
+    s = run.state
+    run.start()
+    while s.step < run.num_steps:
+        result = await run.rollout.start_step(s.version, for_version=s.version,
+                                              final=run.is_final(s.step + 1))
+        handed = await run.rollout.take(run.batch_size)
+        t1 = run.now()
+        run.trainer.begin(s.version)
+        run.trainer.add(handed)
+        metrics = await run.trainer.finish()
+        t2 = run.now()
+        await run.push_weights(s.version + 1)
+        run.end_step(result, handed, metrics,
+                     {"train/seconds": t2 - t1, "sync/seconds": run.now() - t2})
+    return s
+
+
+async def run_stream(run: Run) -> LoopState:
+    s = run.state
+    run.start()
+    while s.step < run.num_steps:
+        handle = _task(run.rollout.start_step(s.version, for_version=s.version,
+                                              final=run.is_final(s.step + 1)))
+        run.trainer.begin(s.version)
+        handed = await _stream_into(run, handle)  # each group to the trainer as it completes
+        result = await handle
+        t1 = run.now()
+        metrics = await run.trainer.finish()  # what streaming could not hide, then the step
+        t2 = run.now()
+        await run.push_weights(s.version + 1)
+        run.end_step(result, handed, metrics,
+                     {"train/seconds": t2 - t1, "sync/seconds": run.now() - t2})
+    return s
+
+
+async def run_async(run: Run) -> LoopState:
+    s = run.state
+    run.start()
+    pending = None
+    while s.step < run.num_steps:
+        if pending is None:  # the first step, or a bound that admitted no overlap
+            pending = _task(run.rollout.start_step(s.version, for_version=s.version,
+                                                   final=run.is_final(s.step + 1)))
+        result = await pending
+        handed = await run.rollout.take(run.batch_size)
+        pending = None
+        # Step k+1 generates with the current weights while step k trains, if its groups,
+        # trained one version later, stay within the staleness bound.
+        if s.step + 1 < run.num_steps and await run.rollout.admits(s.version + 1):
+            pending = _task(run.rollout.start_step(s.version, for_version=s.version + 1,
+                                                   final=run.is_final(s.step + 2)))
+        t1 = run.now()
+        run.trainer.begin(s.version)
+        run.trainer.add(handed)
+        metrics = await run.trainer.finish()
+        t2 = run.now()
+        await run.push_weights(s.version + 1)  # mid-generation: in-flight requests go on
+        run.end_step(result, handed, metrics,
+                     {"train/seconds": t2 - t1, "sync/seconds": run.now() - t2,
+                      "async/overlapped": float(pending is not None)})
+    return s
+
+
+MODES: dict[str, Callable[[Run], Awaitable[LoopState]]] = {
+    "sync": run_sync,
+    "stream": run_stream,
+    "async": run_async,
+}
+
+
+def _task(aw: Awaitable) -> asyncio.Future:
+    return asyncio.ensure_future(aw)
+
+
+async def _stream_into(run: Run, handle: asyncio.Future) -> Handed:
+    """Hand the step's groups to the trainer one by one as they become ready; a step that
+    fails stops the stream with its error instead of leaving it waiting."""
+    handed = Handed()
+    for _ in range(run.batch_size):
+        nxt = _task(run.rollout.next_ready())
+        await asyncio.wait({nxt, handle}, return_when=asyncio.FIRST_COMPLETED)
+        if not nxt.done() and handle.exception() is not None:
+            nxt.cancel()
+            await asyncio.gather(nxt, return_exceptions=True)
+            raise handle.exception()  # type: ignore[misc]
+        one = await nxt
+        run.trainer.add(one)
+        handed.extend(one)
+    return handed
