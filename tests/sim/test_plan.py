@@ -1,0 +1,243 @@
+"""The resource split (rollout/sim/plan.py, StreamRL Algorithm 1) and `rlkit plan`."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlkit.cli import main
+from rollout.sim import plan as P
+from rollout.sim.profile import load_profile
+from rollout.sim.trace import TraceSpec, generate_trace
+
+
+def gen_model(a: float, b: float):
+    """Monotone P_gen: a fixed part (the longest response) plus work spread over x GPUs."""
+    return lambda x: b + a / x
+
+
+def train_model(c: float, d: float, sync: float = 2.0, overlap: float = 0.5):
+    return lambda y: P.TrainCost(d + c / y, sync, overlap * c / y)
+
+
+def brute_force(n, gen, train, units, mode):
+    best = None
+    for x, y in itertools.product(range(1, n + 1), repeat=2):
+        if x + y > n or x % units.gen or y % units.train:
+            continue
+        s = P.step_time(mode, gen(x), train(y))
+        best = s if best is None else min(best, s)
+    return best
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    n=st.integers(2, 40), gen_unit=st.sampled_from([1, 2, 4]),
+    train_unit=st.sampled_from([1, 2, 8]), a=st.floats(1, 1e4), b=st.floats(0, 100),
+    c=st.floats(1, 1e4), d=st.floats(0, 50), mode=st.sampled_from(P.MODES),
+)
+def test_single_budget_picks_the_brute_force_argmin(n, gen_unit, train_unit, a, b, c, d, mode):
+    units = P.Units(gen_unit, train_unit)
+    gen, train = gen_model(a, b), train_model(c, d)
+    if n < gen_unit + train_unit:
+        with pytest.raises(P.PlanError, match="too small for one engine"):
+            P.plan_single(n, gen, train, units, mode)
+        return
+    plan = P.plan_single(n, gen, train, units, mode)
+    c_ = plan.chosen
+    assert c_.x + c_.y <= n and c_.x % gen_unit == 0 and c_.y % train_unit == 0
+    assert c_.step(mode) == pytest.approx(brute_force(n, gen, train, units, mode))
+    assert all(c_.step(mode) <= r.step(mode) for r in plan.candidates)
+    assert plan.even is not None and plan.speedup_vs_even >= 1.0 - 1e-12
+
+
+def test_async_balances_the_stages():
+    # P_gen = 480 / x, P_train = 160 / y + 1 sync: balanced at x = 3y, 16 GPUs -> 12 + 4
+    gen = gen_model(480.0, 0.0)
+    train = train_model(160.0, 0.0, sync=0.0)
+    plan = P.plan_single(16, gen, train, P.Units(), "async")
+    assert (plan.chosen.x, plan.chosen.y) == (12, 4)
+    assert plan.chosen.step("async") == pytest.approx(40.0)
+    assert (plan.even.x, plan.even.y) == (8, 8)
+    assert plan.speedup_vs_even == pytest.approx(60.0 / 40.0)
+    assert "least async step time" in plan.reason and "1.50x the even split" in plan.reason
+    # sync mode minimises the sum: x/y = sqrt(480/160)
+    s = P.plan_single(16, gen, train, P.Units(), "sync").chosen
+    assert (s.x, s.y) == (10, 6)
+
+
+def test_fewest_gpus_on_ties_and_measured_points_only():
+    # generation is flat (tail-bound): in async the trainer needs no more than matches it
+    gen = {1: 50.0, 2: 50.0, 4: 50.0, 6: 50.0}
+    train = train_model(200.0, 0.0, sync=0.0)  # 200 / y
+    plan = P.plan_single(8, gen, train, P.Units(), "async", xs=sorted(gen))
+    assert (plan.chosen.x, plan.chosen.y) == (1, 4)
+    assert [c.x for c in plan.candidates] == [1, 2, 4, 6]  # the even split (4, 4) is a row
+    assert "3 GPUs left unused" in plan.reason
+    with pytest.raises(P.PlanError, match=r"not multiples of 2"):
+        P.plan_single(8, gen, train, P.Units(gen=2), "async", xs=[1, 2])
+
+
+def test_step_time_per_mode():
+    cost = P.TrainCost(train_s=30.0, sync_s=5.0, overlap_s=20.0)
+    assert P.step_time("sync", 100.0, cost) == 135.0
+    assert P.step_time("stream", 100.0, cost) == 100.0 + 10.0 + 5.0  # 20 s hidden
+    assert P.step_time("stream", 10.0, cost) == 20.0 + 10.0 + 5.0  # training is the long pole
+    assert P.step_time("async", 100.0, cost) == 100.0
+    assert P.step_time("async", 10.0, cost) == 35.0
+    with pytest.raises(P.PlanError, match="unknown mode 'fast'"):
+        P.step_time("fast", 1.0, cost)
+
+
+def test_cross_datacenter_rule():
+    gen = {x: 960.0 / x for x in range(1, 33)}  # P_gen(k) = 960 / k
+    train = train_model(320.0, 0.0, sync=0.0)  # P_train(k) = 320 / k
+    units = P.Units()
+    # generation has GPUs to spare: P_gen(32) = 30 < P_train(8) = 40 -> (k, 8), 960/k ~ 40
+    plan = P.plan_cross(32, 8, gen, train, units, "async")
+    assert (plan.chosen.x, plan.chosen.y) == (24, 8) and plan.rule is plan.chosen
+    assert "P_gen(m=32) = 30.0 s < P_train(n=8) = 40.0 s" in plan.reason
+    # training has GPUs to spare: P_gen(8) = 120 >= P_train(32) = 10 -> (8, k), 320/k ~ 120
+    plan = P.plan_cross(8, 32, gen, train, units, "async")
+    assert (plan.chosen.x, plan.chosen.y) == (8, 3)  # |106.7 - 120| < |160 - 120|
+    # k minimises |P_gen(k) - P_train(n)| even when that k is not the fastest
+    odd = {4: 100.0, 8: 41.0, 16: 38.0}
+    plan = P.plan_cross(16, 8, odd, train, P.Units(gen=4), "async")
+    assert (plan.chosen.x, plan.chosen.y) == (8, 8)
+    # sync mode: the sum is least with both budgets whole; the rule's split is reported too
+    plan = P.plan_cross(32, 8, gen, train, units, "sync")
+    assert (plan.chosen.x, plan.chosen.y) == (32, 8) and (plan.rule.x, plan.rule.y) == (24, 8)
+    with pytest.raises(P.PlanError, match="generation budget of 1 GPUs is too small"):
+        P.plan_cross(1, 8, gen, train, P.Units(gen=2), "async")
+
+
+def test_dynamic_adjustment():
+    a = P.adjustment(8, gen_s=100.0, train_stage_s=80.0, x_more=9, gen_more_s=90.0)
+    assert (a.delta_s, a.delta_prime_s, a.add) == (20.0, 10.0, True)
+    assert not P.adjustment(8, 100.0, 95.0, 9, 90.0).add  # delta 5 < delta' 10: overshoots
+    assert not P.adjustment(8, 100.0, 120.0, 9, 130.0).add  # training is the slower stage
+    assert not P.adjustment(8, 100.0, 80.0, 9, 100.0).add  # one more engine shortens nothing
+
+
+def test_even_split_budget_and_grid():
+    assert P.even_split(64, P.Units(1, 2)) == (32, 32)
+    assert P.even_split(10, P.Units(4, 1)) == (4, 6)
+    assert P.even_split(10, P.Units(2, 8)) == (2, 8)  # half is too few for the trainer
+    with pytest.raises(P.PlanError, match=r"budget of 4 GPUs is too small for one engine "
+                                          r"\(4 GPUs\) plus the smallest trainer \(1 GPU\)"):
+        P.check_budget(4, P.Units(4, 1))
+    assert P.grid(62, 1) == [1, 2, 4, 8, 16, 32, 62]
+    assert P.grid(60, 4, extra=[32]) == [4, 8, 16, 32, 60]
+    assert P.grid(20, 2, step=6, extra=[10]) == [6, 10, 12, 18, 20]
+    with pytest.raises(P.PlanError, match="step 3 is not a positive multiple of 2"):
+        P.grid(20, 2, step=3)
+
+
+def test_search_bisects_towards_the_best_within_its_budget():
+    calls = []
+
+    def measure(x):
+        calls.append(x)
+        return 600.0 / x
+
+    def score(x, g):  # async against P_train(64 - x) = 200 / (64 - x): balanced at x = 48
+        return max(g, 200.0 / (64 - x))
+
+    got = P.search_gen(P.grid(63, 1), measure, score, 1, max_measures=16)
+    assert len(calls) == len(set(calls)) == 16  # 7 on the grid, 9 bisecting (of 63 sizes)
+    assert min(got, key=lambda x: score(x, got[x])) == 48
+    calls.clear()
+    got = P.search_gen(P.grid(63, 1), measure, score, 1, max_measures=10)
+    assert len(calls) == 10 and min(got, key=lambda x: score(x, got[x])) == 47
+    with pytest.raises(P.PlanError, match="7 generation sizes .* more than the 3 allowed"):
+        P.search_gen(P.grid(63, 1), measure, score, 1, max_measures=3)
+    cached = {x: 600.0 / x for x in P.grid(63, 1)}
+    calls.clear()
+    P.search_gen(P.grid(63, 1), measure, score, 1, max_measures=2, measured=cached)
+    assert len(calls) == 2  # the grid was free
+
+
+def test_workload_helpers():
+    assert P.gpus_per_engine(load_profile("h100-qwen2.5-32b-tp4")) == 4
+    assert P.gpus_per_engine(load_profile("h100-qwen3-4b-tp2-april")) == 2
+    assert P.gpus_per_engine(load_profile("docs/profiles/cpu-tiny-t1.json")) == 1
+    trace = generate_trace(TraceSpec(rows=64, epochs=1, cap=512, group_size=4, batch_size=8))
+    from rlkit.bench.suite import make_policy
+    from rollout.sim.engine import SimConfig
+    from rollout.sim.harness import run_simulation
+
+    steps = run_simulation(SimConfig(2, load_profile("h100-qwen3-4b-tp1")), trace,
+                           make_policy("sync"), steps=3, batch_size=8)
+    # the trainer's workload is what a synchronous run trains
+    assert P.trained_tokens_per_step(trace, 8, 1, 2) == pytest.approx(
+        (steps[1].train_tokens + steps[2].train_tokens) / 2)
+    with pytest.raises(P.PlanError, match="has 64 groups, 72 needed"):
+        P.trained_tokens_per_step(trace, 8, 1, 8)
+
+
+SMALL = ["--profile", "h100-qwen2.5-7b-tp1", "--cap", "4096", "--batch-size", "32",
+         "--prompts", "512", "--params", "7.6e9", "--steps", "2", "--warmup", "1"]
+
+
+def test_cli_prints_the_table_and_the_split(capsys, tmp_path):
+    cache = tmp_path / "cache.json"
+    assert main(["plan", "--gpus", "8", "--mode", "async", "--cache", str(cache), *SMALL]) == 0
+    out = capsys.readouterr().out
+    assert "| gen GPUs | engines | train GPUs | P_gen s | P_train s |" in out
+    assert "**chosen**" in out and "even split" in out
+    assert "Chosen: " in out and "vs the even split (4 + 4)" in out and "delta' =" in out
+    # --json, from the cache: no simulation
+    assert main(["plan", "--gpus", "8", "--mode", "async", "--cache", str(cache), "--json",
+                 *SMALL]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["simulations"] == 0
+    c = plan["chosen"]
+    assert c["gen_gpus"] + c["train_gpus"] <= 8 and plan["mode"] == "async"
+    assert c["async_step_s"] == min(r["async_step_s"] for r in plan["candidates"])
+    assert plan["even"]["gen_gpus"] == 4 and plan["even"]["train_gpus"] == 4
+
+
+def test_async_choice_balances_better_than_an_even_split(capsys):
+    """Qwen2.5-7B engines and trainer, 8 H100s, 32 x 8 at a 4k cap (default long-tail trace):
+    an even split leaves the 4-GPU trainer 4.9 s idle per step; the plan gives generation one
+    more GPU and the trainer one less, within 1.6 s of each other."""
+    assert main(["plan", "--gpus", "8", "--mode", "async", "--json", *SMALL]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    c, e = plan["chosen"], plan["even"]
+    assert (c["gen_gpus"], c["train_gpus"]) == (5, 3)
+    assert (e["gen_gpus"], e["train_gpus"]) == (4, 4)
+    assert abs(c["imbalance_s"]) < 2.0 < 4.0 < abs(e["imbalance_s"])
+    assert c["async_step_s"] < e["async_step_s"]
+    assert plan["speedup_vs_even"] == pytest.approx(1.01, abs=0.005)
+
+
+def test_cli_cross_datacenter(capsys):
+    assert main(["plan", "--gen-budget", "6", "--train-budget", "4", "--mode", "async",
+                 "--json", *SMALL]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["kind"] == "cross" and plan["rule"] == plan["chosen"]
+    assert plan["chosen"]["gen_gpus"] <= 6 and plan["chosen"]["train_gpus"] <= 4
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gpus", "2", "--profile", "h100-qwen3-4b-tp2-april"],
+     "--gpus of 2 GPUs is too small for one engine (2 GPUs) plus the smallest trainer (1 GPU): "
+     "at least 3 GPUs (profile 'h100-qwen3-4b-tp2-april', --train-unit 1)"),
+    (["--gpus", "8", "--profile", "no-such-gpu"], "--profile: no profile named 'no-such-gpu'"),
+    (["--gpus", "8", "--profile", "missing.json"],
+     "--profile: profile file missing.json does not exist"),
+    (["--gen-budget", "8"], "--gen-budget and --train-budget go together"),
+    (["--gpus", "8", "--gen-budget", "4", "--train-budget", "4"], "give --gpus N, or"),
+    (["--gpus", "8", "--policy", "magic"], "--policy: "),
+    (["--gpus", "64", "--profile", "h100-qwen3-4b-tp1", "--gen-step", "1", "--max-sim", "4"],
+     "--max-sim 4 is less than the first grid"),
+    (["--gpus", "64", "--gen-step", "3"], "--gen-step: step 3 is not a positive multiple of 2"),
+])
+def test_cli_errors_name_what_and_where(argv, message):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", *argv])
+    assert message in str(e.value)
