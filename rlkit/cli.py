@@ -25,7 +25,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "engine"), "rlkit.bench.engine", "engine tokens/s through the router vs model.generate; PTL profile"),
     (("bench", "train"), "rlkit.bench.train", "trainer tokens/s (TP=1, TP=2) and weight-sync s/GB"),
     (("bench", "rollout"), "rlkit.bench.rollout", "rollout throughput of policies on the real engines"),
-    (("bench", "suite"), "rlkit.bench.suite", "policies side by side on a simulated cluster"),
+    (("bench", "suite"), "rlkit.bench.suite", "policies and modes side by side on a simulated cluster"),
+    (("bench", "e2e"), "rlkit.bench.e2e", "a recipe's whole job in each driver mode, on this machine"),
     (("bench", "ranker"), "rlkit.bench.ranker", "length rankers' recall of the long tail"),
 ]
 

@@ -201,7 +201,7 @@ def simulate_same(args: argparse.Namespace, real: dict[str, Any]) -> dict[str, A
     from rlkit.bench.ranker import ranker_for_trace
     from rollout.policies import make_policy
     from rollout.sim.engine import SimConfig
-    from rollout.sim.harness import run_simulation
+    from rlkit.driver.simulate import run_simulation
     from rollout.sim.profile import load_profile
 
     profile_path = args.simulate

@@ -9,15 +9,23 @@ synchronous driver whose training and weight-sync times come from a TrainTimeMod
 - rollout s/step and rollout tokens/s (tokens generated / rollout time, APRIL's metric);
 - trained tokens/s: response tokens of the groups completed in the step / rollout time (the
   useful work; equal to the above for sync, and on average for partial once it is steady);
-- end-to-end s/step (rollout + train + weight sync);
+- end-to-end s/step, as the driver mode's loop (rlkit/driver/modes.py, `--modes`) pays it:
+  sync and stream wait for rollout, then what training is left, then the weight sync; async
+  overlaps generation of the next step with training;
 - idle share: engine time with no request running / (engines x rollout time);
 - x bound: rollout time / the bubble-free bound of the tokens it decoded (decode tokens /
   (engines x peak tokens/s at the step's mean KV context));
 - x sync bound: rollout time / sync's bound on the same trace: every policy trains the same
   batches' worth of prompts, so this is against the physical limit of the useful work (a
   policy that decodes waste, such as tail batching's restarts, pays for it here);
-- % of perfect: the end-to-end speed-up over sync as a share of the best a perfect rollout
-  could give, sync step / (sync bound + train + weight sync);
+- % of perfect: the end-to-end speed-up over sync mode + sync policy as a share of the best a
+  perfect rollout could give in sync mode, sync step / (sync bound + train + weight sync);
+- mode limit: the physical limit of the row's mode, a perfect rollout at the bubble-free bound:
+  sync step / (bound + train + sync) in sync and stream modes, sync step / max(bound, train +
+  sync) in async mode; "% of mode limit" is the row's speed-up as a share of it;
+- train hidden (stream, async): the share of training + sync time the step does not pay on
+  top of its rollout, 1 - (step - rollout) / (train + sync);
+  x max (async): step / max(rollout, train + sync), 1.0 when the overlap is perfect;
 - resumed token share and the most policy versions in one trained sample;
 - for policies with rounds (tail batching): short- and long-round counts, mean seconds and the
   longest response trained in each.
@@ -38,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlkit.driver.modes import MODES
 from rollout.policies.registry import describe_specs
 
 DEFAULT_POLICIES = ("sync", "partial@1.25", "partial@1.5", "partial@2.0", "tail_batching",
@@ -103,6 +112,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r = parser.add_argument_group("run")
     r.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                    help="policy specs, comma-separated; " + describe_specs())
+    r.add_argument("--modes", default="sync",
+                   help="driver modes, comma-separated (" + ", ".join(MODES) + "); every "
+                   "policy runs in every mode")
     r.add_argument("--warmup", type=int, default=10, help="steps run before measuring")
     r.add_argument("--steps", type=int, default=30, help="steps measured")
     r.add_argument("--max-staleness", type=int, default=1000,
@@ -125,6 +137,9 @@ def run(args: argparse.Namespace) -> int:
                         request_latency_s=args.request_latency)
     train = TrainTimeModel(params=args.train_params, gpus=args.train_gpus, mfu=args.train_mfu)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if bad := [m for m in modes if m not in MODES]:
+        raise SystemExit(f"--modes: unknown {', '.join(bad)} (modes: {', '.join(MODES)})")
     base = rollout_base(args.profile, cluster)
     for p in policies:
         try:
@@ -146,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
                       args.max_staleness, args.seed, base)
     t0 = time.perf_counter()
     rows = run_suite(suite, traces, policies,
-                     timelines=None if args.no_timelines else out / "timelines")
+                     timelines=None if args.no_timelines else out / "timelines", modes=modes)
     wall = time.perf_counter() - t0
     table = format_table(rows, describe(suite, traces, wall))
     (out / "suite.md").write_text(table + "\n")
@@ -175,6 +190,7 @@ class SuiteRow:
     cap: int
     policy: str
     steps: list[Any]  # StepResult of the measured steps
+    mode: str = "sync"
 
     def _sum(self, field: str) -> float:
         return sum(getattr(s, field) for s in self.steps)
@@ -219,6 +235,27 @@ class SuiteRow:
         """End-to-end speed-up over sync / the best a bubble-free rollout could give."""
         return (sync.bound_s + sync.overhead_s) / self.step_s
 
+    def mode_limit(self, sync: "SuiteRow") -> float:
+        """The most this row's mode allows over sync: a perfect rollout at the bubble-free
+        bound, with training and sync after it (sync, stream) or overlapped (async)."""
+        if self.mode == "async":
+            return sync.step_s / max(sync.bound_s, sync.overhead_s)
+        return sync.step_s / (sync.bound_s + sync.overhead_s)
+
+    @property
+    def train_hidden(self) -> float:
+        """Share of training + sync time the step does not pay on top of its rollout: 0 in
+        sync mode (step = rollout + train + sync), what streaming overlapped in stream mode,
+        up to all of it in async mode (step = max(rollout, train + sync))."""
+        overhead = self._sum("train_s") + self._sum("sync_s")
+        exposed = self._sum("step_s") - self._sum("rollout_s")
+        return min(1.0, max(0.0, 1.0 - exposed / max(1e-9, overhead)))
+
+    @property
+    def overlap_ratio(self) -> float:
+        """Step / max(rollout, train + sync): 1.0 is a perfect overlap (async's target <= 1.1)."""
+        return self.step_s / max(self.rollout_s, self.overhead_s)
+
     def rounds(self) -> dict[str, dict[str, float]]:
         """Per round kind (short, long): steps, mean rollout s, longest response trained."""
         out = {}
@@ -249,36 +286,37 @@ class SuiteRow:
         return self._sum("groups_carried_over") / len(self.steps)
 
     def to_json(self) -> dict[str, Any]:
-        return {"cap": self.cap, "policy": self.policy, "rollout_s": self.rollout_s,
+        return {"cap": self.cap, "mode": self.mode, "policy": self.policy, "rollout_s": self.rollout_s,
                 "throughput": self.throughput, "trained_throughput": self.trained_throughput,
                 "step_s": self.step_s,
                 "idle_share": self.idle_share, "bound_ratio": self.bound_ratio,
                 "resumed_share": self.resumed_share, "max_versions": self.max_versions,
                 "bound_s": self.bound_s, "rounds": self.rounds(), "recall20": self.recall20,
-                "parked_groups": self.parked_groups,
+                "parked_groups": self.parked_groups, "train_hidden": self.train_hidden,
+                "overlap_ratio": self.overlap_ratio,
                 "steps": [s.to_json() for s in self.steps]}
 
 
 def run_suite(suite: SuiteSpec, traces: list[Any], policies: list[str],
-              timelines: Path | None = None) -> list[SuiteRow]:
-    """Every policy on every trace; rows in (trace, policy) order."""
-    from rollout.sim.harness import run_simulation
+              timelines: Path | None = None, modes: list[str] = ("sync",)) -> list[SuiteRow]:
+    """Every policy in every mode on every trace; rows in (trace, mode, policy) order."""
+    from rlkit.driver.simulate import run_simulation
 
     rows = []
-    for trace in traces:
-        for spec in policies:
-            tl = None
-            if timelines is not None:
-                tl = timelines / f"cap{trace.cap}-{spec.replace('@', '-')}" / "timeline.jsonl"
-                tl.unlink(missing_ok=True)
-            results = run_simulation(
-                suite.cluster, trace, make_policy(spec, suite.base),
-                steps=suite.warmup + suite.steps, batch_size=suite.batch_size, train=suite.train,
-                max_staleness=suite.max_staleness, timeline_path=tl, seed=suite.seed,
-                final_step=False,  # the steady state: no drain of tail batching's queue
-                ranker=make_ranker(spec, trace, suite.base),
-            )
-            rows.append(SuiteRow(trace.cap, spec, results[suite.warmup:]))
+    for trace, mode, spec in ((t, m, p) for t in traces for m in modes for p in policies):
+        tl = None
+        if timelines is not None:
+            name = f"cap{trace.cap}-{spec.replace('@', '-')}" + ("" if mode == "sync" else f"-{mode}")
+            tl = timelines / name / "timeline.jsonl"
+            tl.unlink(missing_ok=True)
+        results = run_simulation(
+            suite.cluster, trace, make_policy(spec, suite.base),
+            steps=suite.warmup + suite.steps, batch_size=suite.batch_size, train=suite.train,
+            max_staleness=suite.max_staleness, timeline_path=tl, seed=suite.seed,
+            final_step=False,  # the steady state: no drain of tail batching's queue
+            ranker=make_ranker(spec, trace, suite.base), mode=mode,
+        )
+        rows.append(SuiteRow(trace.cap, spec, results[suite.warmup:], mode))
     return rows
 
 
@@ -301,13 +339,15 @@ def describe(suite: SuiteSpec, traces: list[Any], wall_s: float) -> str:
 
 
 def format_table(rows: list[SuiteRow], header: str = "") -> str:
-    sync = {r.cap: r for r in rows if r.policy == "sync"}
+    # the baseline of every row: sync mode with the sync policy, on the same trace
+    sync = {r.cap: r for r in rows if r.policy == "sync" and r.mode == "sync"}
     out = [header, ""] if header else []
     out += [
-        "| cap | policy | rollout s/step | rollout speed-up | rollout tok/s | vs sync | "
-        "trained tok/s | end-to-end s/step | e2e speed-up | % of perfect | idle share | "
+        "| cap | mode | policy | rollout s/step | rollout speed-up | rollout tok/s | vs sync | "
+        "trained tok/s | end-to-end s/step | e2e speed-up | % of perfect | mode limit | "
+        "% of mode limit | train hidden | x max | idle share | "
         "x bound | x sync bound | resumed tokens | max versions | parked groups | ranker recall@20 |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---|---|" + "---:|" * 19,
     ]
     for r in rows:
         base = sync.get(r.cap)
@@ -315,11 +355,15 @@ def format_table(rows: list[SuiteRow], header: str = "") -> str:
         rollout = f"{base.rollout_s / r.rollout_s:.2f}x" if base else "-"
         speed = f"{base.step_s / r.step_s:.2f}x" if base else "-"
         perfect = f"{r.perfect_share(base):.0%}" if base else "-"
+        limit = f"{r.mode_limit(base):.2f}x" if base else "-"
+        of_limit = f"{base.step_s / r.step_s / r.mode_limit(base):.0%}" if base else "-"
+        hidden = "-" if r.mode == "sync" else f"{r.train_hidden:.0%}"
+        x_max = f"{r.overlap_ratio:.2f}" if r.mode == "async" else "-"
         vs_bound = f"{r.sync_bound_ratio(base):.2f}" if base else "-"
         out.append(
-            f"| {r.cap // 1024}k | {r.policy} | {r.rollout_s:.1f} | {rollout} | "
+            f"| {r.cap // 1024}k | {r.mode} | {r.policy} | {r.rollout_s:.1f} | {rollout} | "
             f"{r.throughput:,.0f} | {gain} | {r.trained_throughput:,.0f} | {r.step_s:.1f} | "
-            f"{speed} | {perfect} | {r.idle_share:.1%} | {r.bound_ratio:.2f} | {vs_bound} | "
+            f"{speed} | {perfect} | {limit} | {of_limit} | {hidden} | {x_max} | {r.idle_share:.1%} | {r.bound_ratio:.2f} | {vs_bound} | "
             f"{r.resumed_share:.0%} | {r.max_versions} | {r.parked_groups:.1f} | "
             f"{'-' if math.isnan(r.recall20) else f'{r.recall20:.2f}'} |"
         )
@@ -340,7 +384,7 @@ def format_table(rows: list[SuiteRow], header: str = "") -> str:
             n = sum(v["steps"] for v in rd.values())
             longest_sync = max(s.max_response_length for s in base.steps) if base else 0
             out.append(
-                f"| {r.cap // 1024}k | {r.policy} | {sh.get('steps', 0)} | "
+                f"| {r.cap // 1024}k | {r.mode} {r.policy} | {sh.get('steps', 0)} | "
                 f"{sh.get('rollout_s', 0):.1f} | {sh.get('max_response_length', 0):,} | "
                 f"{lo.get('steps', 0)} | {lo.get('rollout_s', 0):.1f} | "
                 f"{lo.get('max_response_length', 0):,} | {lo.get('steps', 0) / n:.0%} | "
@@ -357,8 +401,10 @@ def plot_suite(rows: list[SuiteRow], path: Path, title: str = "") -> None:
     import numpy as np
 
     caps = sorted({r.cap for r in rows})
-    policies = list(dict.fromkeys(r.policy for r in rows))
-    by = {(r.cap, r.policy): r for r in rows}
+    label = (lambda r: r.policy) if {r.mode for r in rows} == {"sync"} else (
+        lambda r: f"{r.mode} {r.policy}")
+    policies = list(dict.fromkeys(label(r) for r in rows))
+    by = {(r.cap, label(r)): r for r in rows}
     metrics = [
         ("rollout tokens/s", lambda r: r.throughput),
         ("end-to-end s/step", lambda r: r.step_s),

@@ -86,6 +86,7 @@ class Run:
     batch_size: int
     on_step: OnStep  # after each trained step (see `finish_step`)
     state: LoopState = field(default_factory=LoopState)
+    final_step: bool = True  # the last step is the run's final one (benchmarks of the steady state: no)
     _last_end: float | None = None
 
     def now(self) -> float:
@@ -97,7 +98,7 @@ class Run:
 
     def is_final(self, step: int) -> bool:
         """Whether 1-based `step` is the run's last (tail batching drains its long queue)."""
-        return step == self.num_steps
+        return self.final_step and step == self.num_steps
 
     async def push_weights(self, version: int) -> None:
         """The one weight sync of every mode (and of a resume): trainer -> engines, then the
@@ -128,6 +129,7 @@ def finish_step(recipe: "Recipe", tracker: "Tracker", rollout: RolloutBox, train
         tracker.log(state.step, {
             **result.metrics,
             **batch_metrics(handed.records),
+            **_staleness(handed.records, state.version - 1),
             **row,
             "version": state.version,
             **{f"buffer/{k}": v for k, v in result.buffer.items() if isinstance(v, (int, float))},
@@ -151,3 +153,9 @@ def handed_of(groups: Sequence[Any]) -> Handed:
     from rlkit.driver.rollout_service import group_record
 
     return Handed(list(groups), [group_record(g) for g in groups])
+
+
+def _staleness(records: Sequence[dict[str, Any]], trained_at: int) -> dict[str, float]:
+    """How many versions the oldest trained token lagged the trainer (0 in sync mode)."""
+    oldest = [r["oldest_version"] for r in records if r.get("oldest_version") is not None]
+    return {"batch/max_staleness": float(trained_at - min(oldest))} if oldest else {}

@@ -146,6 +146,7 @@ def group_record(g: Group) -> dict[str, Any]:
         "prompt_len": len(g.prompt.ids), "predicted": g.predicted_length,
         "lengths": [len(s.response_ids) for s in g.samples],
         "rewards": [s.reward for s in g.samples],
+        "oldest_version": g.oldest_version(),
     }
 
 

@@ -1,38 +1,21 @@
-"""Run the real RolloutManager, policies and buffer on simulated engines, in virtual time.
-
-    results = run_simulation(SimConfig(engines=4, profile=load_profile("h100-qwen3-4b-tp2-april")),
-                             trace, SyncPolicy(), steps=6, batch_size=32)
-
-builds, over one trace: a `ListPromptSource` of the trace's prompts (in the trace's order), a
-`RolloutBuffer`, `SimEngines` wrapped in `TraceReplayEngines`, a reward that passes with
-probability 1 - difficulty (deterministic per response), and a `RolloutManager` driving the
-given policy; then runs a synchronous driver loop (rollout step, train, weight sync; the
-trainer's time comes from a `TrainTimeModel`) for `steps` steps and measures each step.
+"""What a simulated run is measured by, and the pieces it is built from: a step's `StepResult`
+(from the manager's report and the simulated engines' counters), the trace's prompt source and
+its reward. The run itself (the real driver loops over the real manager, policies and buffer
+on simulated engines, in virtual time) is `rlkit.driver.simulate.run_simulation`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import random
 from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from buffers.buffer import RolloutBuffer
 from buffers.group import Group
 from buffers.sample import Sample
 from buffers.source import ListPromptSource
-from rollout.config import SamplingConfig
-from rollout.filters import GroupFilter
-from rollout.manager import RolloutManager, RolloutPolicy, batch_target
-from rollout.rankers import LengthRanker
-from rollout.rewards import RewardScheduler
-from rollout.sim.clock import run_virtual
-from rollout.sim.engine import Segment, SimConfig, SimEngines, SimWorker, WorkerStats
-from rollout.sim.replay import BufferPrompts, TraceReplayEngines
-from rollout.timeline import Span, StepTimeline, append_step
+from rollout.sim.engine import Segment, SimConfig, WorkerStats
+from rollout.timeline import Span
 from rollout.sim.trace import Trace
-from rollout.sim.train_time import TrainTimeModel
 
 
 @dataclass
@@ -54,7 +37,7 @@ class StepResult:
     train_tokens: int  # prompt + response tokens of the trained batch
     train_s: float
     sync_s: float
-    step_s: float  # end to end: rollout + train + sync (synchronous driver)
+    step_s: float  # end to end, between this step's end and the previous one's (the mode's loop)
     groups_completed: int
     groups_resumed: int
     groups_carried_over: int
@@ -73,6 +56,8 @@ class StepResult:
     long_engines: int  # engines the dispatcher gave the long tail (ranked_dispatch)
     preemptions: int
     prefill_s: float  # summed over engines
+    mode: str = "sync"  # the driver mode whose loop ran it
+    waited_train_s: float = 0.0  # of step_s, the loop's wait for training and weight sync
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -89,91 +74,18 @@ def trace_reward(trace: Trace, seed: int = 0):
     return score
 
 
-async def simulate(
-    cluster: SimConfig,
-    trace: Trace,
-    policy: RolloutPolicy,
-    *,
-    steps: int,
-    batch_size: int | None = None,
-    max_new_tokens: int | None = None,
-    train: TrainTimeModel | None = None,
-    max_staleness: int = 1000,
-    timeline_path: str | Path | None = None,
-    seed: int = 0,
-    observer: Callable[[SimWorker, str], None] | None = None,
-    on_batch: Callable[[int, list[Group]], None] | None = None,
-    group_filter: GroupFilter | None = None,
-    ranker: LengthRanker | None = None,
-    buffer: RolloutBuffer | None = None,
-    first_step: int = 0,
-    final_step: bool = True,
-) -> list[StepResult]:
-    """The coroutine behind `run_simulation` (run it on a VirtualTimeLoop). `observer` sees
-    every simulated worker at every event; `on_batch(step, groups)` each trained batch.
-    `buffer` (with `first_step`, its version) continues a run from a restored buffer; by
-    default a fresh one over the trace's prompts. The last of `steps` is the run's final step
-    (tail batching drains its long queue there) unless `final_step` is False, as benchmarks of
-    the steady state want."""
-    batch = batch_size or trace.batch_size
-    cap = max_new_tokens or trace.cap
-    loop = asyncio.get_running_loop()
-    if buffer is None:
-        buffer = RolloutBuffer(trace_source(trace), n_samples_per_prompt=trace.group_size,
-                               max_staleness=max_staleness)
-    engines = SimEngines(cluster, observer=observer)
-    replay = TraceReplayEngines(engines, trace, BufferPrompts(buffer))
-    sampling = SamplingConfig(max_new_tokens=cap, temperature=1.0)
-    manager = RolloutManager(buffer, replay, policy, sampling,
-                             RewardScheduler(trace_reward(trace, seed)), group_filter=group_filter,
-                             ranker=ranker)
-    results: list[StepResult] = []
-    try:
-        for step in range(first_step, first_step + steps):
-            before = engines.stats()
-            t0 = loop.time()
-            report = await manager.run_step(batch_target(buffer, batch), version=step,
-                                            final=final_step and step == first_step + steps - 1)
-            t1 = loop.time()
-            after = engines.stats()
-            trained = buffer.take_nowait(batch)
-            if on_batch is not None:
-                on_batch(step, trained)
-            train_tokens = sum(len(s.prompt_ids) + len(s.response_ids)
-                               for g in trained for s in g.samples)
-            train_s = train.train_s(train_tokens) if train else 0.0
-            sync_s = train.sync_s() if train else 0.0
-            results.append(_measure(step, policy.name, cluster, report, before, after,
-                                    train_tokens, train_s, sync_s))
-            segments = engines.drain_segments()
-            if timeline_path is not None:
-                append_step(timeline_path, StepTimeline(
-                    step, policy.name, t0, t1, engines.workers(), "sim",
-                    [_span(s, min(cap, trace.cap)) for s in segments], round=report.round,
-                ))
-            if train_s + sync_s > 0:
-                await asyncio.sleep(train_s + sync_s)  # engines idle while the trainer runs
-            buffer.set_version(step + 1)
-    finally:
-        await engines.aclose()
-    return results
-
-
 def trace_source(trace: Trace) -> ListPromptSource:
     """The trace's prompts in the trace's order (what `simulate` builds its buffer over)."""
     return ListPromptSource(trace.prompt_records(), seed=trace.order_seed, shuffle=True,
                             name=f"trace:{trace.name}")
 
 
-def run_simulation(cluster: SimConfig, trace: Trace, policy: RolloutPolicy, **kwargs: Any
-                   ) -> list[StepResult]:
-    """Simulate `steps` synchronous-driver steps in virtual time (see `simulate`)."""
-    return run_virtual(simulate(cluster, trace, policy, **kwargs))
-
-
-def _measure(step: int, policy: str, cluster: SimConfig, report: Any,
-             before: dict[str, WorkerStats], after: dict[str, WorkerStats],
-             train_tokens: int, train_s: float, sync_s: float) -> StepResult:
+def measure(step: int, policy: str, cluster: SimConfig, report: Any,
+            before: dict[str, WorkerStats], after: dict[str, WorkerStats],
+            train_tokens: int, train_s: float, sync_s: float) -> StepResult:
+    """A step's result from the manager's report and the engines' counters around it
+    (step_s: rollout + train + sync, as a synchronous loop pays them; the caller sets what its
+    loop measured)."""
     def delta(field: str) -> float:
         return sum(getattr(after[w], field) - getattr(before[w], field) for w in after)
 
@@ -212,7 +124,7 @@ def _measure(step: int, policy: str, cluster: SimConfig, report: Any,
     )
 
 
-def _span(s: Segment, cap: int) -> Span:
+def span(s: Segment, cap: int) -> Span:
     """`cap`: the shorter of the token budget and the trace's own cap, either of which
     truncates (a traced length at the trace's cap was itself truncated: TraceReplayEngines)."""
     outcome = s.outcome

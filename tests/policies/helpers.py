@@ -6,7 +6,7 @@ from typing import Callable, Sequence
 
 from buffers import ListPromptSource, RolloutBuffer
 from rollout.sim.engine import SimConfig
-from rollout.sim.harness import run_simulation
+from rlkit.driver.simulate import run_simulation
 from rollout.sim.profile import constant_profile
 from rollout.sim.trace import Trace, TraceRecord
 

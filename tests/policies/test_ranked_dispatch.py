@@ -19,7 +19,7 @@ from rollout.policies import PartialPolicy, RankedDispatchPolicy, SyncPolicy, Ta
 from rollout.rankers.basic import OracleRanker, PromptLengthRanker
 from rollout.sim.clock import run_virtual
 from rollout.sim.engine import SimConfig
-from rollout.sim.harness import run_simulation
+from rlkit.driver.simulate import run_simulation
 from rollout.sim.profile import constant_profile
 from rollout.sim.trace import TraceSpec, generate_trace
 

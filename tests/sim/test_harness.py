@@ -9,7 +9,7 @@ import pytest
 from buffers.sample import SampleStatus
 from rollout.policies import PartialPolicy, SyncPolicy
 from rollout.sim.engine import SimConfig
-from rollout.sim.harness import run_simulation
+from rlkit.driver.simulate import run_simulation
 from rollout.sim.profile import constant_profile, load_profile
 from rollout.sim.trace import TraceSpec, generate_trace
 from rollout.sim.train_time import TrainTimeModel

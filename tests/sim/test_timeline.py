@@ -10,7 +10,7 @@ from rlkit.cli import main
 from rlkit.commands.plot_timeline import assign_lanes
 from rollout.policies import PartialPolicy
 from rollout.sim.engine import SimConfig
-from rollout.sim.harness import run_simulation
+from rlkit.driver.simulate import run_simulation
 from rollout.sim.profile import constant_profile
 from rollout.timeline import Span, TimelineError, read_timeline
 from rollout.sim.trace import TraceSpec, generate_trace

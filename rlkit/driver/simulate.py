@@ -1,0 +1,181 @@
+"""The simulator runs the real driver loops: the modes of rlkit/driver/modes.py over the real
+RolloutService (buffer, manager, policies) on simulated engines, with a trainer whose time
+comes from a TrainTimeModel, all in virtual time.
+
+    results = run_simulation(SimConfig(engines=4, profile=load_profile("h100-qwen3-4b-tp2-april")),
+                             trace, SyncPolicy(), steps=6, batch_size=32, mode="async")
+
+builds, over one trace: a `ListPromptSource` of the trace's prompts (in the trace's order), a
+`RolloutBuffer`, `SimEngines` wrapped in `TraceReplayEngines`, a reward that passes with
+probability 1 - difficulty (deterministic per response), and a `RolloutManager` driving the
+given policy; then runs `mode`'s loop for `steps` steps and measures each (rollout.sim.harness).
+
+What the simulated trainer does not model: in async mode a weight sync pauses the engines on a
+real cluster (retract, update, continue); here generation goes on through it (sync_s is a few
+seconds against steps of minutes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from pathlib import Path
+from typing import Any, Callable
+
+from buffers.buffer import RolloutBuffer
+from buffers.group import Group
+from rlkit.driver.local import LocalRolloutBox
+from rlkit.driver.loop import Handed, LoopState, Run
+from rlkit.driver.modes import MODES
+from rlkit.driver.rollout_service import RolloutService, StepResult as ServiceStep
+from rollout.config import SamplingConfig
+from rollout.filters import GroupFilter
+from rollout.manager import RolloutManager, RolloutPolicy
+from rollout.rankers import LengthRanker
+from rollout.rewards import RewardScheduler
+from rollout.sim.clock import run_virtual
+from rollout.sim.engine import SimConfig, SimEngines, SimWorker
+from rollout.sim.harness import StepResult, measure, span, trace_reward, trace_source
+from rollout.sim.replay import BufferPrompts, TraceReplayEngines
+from rollout.sim.trace import Trace
+from rollout.sim.train_time import TrainTimeModel
+from rollout.timeline import StepTimeline, append_step
+
+
+class TimedTrainerBox:
+    """A trainer that takes virtual time: each group's tokens are computed as they arrive
+    (one after another, at the model's tokens/s), the step's overhead once all are in, and a
+    weight sync takes `sync_s`. `on_batch(version, groups)` sees each trained batch."""
+
+    def __init__(self, model: TrainTimeModel | None,
+                 on_batch: Callable[[int, list[Group]], None] | None = None) -> None:
+        self.model = model
+        self.on_batch = on_batch
+        self._free = 0.0  # when the trainer is done with what it was handed
+        self._groups: list[Group] = []
+        self._version = 0
+
+    def begin(self, version: int) -> None:
+        self._version, self._groups = version, []
+        self._free = asyncio.get_running_loop().time()
+
+    def add(self, handed: Handed) -> None:
+        now = asyncio.get_running_loop().time()
+        for g in handed.refs:
+            self._groups.append(g)
+            if self.model is not None:
+                self._free = max(now, self._free) + tokens_of([g]) / self.model.tokens_per_s
+
+    async def finish(self) -> dict[str, float]:
+        loop = asyncio.get_running_loop()
+        end = self._free + (self.model.overhead_s if self.model is not None else 0.0)
+        if end > loop.time():
+            await asyncio.sleep(end - loop.time())
+        if self.on_batch is not None:
+            self.on_batch(self._version, self._groups)
+        return {}
+
+    async def push_weights(self, version: int) -> None:
+        if self.model is not None:
+            await asyncio.sleep(self.model.sync_s())
+
+    def save(self, path: Any) -> None:
+        raise NotImplementedError("a simulated run keeps no checkpoint")
+
+
+class MeasuredRolloutBox(LocalRolloutBox):
+    """The in-process rollout box, noting the engines' counters around each rollout step."""
+
+    def __init__(self, service: RolloutService, engines: SimEngines) -> None:
+        super().__init__(service)
+        self.engines = engines
+        self.measured: deque[tuple[Any, Any, float, float, list]] = deque()
+
+    def start_step(self, version: int, *, for_version: int, final: bool) -> asyncio.Future:
+        async def measured() -> ServiceStep:
+            loop = asyncio.get_running_loop()
+            before, t0 = self.engines.stats(), loop.time()
+            result = await self.service.run_step(version, for_version=for_version, final=final)
+            self.measured.append((before, self.engines.stats(), t0, loop.time(),
+                                  self.engines.drain_segments()))
+            return result
+
+        return asyncio.ensure_future(measured())
+
+
+def tokens_of(groups: list[Group]) -> int:
+    """Prompt + response tokens of the trained samples (what the trainer computes over)."""
+    return sum(len(s.prompt_ids) + len(s.response_ids) for g in groups for s in g.samples)
+
+
+async def simulate(
+    cluster: SimConfig,
+    trace: Trace,
+    policy: RolloutPolicy,
+    *,
+    steps: int,
+    batch_size: int | None = None,
+    max_new_tokens: int | None = None,
+    train: TrainTimeModel | None = None,
+    max_staleness: int = 1000,
+    timeline_path: str | Path | None = None,
+    seed: int = 0,
+    observer: Callable[[SimWorker, str], None] | None = None,
+    on_batch: Callable[[int, list[Group]], None] | None = None,
+    group_filter: GroupFilter | None = None,
+    ranker: LengthRanker | None = None,
+    buffer: RolloutBuffer | None = None,
+    first_step: int = 0,
+    final_step: bool = True,
+    mode: str = "sync",
+) -> list[StepResult]:
+    """The coroutine behind `run_simulation` (run it on a VirtualTimeLoop). `observer` sees
+    every simulated worker at every event; `on_batch(step, groups)` each trained batch.
+    `buffer` (with `first_step`, its version) continues a run from a restored buffer; by
+    default a fresh one over the trace's prompts. The last of `steps` is the run's final step
+    (tail batching drains its long queue there) unless `final_step` is False, as benchmarks of
+    the steady state want. `mode`: the driver loop (rlkit/driver/modes.py)."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r} (modes: {', '.join(MODES)})")
+    batch = batch_size or trace.batch_size
+    cap = max_new_tokens or trace.cap
+    if buffer is None:
+        buffer = RolloutBuffer(trace_source(trace), n_samples_per_prompt=trace.group_size,
+                               max_staleness=max_staleness)
+    engines = SimEngines(cluster, observer=observer)
+    replay = TraceReplayEngines(engines, trace, BufferPrompts(buffer))
+    sampling = SamplingConfig(max_new_tokens=cap, temperature=1.0)
+    manager = RolloutManager(buffer, replay, policy, sampling,
+                             RewardScheduler(trace_reward(trace, seed)), group_filter=group_filter,
+                             ranker=ranker)
+    box = MeasuredRolloutBox(RolloutService(buffer, manager, batch), engines)
+    results: list[StepResult] = []
+
+    def on_step(state: LoopState, result: ServiceStep, handed: Handed, row: dict[str, float]) -> None:
+        before, after, t0, t1, segments = box.measured.popleft()
+        step, report = state.step - 1, result.report
+        tokens = tokens_of(handed.refs)
+        r = measure(step, policy.name, cluster, report, before, after, tokens,
+                    train.train_s(tokens) if train else 0.0, train.sync_s() if train else 0.0)
+        r.step_s, r.mode = row["step/seconds"], mode
+        r.waited_train_s = row["train/seconds"] + row["sync/seconds"]
+        results.append(r)
+        if timeline_path is not None:
+            append_step(timeline_path, StepTimeline(
+                step, policy.name, t0, t1, engines.workers(), "sim",
+                [span(s, min(cap, trace.cap)) for s in segments], round=report.round,
+            ))
+
+    run = Run(box, TimedTrainerBox(train, on_batch), first_step + steps, batch, on_step,
+              LoopState(step=first_step, version=first_step), final_step=final_step)
+    try:
+        await MODES[mode](run)
+    finally:
+        await engines.aclose()
+    return results
+
+
+def run_simulation(cluster: SimConfig, trace: Trace, policy: RolloutPolicy, **kwargs: Any
+                   ) -> list[StepResult]:
+    """Simulate `steps` steps of a driver mode's loop in virtual time (see `simulate`)."""
+    return run_virtual(simulate(cluster, trace, policy, **kwargs))
