@@ -227,7 +227,7 @@ def _simulate(engines: int, profile: Any, args: argparse.Namespace, trace: Any) 
     policy and ranker built as `rlkit bench suite` builds them)."""
     from rlkit.bench.suite import make_policy, make_ranker, rollout_base
     from rollout.sim.engine import SimConfig
-    from rollout.sim.harness import run_simulation
+    from rlkit.driver.simulate import run_simulation
 
     cluster = SimConfig(engines, profile, router=args.router, abort_latency_s=args.abort_latency)
     base = rollout_base(args.profile, cluster)

@@ -168,7 +168,7 @@ def test_workload_helpers():
     trace = generate_trace(TraceSpec(rows=64, epochs=1, cap=512, group_size=4, batch_size=8))
     from rlkit.bench.suite import make_policy
     from rollout.sim.engine import SimConfig
-    from rollout.sim.harness import run_simulation
+    from rlkit.driver.simulate import run_simulation
 
     steps = run_simulation(SimConfig(2, load_profile("h100-qwen3-4b-tp1")), trace,
                            make_policy("sync"), steps=3, batch_size=8)
