@@ -74,6 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "of one engine)")
     s.add_argument("--max-staleness", type=int, default=1000)
     s.add_argument("--cache", type=Path, help="JSON file keeping simulated P_gen across calls")
+    s.add_argument("--verify", action="store_true",
+                   help="simulate --mode's driver loop, trainer included, at the chosen and the "
+                        "even split and report both step times (two more simulations)")
     s.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -189,6 +192,16 @@ def _run(args: argparse.Namespace) -> int:
         plan = P.plan_cross(m, n, got, p_train, units, args.mode, xs=sorted(got))
     c = plan.chosen
     plan.adjust = P.adjustment(c.x, c.gen_s, c.train_s, c.x + gpe, p_gen(c.x + gpe))
+    verified: dict[str, Any] = {}
+    if args.verify:
+        splits = {"chosen": c, **({"even": plan.even} if plan.even is not None else {})}
+        for name, split in splits.items():
+            model = TrainTimeModel(params=args.params, gpus=split.y, mfu=args.train_mfu,
+                                   peak_flops=args.peak_flops)
+            verified[name] = _simulate(split.x // gpe, profile, args, trace, model, args.mode,
+                                       "step_s")
+        if "even" in verified:
+            verified["speedup_vs_even"] = verified["even"] / verified["chosen"]
     wall = time.perf_counter() - t0
     plan.extra = {
         "profile": profile.name, "gpus_per_engine": gpe, "train_unit": units.train,
@@ -196,6 +209,7 @@ def _run(args: argparse.Namespace) -> int:
         "batch_size": args.batch_size, "group_size": trace.group_size,
         "trained_tokens_per_step": tokens, "params": args.params, "train_mfu": args.train_mfu,
         "warmup": args.warmup, "steps": args.steps, "simulations": len(simulated),
+        "verified": verified or None,
         "wall_s": wall,
     }
     if args.json:
@@ -222,9 +236,11 @@ def _trace(args: argparse.Namespace) -> Any:
     return generate_trace(spec)
 
 
-def _simulate(engines: int, profile: Any, args: argparse.Namespace, trace: Any) -> float:
-    """Mean rollout seconds per measured step on `engines` simulated engines (the cluster,
-    policy and ranker built as `rlkit bench suite` builds them)."""
+def _simulate(engines: int, profile: Any, args: argparse.Namespace, trace: Any,
+              train: Any = None, mode: str = "sync", field: str = "rollout_s") -> float:
+    """Mean `field` of the measured steps on `engines` simulated engines (the cluster, policy
+    and ranker built as `rlkit bench suite` builds them), under `mode`'s loop with `train`'s
+    trainer (None: training takes no time)."""
     from rlkit.bench.suite import make_policy, make_ranker, rollout_base
     from rollout.sim.engine import SimConfig
     from rlkit.driver.simulate import run_simulation
@@ -234,9 +250,9 @@ def _simulate(engines: int, profile: Any, args: argparse.Namespace, trace: Any) 
     results = run_simulation(
         cluster, trace, make_policy(args.policy, base), steps=args.warmup + args.steps,
         batch_size=args.batch_size, max_staleness=args.max_staleness, seed=args.seed,
-        final_step=False, ranker=make_ranker(args.policy, trace, base),
+        final_step=False, ranker=make_ranker(args.policy, trace, base), train=train, mode=mode,
     )
-    return statistics.mean(r.rollout_s for r in results[args.warmup:])
+    return statistics.mean(getattr(r, field) for r in results[args.warmup:])
 
 
 def _load_cache(path: Path | None, key: str) -> dict[int, float]:
@@ -273,7 +289,8 @@ def format_plan(plan: Any, profile: Any) -> str:
         f"Trainer: {e['params'] / 1e9:.2f}B params, MFU {e['train_mfu']:g}, GPUs in multiples "
         f"of {e['train_unit']}.",
         f"P_gen: simulated, mean of {e['steps']} steps after {e['warmup']} warm-up; "
-        f"{e['simulations']} simulations in {e['wall_s']:.0f} s (the rest cached).",
+        f"{e['simulations']} sizes simulated now (others cached), {e['wall_s']:.0f} s of wall "
+        "time.",
         "",
         "| gen GPUs | engines | train GPUs | P_gen s | P_train s | gen - train s | "
         "sync step s | stream step s | async step s | |",
@@ -300,6 +317,12 @@ def format_plan(plan: Any, profile: Any) -> str:
     if plan.even is not None:
         lines.append(f"vs the even split ({plan.even.x} + {plan.even.y}): "
                      f"{plan.speedup_vs_even:.2f}x.")
+    v = e.get("verified")
+    if v:
+        lines.append(
+            f"Simulated {mode} loop (trainer included): chosen {v['chosen']:.1f} s/step"
+            + (f", even split {v['even']:.1f} s/step: {v['speedup_vs_even']:.2f}x."
+               if "even" in v else "."))
     a = plan.adjust
     if a is not None:
         verdict = ("add one engine" if a.add else "keep the split")

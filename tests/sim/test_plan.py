@@ -215,6 +215,12 @@ def test_async_choice_balances_better_than_an_even_split(capsys):
     assert plan["speedup_vs_even"] == pytest.approx(1.01, abs=0.005)
 
 
+def test_cli_verify_simulates_the_mode_loop(capsys):
+    assert main(["plan", "--gpus", "8", "--mode", "async", "--verify", *SMALL]) == 0
+    out = capsys.readouterr().out
+    assert "Simulated async loop (trainer included): chosen " in out and "even split " in out
+
+
 def test_cli_cross_datacenter(capsys):
     assert main(["plan", "--gen-budget", "6", "--train-budget", "4", "--mode", "async",
                  "--json", *SMALL]) == 0
