@@ -202,30 +202,73 @@ def test_sync_weights_sends_the_trained_weights_with_a_new_version(tiny_qwen2_di
         trainer.sync_weights(["http://x"], version=1)
 
 
-def test_streamed_step_over_arriving_groups_equals_the_synchronous_step(tiny_qwen2_dir):
+def weights(trainer):
+    return {k: v.clone() for k, v in trainer.iter_hf_weights()}
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2, 3, 4), (3, 0, 4, 1, 2), (4, 3, 2, 1, 0)])
+def test_a_batch_streamed_in_any_order_trains_as_the_synchronous_step(tiny_qwen2_dir, order):
+    """Stream mode's path (groups one by one, in arrival order) against the plain synchronous
+    computation on the whole batch: the same metrics, gradients and weights."""
     from tests.train.helpers import random_groups
     from train.batch import build_batch_from_config
-    from train.stream import StreamedStep
+    from train.stream import RolloutBatchStep
 
     algo = {"advantage": "grpo", "kl_coef": 0.05, "off_policy_correction": "tis"}
     a, b = make_trainer(tiny_qwen2_dir, algorithm=algo), make_trainer(tiny_qwen2_dir, algorithm=algo)
     groups = random_groups(5, 3, seed=21)
 
     batch = build_batch_from_config(groups, a.config.algorithm, policy_version=0)
-    batch = batch.with_logprobs(old=a.logprobs(batch), ref=a.logprobs(batch, policy="reference"))
+    batch = batch.with_logprobs(ref=a.logprobs(batch, policy="reference"))
     a.accumulate(batch)
     sync = a.step()
 
-    stream = StreamedStep(b, b.config.algorithm, policy_version=0, global_batch_groups=5,
-                          micro_batch_size=4, recompute_old_logprobs=True)
-    arrivals = [groups[i] for i in (3, 0, 4, 1, 2)]
-    results = [stream.add(g) for g in arrivals]
-    assert results[:4] == [None] * 4 and stream.complete
-    streamed = results[4]
+    stream = RolloutBatchStep(b, b.config.algorithm, policy_version=0, rollout_samples=15,
+                              global_batch_size=0, micro_batch_size=4)
+    for i in order:
+        stream.add(groups[i])
+    assert b.pending_samples == 12  # full micro-batches trained while the groups arrived
+    streamed = stream.finish()
     for key in ("train/loss", "train/grad_norm", "train/kl", "train/tis_weight", "train/samples"):
         assert streamed[key] == pytest.approx(sync[key], rel=1e-5), key
-    with pytest.raises(RuntimeError, match="already has its 5 groups"):
+    wa, wb = weights(a), weights(b)
+    assert all(float((wa[k] - wb[k]).abs().max()) <= 1e-6 for k in wa)
+    with pytest.raises(RuntimeError, match="add after finish"):
         stream.add(groups[0])
+
+
+def test_several_optimizer_steps_per_rollout_batch_use_pi_old_from_before_the_first(tiny_qwen2_dir):
+    """global_batch_size < the rollout batch: pi_old is computed for every sample before the
+    first optimizer step (the weights that generated the batch), then one step per global batch
+    in arrival order; the reference computation is written out here."""
+    from tests.train.helpers import random_groups
+    from train.batch import build_batch_from_config
+    from train.stream import RolloutBatchStep, logprobs_needed
+
+    algo = {"advantage": "grpo", "off_policy_correction": "tis"}
+    cfg = {"algorithm": algo, "global_batch_size": 6, "micro_batch_size": 3}
+    a, b = make_trainer(tiny_qwen2_dir, **cfg), make_trainer(tiny_qwen2_dir, **cfg)
+    assert logprobs_needed(a.config.algorithm, 2) == (True, False)
+    groups = random_groups(4, 3, seed=22)  # 12 samples: two optimizer steps of 6
+
+    batch = build_batch_from_config(groups, a.config.algorithm, policy_version=0)
+    old = a.logprobs(batch)
+    batch = batch.with_logprobs(old=old)
+    ref_metrics = []
+    for part in batch.micro_batches(6):
+        a.accumulate(part)
+        ref_metrics.append(a.step())
+
+    stream = RolloutBatchStep(b, b.config.algorithm, policy_version=0, rollout_samples=12,
+                              global_batch_size=6, micro_batch_size=3)
+    for g in groups:
+        stream.add(g)
+    assert b.step_count == 0  # no step before every sample has its pi_old
+    m = stream.finish()
+    assert b.step_count == 2 and m["train/optimizer_steps"] == 2.0
+    assert m["train/loss"] == pytest.approx(ref_metrics[-1]["train/loss"], rel=1e-5)
+    wa, wb = weights(a), weights(b)
+    assert all(float((wa[k] - wb[k]).abs().max()) <= 1e-6 for k in wa)
 
 
 def test_rlkit_export_turns_a_run_checkpoint_into_an_hf_folder(tiny_qwen2_dir, tmp_path):

@@ -68,6 +68,30 @@ def test_tp2_step_matches_tp1_and_exports(tp2_group, tiny_qwen2_dir, tmp_path):
         assert float((hf[name] - t).abs().max()) <= 1e-2 * LR, name
 
 
+def test_tp2_groups_streamed_as_object_refs_train_as_the_synchronous_step(tp2_group, tmp_path):
+    """The driver's path: group references go to every rank as they arrive (any order); each
+    rank builds its samples; the step equals one process's synchronous step on the batch (from
+    the group's current weights: loss and gradient norm are taken before the update)."""
+    import ray
+
+    from tests.train.helpers import random_groups
+    from train.batch import build_batch_from_config
+    from train.megatron.trainer import MegatronTrainer
+
+    groups = random_groups(4, 3, seed=31)
+    local = MegatronTrainer.single_process(tp2_group.export_hf(tmp_path / "now"), config())
+    local.accumulate(build_batch_from_config(groups, local.config.algorithm, policy_version=0))
+    m1 = local.step()
+    refs = [ray.put(g) for g in groups]
+    calls = tp2_group.begin_batch(0, 12)
+    for i in (2, 0, 3, 1):
+        calls += tp2_group.add_groups([refs[i]])
+    ray.get(calls)
+    m2 = ray.get(tp2_group.finish_batch())[0]
+    for key in ("train/loss", "train/grad_norm", "train/loss_denominator", "train/samples"):
+        assert m2[key] == pytest.approx(m1[key], rel=1e-5), key
+
+
 def test_tp2_checkpoint_round_trip(tp2_group, ray_cluster, tiny_qwen2_dir, tmp_path):
     from train.ray_group import TrainerGroup
 
