@@ -106,6 +106,16 @@ class Run:
         await self.trainer.push_weights(version)
         await self.rollout.set_version(version)
 
+    async def finish_step(self, result: StepResult, handed: Handed, **row: float) -> None:
+        """Every mode's end of a step, once the trainer has all of its groups: what training
+        is left and the optimizer step(s), the weight sync, then count, time and report it."""
+        t1 = self.now()
+        metrics = await self.trainer.finish()
+        t2 = self.now()
+        await self.push_weights(self.state.version + 1)
+        self.end_step(result, handed, metrics,
+                      {**row, "train/seconds": t2 - t1, "sync/seconds": self.now() - t2})
+
     def end_step(self, result: StepResult, handed: Handed, metrics: dict[str, float],
                  row: dict[str, float]) -> None:
         """The step is trained and its weights pushed: count it, time it, report it."""

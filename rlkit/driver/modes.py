@@ -29,14 +29,9 @@ async def run_sync(run: Run) -> LoopState:
         result = await run.rollout.start_step(s.version, for_version=s.version,
                                               final=run.is_final(s.step + 1))
         handed = await run.rollout.take(run.batch_size)
-        t1 = run.now()
         run.trainer.begin(s.version)
         run.trainer.add(handed)
-        metrics = await run.trainer.finish()
-        t2 = run.now()
-        await run.push_weights(s.version + 1)
-        run.end_step(result, handed, metrics,
-                     {"train/seconds": t2 - t1, "sync/seconds": run.now() - t2})
+        await run.finish_step(result, handed)  # train, push weights, report
     return s
 
 
@@ -48,13 +43,7 @@ async def run_stream(run: Run) -> LoopState:
                                               final=run.is_final(s.step + 1)))
         run.trainer.begin(s.version)
         handed = await _stream_into(run, handle)  # each group to the trainer as it completes
-        result = await handle
-        t1 = run.now()
-        metrics = await run.trainer.finish()  # what streaming could not hide, then the step
-        t2 = run.now()
-        await run.push_weights(s.version + 1)
-        run.end_step(result, handed, metrics,
-                     {"train/seconds": t2 - t1, "sync/seconds": run.now() - t2})
+        await run.finish_step(await handle, handed)  # only what streaming could not hide is left
     return s
 
 
@@ -74,15 +63,10 @@ async def run_async(run: Run) -> LoopState:
         if s.step + 1 < run.num_steps and await run.rollout.admits(s.version + 1):
             pending = _task(run.rollout.start_step(s.version, for_version=s.version + 1,
                                                    final=run.is_final(s.step + 2)))
-        t1 = run.now()
         run.trainer.begin(s.version)
         run.trainer.add(handed)
-        metrics = await run.trainer.finish()
-        t2 = run.now()
-        await run.push_weights(s.version + 1)  # mid-generation: in-flight requests go on
-        run.end_step(result, handed, metrics,
-                     {"train/seconds": t2 - t1, "sync/seconds": run.now() - t2,
-                      "async/overlapped": float(pending is not None)})
+        # the weight sync lands mid-generation: in-flight requests go on with the new weights
+        await run.finish_step(result, handed, **{"async/overlapped": float(pending is not None)})
     return s
 
 
