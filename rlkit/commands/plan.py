@@ -167,16 +167,16 @@ def _run(args: argparse.Namespace) -> int:
     cache = _load_cache(args.cache, cache_key)
     simulated: list[int] = []
 
-    def p_gen(x: int) -> float:
+    def p_gen(x: int) -> list[float]:
         if x not in cache:
             cache[x] = _simulate(x // gpe, profile, args, trace)
             simulated.append(x)
             _save_cache(args.cache, cache_key, cache)
         return cache[x]
 
-    def best_step(limit_y: Callable[[int], int]) -> Callable[[int, float], float]:
-        def score(x: int, gen_s: float) -> float:
-            return min(P.step_time(args.mode, gen_s, p_train(y))
+    def best_step(limit_y: Callable[[int], int]) -> Callable[[int, list[float]], float]:
+        def score(x: int, gen: list[float]) -> float:
+            return min(P.expected_step(args.mode, gen, p_train(y))
                        for y in units.train_sizes(limit_y(x)))
         return score
 
@@ -191,15 +191,16 @@ def _run(args: argparse.Namespace) -> int:
                            measured={x: g for x, g in cache.items() if x <= mx})
         plan = P.plan_cross(m, n, got, p_train, units, args.mode, xs=sorted(got))
     c = plan.chosen
-    plan.adjust = P.adjustment(c.x, c.gen_s, c.train_s, c.x + gpe, p_gen(c.x + gpe))
+    plan.adjust = P.adjustment(c.x, c.gen_s, c.train_s, c.x + gpe,
+                               statistics.mean(p_gen(c.x + gpe)))
     verified: dict[str, Any] = {}
     if args.verify:
         splits = {"chosen": c, **({"even": plan.even} if plan.even is not None else {})}
         for name, split in splits.items():
             model = TrainTimeModel(params=args.params, gpus=split.y, mfu=args.train_mfu,
                                    peak_flops=args.peak_flops)
-            verified[name] = _simulate(split.x // gpe, profile, args, trace, model, args.mode,
-                                       "step_s")
+            verified[name] = statistics.mean(_simulate(split.x // gpe, profile, args, trace,
+                                                       model, args.mode, "step_s"))
         if "even" in verified:
             verified["speedup_vs_even"] = verified["even"] / verified["chosen"]
     wall = time.perf_counter() - t0
@@ -237,9 +238,9 @@ def _trace(args: argparse.Namespace) -> Any:
 
 
 def _simulate(engines: int, profile: Any, args: argparse.Namespace, trace: Any,
-              train: Any = None, mode: str = "sync", field: str = "rollout_s") -> float:
-    """Mean `field` of the measured steps on `engines` simulated engines (the cluster, policy
-    and ranker built as `rlkit bench suite` builds them), under `mode`'s loop with `train`'s
+              train: Any = None, mode: str = "sync", field: str = "rollout_s") -> list[float]:
+    """`field` of each measured step on `engines` simulated engines (the cluster, policy and
+    ranker built as `rlkit bench suite` builds them), under `mode`'s loop with `train`'s
     trainer (None: training takes no time)."""
     from rlkit.bench.suite import make_policy, make_ranker, rollout_base
     from rollout.sim.engine import SimConfig
@@ -252,10 +253,10 @@ def _simulate(engines: int, profile: Any, args: argparse.Namespace, trace: Any,
         batch_size=args.batch_size, max_staleness=args.max_staleness, seed=args.seed,
         final_step=False, ranker=make_ranker(args.policy, trace, base), train=train, mode=mode,
     )
-    return statistics.mean(getattr(r, field) for r in results[args.warmup:])
+    return [float(getattr(r, field)) for r in results[args.warmup:]]
 
 
-def _load_cache(path: Path | None, key: str) -> dict[int, float]:
+def _load_cache(path: Path | None, key: str) -> dict[int, list[float]]:
     if path is None or not path.exists():
         return {}
     try:
@@ -263,10 +264,10 @@ def _load_cache(path: Path | None, key: str) -> dict[int, float]:
     except json.JSONDecodeError as e:
         raise SystemExit(f"rlkit plan: --cache {path}: not JSON ({e})") from None
     entry = data.get(key, {}) if isinstance(data, dict) else {}
-    return {int(x): float(s) for x, s in entry.items()}
+    return {int(x): [float(v) for v in s] for x, s in entry.items() if isinstance(s, list)}
 
 
-def _save_cache(path: Path | None, key: str, cache: dict[int, float]) -> None:
+def _save_cache(path: Path | None, key: str, cache: dict[int, list[float]]) -> None:
     if path is None:
         return
     data = json.loads(path.read_text()) if path.exists() else {}
@@ -288,7 +289,8 @@ def format_plan(plan: Any, profile: Any) -> str:
         f"{e['group_size']} per step, {e['trained_tokens_per_step']:,.0f} trained tokens/step. "
         f"Trainer: {e['params'] / 1e9:.2f}B params, MFU {e['train_mfu']:g}, GPUs in multiples "
         f"of {e['train_unit']}.",
-        f"P_gen: simulated, mean of {e['steps']} steps after {e['warmup']} warm-up; "
+        f"P_gen: simulated, mean of {e['steps']} steps after {e['warmup']} warm-up (step "
+        "times: means over those steps, so async pays each step's max(generation, P_train)); "
         f"{e['simulations']} sizes simulated now (others cached), {e['wall_s']:.0f} s of wall "
         "time.",
         "",

@@ -6,7 +6,8 @@ policy code on `x / gpus_per_engine` simulated engines (rlkit/driver/simulate.py
 `TrainTimeModel` on y GPUs.
 
     P_gen(x)   rollout seconds per step with x generation GPUs (x a multiple of the engine's
-               GPUs), measured on a few steps of a workload W
+               GPUs), measured on a few steps of a workload W: one figure, or the seconds of
+               each measured step (their mean is P_gen)
     P_train(y) a `TrainCost`: training seconds of W's batch on y trainer GPUs (y a multiple of
                the trainer's model-parallel size), the weight sync, and the part of training
                that stream mode can run while the step is still generating
@@ -19,6 +20,11 @@ Step time per driver mode (`step_time`):
                                                           last group's compute and the step's
                                                           fixed overhead)
     async   max(gen, train + sync)                       (one-step async: the stages pipeline)
+
+With per-step generation times G_k the step time is the mean over k of the above with gen = G_k
+(`expected_step`): an async loop waits, each step, for the slower of that step's generation and
+the previous batch's training, so a generation time that varies around the training time costs
+mean(max(G_k, T)) > max(mean G_k, T). (Linear in gen for sync, so there the mean is the same.)
 
 Single budget n (`plan_single`): over every (x, y) with x + y <= n, the split with the least
 step time of the mode (in async, max(P_gen, P_train): the paper's objective). Brute force over
@@ -44,7 +50,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 MODES = ("sync", "stream", "async")
 
@@ -65,6 +71,21 @@ class TrainCost:
     def stage_s(self) -> float:
         """P_train: what the trainer stage costs per step (training, then the weight sync)."""
         return self.train_s + self.sync_s
+
+
+def expected_step(mode: str, gen: float | Sequence[float], cost: TrainCost) -> float:
+    """Mean step time over the measured generation times (one figure: its step time)."""
+    steps = _samples(gen)
+    return sum(step_time(mode, g, cost) for g in steps) / len(steps)
+
+
+def _samples(gen: float | Sequence[float]) -> tuple[float, ...]:
+    if isinstance(gen, (int, float)):
+        return (float(gen),)
+    out = tuple(float(g) for g in gen)
+    if not out:
+        raise PlanError("a generation time needs at least one measured step")
+    return out
 
 
 def step_time(mode: str, gen_s: float, cost: TrainCost) -> float:
@@ -114,9 +135,14 @@ class Candidate:
 
     x: int  # generation GPUs
     y: int  # trainer GPUs
-    gen_s: float
+    gen: tuple[float, ...]  # generation seconds of each measured step
     cost: TrainCost
     engines: int = 0
+
+    @property
+    def gen_s(self) -> float:
+        """P_gen: mean generation seconds per step."""
+        return sum(self.gen) / len(self.gen)
 
     @property
     def train_s(self) -> float:
@@ -128,11 +154,11 @@ class Candidate:
         return self.gen_s - self.cost.stage_s
 
     def step(self, mode: str) -> float:
-        return step_time(mode, self.gen_s, self.cost)
+        return expected_step(mode, self.gen, self.cost)
 
     def to_json(self) -> dict[str, Any]:
         return {"gen_gpus": self.x, "engines": self.engines, "train_gpus": self.y,
-                "gen_s": self.gen_s, "train_s": self.cost.train_s, "sync_s": self.cost.sync_s,
+                "gen_s": self.gen_s, "gen_steps_s": list(self.gen), "train_s": self.cost.train_s, "sync_s": self.cost.sync_s,
                 "overlap_s": self.cost.overlap_s, "p_train_s": self.train_s,
                 "imbalance_s": self.imbalance_s,
                 **{f"{m}_step_s": self.step(m) for m in MODES}}
@@ -192,7 +218,7 @@ class Plan:
         }
 
 
-GenTime = Callable[[int], float] | Mapping[int, float]
+GenTime = Callable[[int], Any] | Mapping[int, Any]  # x -> seconds, or seconds per step
 
 
 def _gen_fn(p_gen: GenTime) -> Callable[[int], float]:
@@ -246,7 +272,7 @@ def plan_single(n: int, p_gen: GenTime, p_train: Callable[[int], TrainCost], uni
 
     rows = []
     for x in xs:
-        g = gen(x)
+        g = _samples(gen(x))
         options = [Candidate(x, y, g, cost(y), x // units.gen)
                    for y in units.train_sizes(n - x)]
         rows.append(min(options, key=lambda c: _key(mode, c)))
@@ -255,7 +281,7 @@ def plan_single(n: int, p_gen: GenTime, p_train: Callable[[int], TrainCost], uni
     even = next((c for c in rows if c.x == ex), None)
     if even is not None and even.y != ey:  # its own row, after the row of its x
         row = even
-        even = Candidate(ex, ey, row.gen_s, cost(ey), ex // units.gen)
+        even = Candidate(ex, ey, row.gen, cost(ey), ex // units.gen)
         rows.insert(rows.index(row) + 1, even)
     plan = Plan("single", mode, chosen, rows, "", {"gpus": n}, even=even)
     plan.reason = _reason_single(plan, units)
@@ -265,7 +291,7 @@ def plan_single(n: int, p_gen: GenTime, p_train: Callable[[int], TrainCost], uni
 def _reason_single(plan: Plan, units: Units) -> str:
     c, mode = plan.chosen, plan.mode
     formula = {"sync": "P_gen + P_train", "stream": "stream step (training overlaps generation)",
-               "async": "max(P_gen, P_train)"}[mode]
+               "async": "max(generation, P_train), step by step"}[mode]
     side = ("generation is the slower stage" if c.imbalance_s > 0
             else "training is the slower stage")
     parts = [f"least {mode} step time ({formula}) of {len(plan.candidates)} measured splits: "
@@ -313,23 +339,24 @@ def plan_cross(m: int, n: int, p_gen: GenTime, p_train: Callable[[int], TrainCos
         raise PlanError(f"generation GPU counts {bad} are not multiples of {units.gen} in "
                         f"[{units.gen}, {mx}]")
     costs = {y: p_train(y) for y in units.train_sizes(ny)}
-    gens = {x: gen(x) for x in xs}
+    steps = {x: _samples(gen(x)) for x in xs}
+    gens = {x: sum(v) / len(v) for x, v in steps.items()}  # P_gen: the mean
     full = costs[ny].stage_s
     if gens[mx] < full:  # generation has GPUs to spare: shrink it to match the trainer
         k = min(xs, key=lambda x: (abs(gens[x] - full), x))
-        rule = Candidate(k, ny, gens[k], costs[ny], k // units.gen)
+        rule = Candidate(k, ny, steps[k], costs[ny], k // units.gen)
         why = (f"P_gen(m={mx}) = {gens[mx]:.1f} s < P_train(n={ny}) = {full:.1f} s: all {ny} "
                f"trainer GPUs, and {k} generation GPUs bring P_gen closest to P_train "
                f"({gens[k]:.1f} s)")
     else:  # training has GPUs to spare
         k = min(costs, key=lambda y: (abs(costs[y].stage_s - gens[mx]), y))
-        rule = Candidate(mx, k, gens[mx], costs[k], mx // units.gen)
+        rule = Candidate(mx, k, steps[mx], costs[k], mx // units.gen)
         why = (f"P_gen(m={mx}) = {gens[mx]:.1f} s >= P_train(n={ny}) = {full:.1f} s: all {mx} "
                f"generation GPUs, and {k} trainer GPUs bring P_train closest to P_gen "
                f"({costs[k].stage_s:.1f} s)")
     rows = []
     for x in xs:
-        options = [Candidate(x, y, gens[x], costs[y], x // units.gen) for y in costs]
+        options = [Candidate(x, y, steps[x], costs[y], x // units.gen) for y in costs]
         rows.append(min(options, key=lambda c: _key(mode, c)))
     if mode == "async":
         chosen = rule
@@ -345,12 +372,12 @@ def plan_cross(m: int, n: int, p_gen: GenTime, p_train: Callable[[int], TrainCos
 
 
 def search_gen(
-    start: Iterable[int], measure: Callable[[int], float], score: Callable[[int, float], float],
-    unit: int, max_measures: int, measured: dict[int, float] | None = None,
-) -> dict[int, float]:
+    start: Iterable[int], measure: Callable[[int], Any], score: Callable[[int, Any], float],
+    unit: int, max_measures: int, measured: dict[int, Any] | None = None,
+) -> dict[int, Any]:
     """Measure P_gen on a coarse grid, then bisect around the best point.
 
-    `start`: the grid (multiples of `unit`); `score(x, gen_s)`: what a split with x generation
+    `start`: the grid (multiples of `unit`); `score(x, gen)`: what a split with x generation
     GPUs costs (the step time of its best y). Measures every grid point, then, while measures
     are left, the midpoint (rounded to the unit) of the wider of the two gaps between the best
     x and its measured neighbours (a bisection of the bracket around the best). `measured`

@@ -93,6 +93,21 @@ def test_step_time_per_mode():
         P.step_time("fast", 1.0, cost)
 
 
+def test_step_time_over_measured_steps():
+    cost = P.TrainCost(train_s=40.0, sync_s=0.0)
+    # generation alternating 20 s and 60 s: async pays max per step, 50 s, not max(40, 40)
+    assert P.expected_step("async", [20.0, 60.0], cost) == 50.0
+    assert P.expected_step("sync", [20.0, 60.0], cost) == P.step_time("sync", 40.0, cost)
+    assert P.expected_step("async", 30.0, cost) == 40.0
+    # a steady generation beats a faster but variable one of the same mean, in async
+    gen = {1: [40.0, 40.0], 2: [10.0, 66.0]}
+    plan = P.plan_single(4, gen, lambda y: cost, P.Units(), "async")
+    assert plan.chosen.x == 1 and plan.candidates[1].gen_s == 38.0
+    assert plan.candidates[1].step("async") == 53.0
+    with pytest.raises(P.PlanError, match="at least one measured step"):
+        P.expected_step("async", [], cost)
+
+
 def test_cross_datacenter_rule():
     gen = {x: 960.0 / x for x in range(1, 33)}  # P_gen(k) = 960 / k
     train = train_model(320.0, 0.0, sync=0.0)  # P_train(k) = 320 / k
