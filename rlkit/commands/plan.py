@@ -327,7 +327,11 @@ def format_plan(plan: Any, profile: Any) -> str:
                if "even" in v else "."))
     a = plan.adjust
     if a is not None:
-        verdict = ("add one engine" if a.add else "keep the split")
+        verdict = "add one engine" if a.add else "keep the split"
+        b = plan.budgets
+        beyond = (a.x_more + c.y > b["gpus"]) if "gpus" in b else a.x_more > b["gen_gpus"]
+        if a.add and beyond:
+            verdict += f", from outside the budget ({a.x_more} + {c.y} GPUs)"
         lines.append(
             f"Dynamic adjustment: delta = P_gen - P_train = {a.delta_s:+.1f} s, delta' = "
             f"P_gen({a.x}) - P_gen({a.x_more}) = {a.delta_prime_s:+.1f} s: {verdict} "
