@@ -421,7 +421,10 @@ class MegatronTrainer:
         if weights is not None:
             if self._sender is None:
                 self._sender = WeightSender(
-                    bucket_mb=ws.bucket_mb, pause_mode=ws.pause_mode, timeout_s=ws.timeout_s
+                    bucket_mb=ws.bucket_mb, timeout_s=ws.timeout_s,
+                    # a TrainConfig outside a recipe (tests, benches) leaves 'auto': nothing
+                    # is in flight there, as in sync mode
+                    pause_mode="abort" if ws.pause_mode == "auto" else ws.pause_mode,
                 )
             if method == "disk":
                 root = Path(folder if folder is not None else ws.disk_dir)
