@@ -345,6 +345,11 @@ class RolloutConfig(BaseModel):
                              f"{self.policy}")
         return self
 
+    @property
+    def samples_per_step(self) -> int:
+        """Responses one training step trains on: batch_size x n_samples_per_prompt."""
+        return self.batch_size * self.n_samples_per_prompt
+
     def off_policy_reason(self) -> str | None:
         """Why this rollout set-up can train on tokens of older policy versions (the recipe then
         requires an explicit off-policy correction), or None. The policy registry says it for

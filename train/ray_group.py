@@ -89,11 +89,9 @@ class TrainWorker:
     def begin_batch(self, version: int, rollout_samples: int) -> None:
         from train.stream import RolloutBatchStep
 
-        cfg = self.config
-        self.batch = RolloutBatchStep(
-            self.trainer, cfg.algorithm, policy_version=version, rollout_samples=rollout_samples,
-            global_batch_size=cfg.global_batch_size, micro_batch_size=cfg.micro_batch_size,
-            dp_rank=self.trainer.rank.dp_rank, dp_size=cfg.parallelism.data)
+        self.batch = RolloutBatchStep.for_config(
+            self.trainer, self.config, policy_version=version, rollout_samples=rollout_samples,
+            dp_rank=self.trainer.rank.dp_rank, dp_size=self.config.parallelism.data)
 
     def add_groups(self, refs: list) -> None:
         """Groups as object references: fetched here from the rollout actor's store."""

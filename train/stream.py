@@ -85,6 +85,14 @@ class RolloutBatchStep:
         self.off_policy_samples = 0
         self.finished = False
 
+    @classmethod
+    def for_config(cls, trainer: Trainer, cfg, *, policy_version: int, rollout_samples: int,
+                   dp_rank: int = 0, dp_size: int = 1) -> "RolloutBatchStep":
+        """With the knobs of a train.config.TrainConfig (algorithm, global and micro batch)."""
+        return cls(trainer, cfg.algorithm, policy_version=policy_version,
+                   rollout_samples=rollout_samples, global_batch_size=cfg.global_batch_size,
+                   micro_batch_size=cfg.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
+
     def add(self, group: Group) -> None:
         """One complete group: its samples, their logprobs, and the micro-batches now full."""
         if self.finished:
@@ -145,14 +153,3 @@ class RolloutBatchStep:
         if take > 0:
             self.trainer.accumulate(first.subset(range(self._accumulated, self._accumulated + take)))
             self._accumulated += take
-
-
-def train_rollout_batch(trainer: Trainer, groups: Iterable[Group], train_cfg, *,
-                        policy_version: int, rollout_samples: int) -> dict[str, float]:
-    """Train on a whole rollout batch at once (sync mode, tests): the same path as streaming."""
-    step = RolloutBatchStep(trainer, train_cfg.algorithm, policy_version=policy_version,
-                            rollout_samples=rollout_samples,
-                            global_batch_size=train_cfg.global_batch_size,
-                            micro_batch_size=train_cfg.micro_batch_size)
-    step.add_all(groups)
-    return step.finish()

@@ -152,7 +152,7 @@ class Recipe(BaseModel):
                 "'none'."
             )
         gbs = self.train.global_batch_size
-        samples = rollout.batch_size * rollout.n_samples_per_prompt
+        samples = rollout.samples_per_step
         if gbs and samples % gbs:
             raise ValueError(
                 f"train.global_batch_size ({gbs}) must divide the rollout batch "

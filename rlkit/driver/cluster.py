@@ -275,7 +275,7 @@ class RayTrainerBox:
         self.recipe = recipe
         self.engine_urls = engine_urls
         self.folder = run_dir / "weights"
-        self.samples = recipe.rollout.batch_size * recipe.rollout.n_samples_per_prompt
+        self.samples = recipe.rollout.samples_per_step
         self._calls: list[Any] = []
 
     def begin(self, version: int) -> None:

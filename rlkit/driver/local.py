@@ -54,10 +54,8 @@ class LocalTrainerBox:
         self._batch: RolloutBatchStep | None = None
 
     def begin(self, version: int) -> None:
-        self._batch = RolloutBatchStep(
-            self.trainer, self.cfg.algorithm, policy_version=version,
-            rollout_samples=self.rollout_samples, global_batch_size=self.cfg.global_batch_size,
-            micro_batch_size=self.cfg.micro_batch_size)
+        self._batch = RolloutBatchStep.for_config(
+            self.trainer, self.cfg, policy_version=version, rollout_samples=self.rollout_samples)
 
     def add(self, handed: Handed) -> None:
         assert self._batch is not None, "begin() first"
@@ -81,8 +79,8 @@ def run_local(recipe: "Recipe", service: RolloutService, trainer: "Trainer", on_
     """Run `recipe.mode`'s loop over an in-process rollout service and trainer."""
     from rlkit.driver.modes import MODES
 
-    samples = recipe.rollout.batch_size * recipe.rollout.n_samples_per_prompt
-    run = Run(LocalRolloutBox(service), LocalTrainerBox(trainer, recipe.train, samples,
-                                                        engine_urls=engine_urls),
+    trainer_box = LocalTrainerBox(trainer, recipe.train, recipe.rollout.samples_per_step,
+                                  engine_urls=engine_urls)
+    run = Run(LocalRolloutBox(service), trainer_box,
               recipe.run.num_steps, recipe.rollout.batch_size, on_step, state or LoopState())
     return asyncio.run(MODES[recipe.mode](run))

@@ -17,9 +17,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
-from rlkit.driver.rollout_service import StepResult, batch_metrics
+from rlkit.driver.rollout_service import StepResult, batch_metrics, group_record
 
 if TYPE_CHECKING:
     from rlkit.config.schema import Recipe
@@ -45,7 +45,7 @@ class Handed:
 
 
 class RolloutBox(Protocol):
-    def start_step(self, version: int, *, for_version: int, final: bool) -> Awaitable[StepResult]:
+    def start_step(self, version: int, *, for_version: int, final: bool) -> asyncio.Future[StepResult]:
         """Start a rollout step (engines at `version`, groups to be trained at consumer version
         `for_version`); returns its handle at once."""
         ...
@@ -113,18 +113,13 @@ class Run:
         metrics = await self.trainer.finish()
         t2 = self.now()
         await self.push_weights(self.state.version + 1)
-        self.end_step(result, handed, metrics,
-                      {**row, "train/seconds": t2 - t1, "sync/seconds": self.now() - t2})
-
-    def end_step(self, result: StepResult, handed: Handed, metrics: dict[str, float],
-                 row: dict[str, float]) -> None:
-        """The step is trained and its weights pushed: count it, time it, report it."""
         now = self.now()
         self.state.step += 1
         self.state.version += 1
-        row = {**row, "step/seconds": now - (self._last_end if self._last_end is not None else now)}
+        row = {**metrics, **row, "train/seconds": t2 - t1, "sync/seconds": now - t2,
+               "step/seconds": now - (self._last_end if self._last_end is not None else now)}
         self._last_end = now
-        self.on_step(self.state, result, handed, {**metrics, **row})
+        self.on_step(self.state, result, handed, row)
 
 
 def finish_step(recipe: "Recipe", tracker: "Tracker", rollout: RolloutBox, trainer: TrainerBox,
@@ -160,8 +155,6 @@ def finish_step(recipe: "Recipe", tracker: "Tracker", rollout: RolloutBox, train
 
 def handed_of(groups: Sequence[Any]) -> Handed:
     """In-process boxes hand the groups themselves."""
-    from rlkit.driver.rollout_service import group_record
-
     return Handed(list(groups), [group_record(g) for g in groups])
 
 

@@ -1,7 +1,8 @@
 """The driver modes, one short loop each, and their registry (recipe key `mode`).
 
 Every mode trains each rollout batch the same way (train/stream.py) and ends each step the same
-way (`Run.end_step`, `Run.push_weights`); they differ only in where they wait:
+way (`Run.finish_step`: train what is left, push weights, report); they differ only in where
+they wait:
 
     sync    rollout step -> train on its batch -> push weights.
     stream  each group goes to the trainer as it completes: forward/backward overlaps
@@ -11,7 +12,7 @@ way (`Run.end_step`, `Run.push_weights`); they differ only in where they wait:
             them. The buffer bounds the lag (rollout.max_staleness); a bound of 0 admits no
             overlap, and the loop is then sync's, step for step.
 
-The simulator (rollout/sim/harness.py) runs these same loops in virtual time.
+The simulator (rlkit/driver/simulate.py) runs these same loops in virtual time.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ async def run_stream(run: Run) -> LoopState:
     s = run.state
     run.start()
     while s.step < run.num_steps:
-        handle = _task(run.rollout.start_step(s.version, for_version=s.version,
-                                              final=run.is_final(s.step + 1)))
+        handle = run.rollout.start_step(s.version, for_version=s.version,
+                                        final=run.is_final(s.step + 1))
         run.trainer.begin(s.version)
         handed = await _stream_into(run, handle)  # each group to the trainer as it completes
         await run.finish_step(await handle, handed)  # only what streaming could not hide is left
@@ -53,16 +54,16 @@ async def run_async(run: Run) -> LoopState:
     pending = None
     while s.step < run.num_steps:
         if pending is None:  # the first step, or a bound that admitted no overlap
-            pending = _task(run.rollout.start_step(s.version, for_version=s.version,
-                                                   final=run.is_final(s.step + 1)))
+            pending = run.rollout.start_step(s.version, for_version=s.version,
+                                             final=run.is_final(s.step + 1))
         result = await pending
         handed = await run.rollout.take(run.batch_size)
         pending = None
         # Step k+1 generates with the current weights while step k trains, if its groups,
         # trained one version later, stay within the staleness bound.
         if s.step + 1 < run.num_steps and await run.rollout.admits(s.version + 1):
-            pending = _task(run.rollout.start_step(s.version, for_version=s.version + 1,
-                                                   final=run.is_final(s.step + 2)))
+            pending = run.rollout.start_step(s.version, for_version=s.version + 1,
+                                             final=run.is_final(s.step + 2))
         run.trainer.begin(s.version)
         run.trainer.add(handed)
         # the weight sync lands mid-generation: in-flight requests go on with the new weights
@@ -77,16 +78,12 @@ MODES: dict[str, Callable[[Run], Awaitable[LoopState]]] = {
 }
 
 
-def _task(aw: Awaitable) -> asyncio.Future:
-    return asyncio.ensure_future(aw)
-
-
 async def _stream_into(run: Run, handle: asyncio.Future) -> Handed:
     """Hand the step's groups to the trainer one by one as they become ready; a step that
     fails stops the stream with its error instead of leaving it waiting."""
     handed = Handed()
     for _ in range(run.batch_size):
-        nxt = _task(run.rollout.next_ready())
+        nxt = asyncio.ensure_future(run.rollout.next_ready())
         await asyncio.wait({nxt, handle}, return_when=asyncio.FIRST_COMPLETED)
         if not nxt.done() and handle.exception() is not None:
             nxt.cancel()
