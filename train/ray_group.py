@@ -142,9 +142,12 @@ class TrainerGroup:
         num_cpus_per_worker: float = 1.0,
         num_gpus_per_worker: float | None = None,
         threads_per_worker: int | None = None,
-        placement_group: Any = None,
-        first_bundle: int = 0,
+        scheduling: Sequence[Any] | None = None,
+        runtime_env: dict[str, Any] | None = None,
     ) -> None:
+        """`scheduling`: one Ray scheduling strategy per rank (rlkit.driver.cluster gives each
+        rank its placement-group bundle); None lets Ray place them. `runtime_env`: applied to
+        every rank (the per-run control token travels in its env_vars)."""
         import ray
 
         self.config = config
@@ -159,14 +162,14 @@ class TrainerGroup:
         threads = threads_per_worker or max(1, int(num_cpus_per_worker))
         actor_cls = ray.remote(TrainWorker)
         self.workers = []
+        if scheduling is not None and len(scheduling) != world:
+            raise ValueError(f"scheduling has {len(scheduling)} strategies for {world} ranks")
         for rank in range(world):
             options: dict[str, Any] = {"num_cpus": num_cpus_per_worker, "num_gpus": num_gpus_per_worker}
-            if placement_group is not None:
-                from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    placement_group=placement_group, placement_group_bundle_index=first_bundle + rank
-                )
+            if scheduling is not None:
+                options["scheduling_strategy"] = scheduling[rank]
+            if runtime_env:
+                options["runtime_env"] = runtime_env
             self.workers.append(actor_cls.options(**options).remote(rank, world, self.tp, threads))
         try:
             master = ray.get(self.workers[0].master_address.remote())

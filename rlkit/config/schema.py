@@ -112,6 +112,39 @@ class CheckpointConfig(BaseModel):
     )
 
 
+class ClusterConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    address: str = Field(
+        "",
+        description="Ray cluster to run on. '' (default): join $RAY_ADDRESS if it is set, else "
+        "start a local Ray for this run. 'local': start a local Ray even if RAY_ADDRESS is set. "
+        "'auto': join the cluster `ray start` made on this machine (an error if there is none). "
+        "'host:port' (the head's GCS address) or 'ray://host:10001' (Ray Client): join that "
+        "cluster. A joined cluster is left running at the end; only this run's actors and "
+        "placement groups are removed. Every node needs the model, the data and the run folder "
+        "at the same paths (a shared file system).",
+    )
+    cpus_per_engine: float = Field(
+        1.0,
+        gt=0,
+        description="CPUs reserved for each engine server in its placement bundle (with its "
+        "GPUs). A locally started Ray offers at least the CPUs the run reserves.",
+    )
+    cpus_per_train_worker: float = Field(
+        1.0,
+        gt=0,
+        description="CPUs reserved for each trainer rank in its placement bundle (with its GPU "
+        "on GPU machines); on CPU it is also the rank's torch thread count (rounded down, >= 1).",
+    )
+    placement_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="Seconds to wait for the placement groups (trainer first, then engines) to "
+        "be placed before the run fails, naming the group and the cluster's resources.",
+    )
+
+
 class Recipe(BaseModel):
     """A whole job."""
 
@@ -133,6 +166,11 @@ class Recipe(BaseModel):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="Metrics and logs.")
     checkpoint: CheckpointConfig = Field(
         default_factory=CheckpointConfig, description="Checkpoints and resume."
+    )
+    cluster: ClusterConfig = Field(
+        default_factory=ClusterConfig,
+        description="The Ray cluster and how the pieces are placed on it (docs/reliability.md, "
+        "'Beyond one machine').",
     )
 
     @model_validator(mode="after")

@@ -5,29 +5,52 @@
                         client and reward scoring (DESIGN.md: the buffer lives in one actor)
     TrainWorker x TP*DP the Megatron ranks (train.ray_group.TrainerGroup)
 
-Every piece that owns a process stops it in `stop()`; `Cluster.shutdown()` stops them in order
-(router, engines, trainer) before Ray goes down, so no process or port is left behind.
+Placement groups hold them (rlkit.driver.placement has the rules). Every piece that owns a
+process stops it in `stop()`; `Cluster.shutdown()` stops them in order (router, engines,
+trainer), removes the placement groups, then stops the Ray it started or leaves the cluster it
+joined (running), so no process or port of the run is left behind.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
+from buffers.errors import UserError
 from rlkit.config.schema import Recipe
 from rlkit.driver.loop import Handed
+from rlkit.driver.placement import (
+    WILDCARD_HOSTS,
+    PlacementError,
+    PlacementPlan,
+    bundle,
+    is_loopback,
+    local_num_cpus,
+    plan_placement,
+    resolve_address,
+)
 from rlkit.driver.rollout_service import RolloutService, StepResult, group_record
+from rollout.engines.config import EngineConfig
+
+DEFAULT_HOST = EngineConfig.model_fields["host"].default  # loopback: one node needs no more
 
 
 class EngineActor:
     """Owns one engine server process."""
 
-    def __init__(self, model_path: str, engine: dict[str, Any], index: int, log_dir: str) -> None:
+    def __init__(self, model_path: str, engine: dict[str, Any], index: int, log_dir: str,
+                 bind_node_address: bool = False) -> None:
         from rollout.engines.config import EngineConfig
         from rollout.engines.fleet import start_engine
 
+        if bind_node_address:  # a cluster of several nodes: reachable from the other nodes
+            import ray
+
+            engine = {**engine, "host": ray.util.get_node_ip_address()}
         self.proc = start_engine(model_path, EngineConfig.model_validate(engine), index, Path(log_dir))
 
     def url(self) -> str:
@@ -184,7 +207,15 @@ class RayRolloutBox:
 
 
 class Cluster:
-    """Starts and stops every process of a run through Ray."""
+    """Starts and stops every process of a run through Ray, on a local Ray or a joined cluster.
+
+    Placement follows `rlkit.driver.placement` (trainer groups first, then one engine group).
+    On a cluster of several nodes each engine binds its node's address (unless the recipe names
+    another engine host) and, whenever anything binds beyond loopback, a fresh per-run control
+    token reaches every actor in its environment (RLKIT_CONTROL_TOKEN), never the recipe or logs.
+    """
+
+    TOKEN_ENV = "RLKIT_CONTROL_TOKEN"
 
     def __init__(self, recipe: Recipe, model_path: str, run_dir: Path) -> None:
         self.recipe = recipe
@@ -194,8 +225,113 @@ class Cluster:
         self.engine_urls: list[str] = []
         self.rollout_actor: Any = None
         self.trainer: Any = None
-        self._ray_started = False
+        self.plan: PlacementPlan | None = None
+        self.trainer_groups: list[Any] = []  # Ray placement groups, as in plan.trainer
+        self.engine_group: Any = None
+        self.multi_node = False
+        self.bind_node_address = False  # engines bind their node's address, not loopback
+        self._control_token: str | None = None
+        self._connected = False  # this object called ray.init (so it calls ray.shutdown)
+        self.joined: str | None = None  # the address of a cluster joined, not started
 
+    # -- Ray connection ------------------------------------------------------------------------
+    def _connect(self) -> None:
+        import ray
+
+        if ray.is_initialized():  # the caller's Ray: theirs to shut down
+            return
+        r = self.recipe
+        address = resolve_address(r.cluster.address, os.environ)
+        common = dict(include_dashboard=False, log_to_driver=False, configure_logging=False)
+        if address == "local":
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local job needs no token
+            eng = r.rollout.engine
+            world = r.train.parallelism.tensor * r.train.parallelism.data
+            cpus = eng.num_engines * r.cluster.cpus_per_engine + world * r.cluster.cpus_per_train_worker
+            ray.init(address="local", num_cpus=local_num_cpus(cpus), **common)
+        else:
+            try:
+                ray.init(address=address, **common)
+            except Exception as e:
+                raise RuntimeError(
+                    f"cannot join the Ray cluster at {address!r} (cluster.address "
+                    f"{r.cluster.address!r}, RAY_ADDRESS {os.environ.get('RAY_ADDRESS', '')!r}): {e}"
+                ) from e
+            self.joined = address
+        self._connected = True
+
+    # -- placement -----------------------------------------------------------------------------
+    def _place(self) -> None:
+        """Plan for the alive nodes, create the placement groups and wait until they are placed."""
+        import ray
+        from ray.util import placement_group
+
+        r, eng = self.recipe, self.recipe.rollout.engine
+        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        self.multi_node = len(nodes) > 1
+        has_gpus = any(n.get("GPU", 0) > 0 for n in nodes)
+        trainer_gpus = 1 if r.train.device == "cuda" or (r.train.device == "auto" and has_gpus) else 0
+        engine_gpus = eng.gpus_per_engine if eng.kind == "sglang" else (1 if eng.device == "cuda" else 0)
+        self.plan = plan_placement(
+            num_engines=eng.num_engines,
+            engine_bundle=bundle(r.cluster.cpus_per_engine, engine_gpus),
+            tp=r.train.parallelism.tensor,
+            dp=r.train.parallelism.data,
+            trainer_bundle=bundle(r.cluster.cpus_per_train_worker, trainer_gpus),
+            nodes=nodes,
+        )
+        groups = [*self.plan.trainer, self.plan.engines]
+        made = []
+        for g in groups:  # trainer first: its packing is the strictest constraint
+            made.append(placement_group(list(g.bundles), strategy=g.strategy))
+            if g is self.plan.engines:
+                self.engine_group = made[-1]
+            else:
+                self.trainer_groups.append(made[-1])
+        for g, pg in zip(groups, made):
+            if not pg.wait(timeout_seconds=r.cluster.placement_timeout_s):
+                raise PlacementError(
+                    f"placement group '{g.name}' ({g.strategy}, {len(g.bundles)} x "
+                    f"{g.bundles[0] if g.bundles else {}}) was not placed within "
+                    f"{r.cluster.placement_timeout_s:.0f} s (cluster.placement_timeout_s); the "
+                    f"cluster has {ray.cluster_resources()}, available {ray.available_resources()}")
+
+    def _strategy(self, pg: Any, index: int) -> Any:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
+
+    def _runtime_env(self) -> dict[str, Any] | None:
+        return {"env_vars": {self.TOKEN_ENV: self._control_token}} if self._control_token else None
+
+    def engine_options(self, index: int) -> dict[str, Any]:
+        """Ray options of engine `index`: its bundle (a restarted engine goes back there) and the
+        run's environment."""
+        assert self.plan is not None and self.engine_group is not None, "start() first"
+        b = self.plan.engines.bundles[index]
+        options = {"num_cpus": b.get("CPU", 0.0), "num_gpus": b.get("GPU", 0.0),
+                   "scheduling_strategy": self._strategy(self.engine_group, index)}
+        if self._runtime_env():
+            options["runtime_env"] = self._runtime_env()
+        return options
+
+    def placement(self) -> dict[str, Any]:
+        """Where the bundles landed: node ids per trainer rank and per engine, and each node's
+        address as Ray reports it."""
+        import ray
+        from ray.util import placement_group_table
+
+        def nodes_of(pg: Any) -> list[str]:
+            table = placement_group_table(pg)["bundles_to_node_id"]
+            return [table[i] for i in range(len(table))]
+
+        return {
+            "trainer": [n for pg in self.trainer_groups for n in nodes_of(pg)],
+            "engines": nodes_of(self.engine_group) if self.engine_group is not None else [],
+            "addresses": {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")},
+        }
+
+    # -- start / shutdown ----------------------------------------------------------------------
     def start(self) -> "Cluster":
         import ray
 
@@ -203,35 +339,50 @@ class Cluster:
 
         self.log_dir.mkdir(parents=True, exist_ok=True)
         r = self.recipe
-        world = r.train.parallelism.tensor * r.train.parallelism.data
-        if not ray.is_initialized():
-            os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local job needs no token
-            ray.init(
-                num_cpus=max(os.cpu_count() or 1, world + 1),
-                include_dashboard=False,
-                log_to_driver=False,
-                configure_logging=False,
-            )
-            self._ray_started = True
+        self._connect()
         try:
+            self._place()
             eng = r.rollout.engine
-            gpus = eng.gpus_per_engine if eng.kind == "sglang" else (1 if eng.device == "cuda" else 0)
-            engine_cls = ray.remote(num_cpus=0, num_gpus=gpus)(EngineActor)
+            # Several nodes: an engine must be reachable from the others, so it binds its node's
+            # address; a host the recipe names (anything but the loopback default) is kept.
+            self.bind_node_address = self.multi_node and eng.host == DEFAULT_HOST
+            beyond_loopback = (self.bind_node_address or not is_loopback(eng.host)
+                               or not is_loopback(r.rollout.router.host))
+            self._control_token = secrets.token_urlsafe(32) if beyond_loopback else None
+            env = self._runtime_env()
+
+            engine_cls = ray.remote(EngineActor)
             self.engines = [
-                engine_cls.remote(self.model_path, eng.model_dump(), i, str(self.log_dir))
+                engine_cls.options(**self.engine_options(i)).remote(
+                    self.model_path, eng.model_dump(), i, str(self.log_dir),
+                    bind_node_address=self.bind_node_address)
                 for i in range(eng.num_engines)
             ]
-            rollout_cls = ray.remote(num_cpus=0)(RolloutActor)
-            self.rollout_actor = rollout_cls.remote(
+            # The router and its log stay on the driver's node (a soft preference: with Ray
+            # Client the driver is on no node).
+            rollout_options: dict[str, Any] = {"num_cpus": 0}
+            if env:
+                rollout_options["runtime_env"] = env
+            driver_node = _driver_node_id()
+            if driver_node is not None:
+                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+                rollout_options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(driver_node, soft=True)
+            self.rollout_actor = ray.remote(RolloutActor).options(**rollout_options).remote(
                 r.model_dump(mode="json"), self.model_path, str(self.log_dir)
             )
             ray.get(self.rollout_actor.prepare.remote())  # while the engines start
-            self.engine_urls = ray.get([e.url.remote() for e in self.engines])
+            urls = ray.get([e.url.remote() for e in self.engines])
+            where = self.placement()
+            self.engine_urls = [_advertised(u, where["addresses"].get(n, "")) for u, n in zip(urls, where["engines"])]
             ray.get(self.rollout_actor.start.remote(self.engine_urls))
-            # The trainer gets the cores the engines do not use for compute on CPU.
+            assert self.plan is not None
             self.trainer = TrainerGroup(
                 self.model_path, r.train, temperature=r.rollout.sampling.temperature,
-                num_cpus_per_worker=1.0,
+                num_cpus_per_worker=self.plan.trainer[0].bundles[0].get("CPU", 0.0),
+                num_gpus_per_worker=self.plan.trainer[0].bundles[0].get("GPU", 0.0),
+                scheduling=[self._strategy(self.trainer_groups[g], b) for g, b in self.plan.trainer_slots()],
+                runtime_env=env,
             )
         except BaseException:
             self.shutdown()
@@ -239,8 +390,10 @@ class Cluster:
         return self
 
     def shutdown(self) -> None:
-        """Stop everything, tolerating pieces that never started or already died."""
+        """Stop everything, tolerating pieces that never started or already died. A joined
+        cluster keeps running: only this run's actors and placement groups go."""
         import ray
+        from ray.util import remove_placement_group
 
         if not ray.is_initialized():
             return
@@ -254,9 +407,31 @@ class Cluster:
             if a is not None:
                 _quietly(lambda a=a: ray.kill(a))
         self.rollout_actor, self.engines, self.trainer = None, [], None
-        if self._ray_started:
-            ray.shutdown()
-            self._ray_started = False
+        for pg in [*self.trainer_groups, self.engine_group]:
+            if pg is not None:
+                _quietly(lambda pg=pg: remove_placement_group(pg))
+        self.trainer_groups, self.engine_group = [], None
+        self._control_token = None
+        if self._connected:
+            ray.shutdown()  # on a joined cluster this only disconnects the driver
+            self._connected = False
+
+
+def _driver_node_id() -> str | None:
+    import ray
+
+    try:
+        return ray.get_runtime_context().get_node_id()
+    except Exception:  # noqa: BLE001 - Ray Client: the driver is on no node
+        return None
+
+
+def _advertised(url: str, node_address: str) -> str:
+    """An engine bound to every interface is reached at its node's address."""
+    parts = urlsplit(url)
+    if parts.hostname in WILDCARD_HOSTS and node_address:
+        return urlunsplit(parts._replace(netloc=f"{node_address}:{parts.port}"))
+    return url
 
 
 def _quietly(fn: Any) -> None:
@@ -266,9 +441,20 @@ def _quietly(fn: Any) -> None:
         pass
 
 
+class TrainerDied(UserError):
+    """A trainer rank's process died (killed, out of memory, a crash in native code). The run
+    cannot go on without it; `rlkit.driver.run` adds the step and the checkpoint to resume from."""
+
+    exit_code = 1  # not bad input: the run failed, and can be resumed
+
+
 class RayTrainerBox:
     """The driver's view of the TrainerGroup (a mode's TrainerBox): calls are submitted at once
-    and awaited at `finish`; group references go to the trainer actors as they are."""
+    and awaited at `finish`; group references go to the trainer actors as they are.
+
+    Every wait returns at the first failure of any rank rather than in rank order: a rank that
+    died leaves the others blocked in a collective. A dead rank ends the run as TrainerDied, and
+    the other ranks are killed with it (they cannot finish a collective step without it)."""
 
     def __init__(self, group: Any, recipe: Recipe, engine_urls: list[str], run_dir: Path) -> None:
         self.group = group
@@ -285,15 +471,50 @@ class RayTrainerBox:
         self._calls += self.group.add_groups(handed.refs)
 
     async def finish(self) -> dict[str, float]:
-        import ray
-
         calls, self._calls = self._calls, []
-        await asyncio.to_thread(ray.get, calls)  # an error in any earlier call surfaces here
-        return (await asyncio.to_thread(ray.get, self.group.finish_batch()))[0]
+        await self._wait(calls, "training")  # an error in any earlier call surfaces here
+        return (await self._wait(self.group.finish_batch(), "the optimizer step"))[0]
 
     async def push_weights(self, version: int) -> None:
-        await asyncio.to_thread(self.group.sync_weights, self.engine_urls, version=version,
-                                method=self.recipe.train.weight_sync.method, folder=self.folder)
+        folder = str(self.folder)
+        method = self.recipe.train.weight_sync.method
+        # TrainerGroup.sync_weights's calls, one per rank, so a dead rank is seen at once
+        await self._wait([w.sync_weights.remote(list(self.engine_urls), version, method, folder)
+                          for w in self.group.workers], "the weight sync")
 
     def save(self, path: str | Path) -> None:
-        self.group.save(path)
+        import ray
+
+        try:
+            self.group.save(path)
+        except ray.exceptions.RayActorError as e:
+            raise self._died(e, "the checkpoint save") from None
+
+    async def _wait(self, refs: list[Any], what: str) -> list[Any]:
+        futures = [asyncio.wrap_future(r.future()) for r in refs]
+        if not futures:
+            return []
+        done, _ = await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
+        failed = [f.exception() for f in futures if f in done and f.exception() is not None]
+        if failed:
+            import ray
+
+            if isinstance(failed[0], ray.exceptions.RayActorError):
+                raise self._died(failed[0], what) from None
+            raise failed[0]
+        return [f.result() for f in futures]
+
+    def _died(self, e: Exception, what: str) -> TrainerDied:
+        import ray
+
+        actor_id = getattr(e, "actor_id", None)
+        who = "a trainer rank"
+        for rank, w in enumerate(self.group.workers):
+            if actor_id and w._actor_id.hex() == actor_id:
+                pid = (self.group.ranks[rank] or {}).get("pid") if rank < len(self.group.ranks) else None
+                who = f"trainer rank {rank}" + (f" (pid {pid})" if pid else "")
+        for w in self.group.workers:  # the others cannot finish a collective without it
+            _quietly(lambda w=w: ray.kill(w))
+        lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+        reason = lines[-1][:300] if lines else type(e).__name__
+        return TrainerDied(f"{who} died during {what} ({reason})")

@@ -1,0 +1,140 @@
+"""Where a run's pieces go on a Ray cluster: a pure plan (no Ray), so its rules are testable.
+
+Rules (docs/reliability.md, "Beyond one machine"):
+
+- Trainer ranks are created first (their constraint is the strictest). Each rank is one bundle
+  ({GPU: 1} on GPUs, plus `cluster.cpus_per_train_worker` CPUs). If the whole TP x DP world fits
+  one node, it is one STRICT_PACK group (every rank on one node). Otherwise the world is cut into
+  the largest chunks of k consecutive ranks, k a multiple of TP that divides the world, such that
+  the nodes can hold world/k chunks of k; each chunk is a STRICT_PACK group, so a TP group (the
+  innermost, chattiest ranks) never spans two nodes. If no such k exists (TP itself does not fit
+  a node), the world is one PACK group: Ray packs it as tightly as it can.
+- Engines are one PACK group with one bundle per engine: its GPUs (`gpus_per_engine` for
+  SGLang, 1 for hf on cuda, 0 on CPU) and `cluster.cpus_per_engine` CPUs. An engine must fit
+  one node.
+- The rollout actor (router, buffer) takes no resources and stays on the driver's node.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import os
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+Bundle = dict[str, float]
+
+
+class PlacementError(RuntimeError):
+    """The cluster cannot hold the run's pieces; the message says which and what it has."""
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    name: str
+    strategy: str  # a Ray placement strategy: STRICT_PACK or PACK
+    bundles: tuple[Bundle, ...]
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    trainer: tuple[GroupPlan, ...]  # rank order: group 0 holds the first ranks
+    engines: GroupPlan
+
+    def trainer_slots(self) -> list[tuple[int, int]]:
+        """(group, bundle) of each trainer rank, in rank order."""
+        return [(g, b) for g, group in enumerate(self.trainer) for b in range(len(group.bundles))]
+
+    def totals(self) -> Bundle:
+        out: Bundle = {}
+        for group in (*self.trainer, self.engines):
+            for bundle in group.bundles:
+                for k, v in bundle.items():
+                    out[k] = out.get(k, 0.0) + v
+        return out
+
+
+def bundle(cpus: float, gpus: float) -> Bundle:
+    """A Ray bundle; Ray rejects zero-valued entries, so they are left out."""
+    return {k: float(v) for k, v in (("CPU", cpus), ("GPU", gpus)) if v > 0}
+
+
+def fits(node: Mapping[str, float], b: Bundle, times: int = 1) -> bool:
+    return all(node.get(k, 0.0) >= v * times for k, v in b.items())
+
+
+def capacity(node: Mapping[str, float], b: Bundle) -> int:
+    """How many copies of bundle `b` one node holds."""
+    return min((int(node.get(k, 0.0) // v) for k, v in b.items() if v > 0), default=0)
+
+
+def plan_placement(
+    *,
+    num_engines: int,
+    engine_bundle: Bundle,
+    tp: int,
+    dp: int,
+    trainer_bundle: Bundle,
+    nodes: Sequence[Mapping[str, float]],
+) -> PlacementPlan:
+    """The placement groups for `nodes` (each node's total resources, as Ray reports them)."""
+    world = tp * dp
+    if not nodes:
+        raise PlacementError("the Ray cluster has no alive node")
+    for what, b in (("a trainer rank", trainer_bundle), ("an engine", engine_bundle)):
+        if not any(fits(n, b) for n in nodes):
+            raise PlacementError(
+                f"{what} needs {b} on one node, but no node has that: nodes have "
+                f"{[_short(n) for n in nodes]}")
+    need = PlacementPlan(
+        (GroupPlan("trainer", "PACK", (trainer_bundle,) * world),),
+        GroupPlan("engines", "PACK", (engine_bundle,) * num_engines),
+    ).totals()
+    have = {k: float(sum(n.get(k, 0.0) for n in nodes)) for k in need}
+    if any(have[k] < v for k, v in need.items()):
+        raise PlacementError(
+            f"the run needs {need} in all ({num_engines} engines x {engine_bundle} + "
+            f"{world} trainer ranks x {trainer_bundle}), the Ray cluster has {have}")
+
+    caps = [capacity(n, trainer_bundle) for n in nodes]
+    trainer: tuple[GroupPlan, ...] = (GroupPlan("trainer", "PACK", (trainer_bundle,) * world),)
+    for k in range(world, tp - 1, -tp):  # chunk sizes: multiples of TP that divide the world
+        if world % k == 0 and sum(c // k for c in caps) >= world // k:
+            trainer = tuple(
+                GroupPlan(f"trainer-{i}" if k < world else "trainer", "STRICT_PACK",
+                          (trainer_bundle,) * k)
+                for i in range(world // k))
+            break
+    return PlacementPlan(trainer, GroupPlan("engines", "PACK", (engine_bundle,) * num_engines))
+
+
+def local_num_cpus(plan_cpus: float) -> int:
+    """CPUs a locally started Ray offers: the machine's cores, or more when the plan reserves
+    more (logical CPUs only: on a small machine the pieces share its cores, as they always have)."""
+    return max(os.cpu_count() or 1, math.ceil(plan_cpus))
+
+
+def _short(node: Mapping[str, float]) -> dict[str, float]:
+    return {k: node[k] for k in ("CPU", "GPU") if node.get(k)}
+
+
+# -- addresses ------------------------------------------------------------------------------
+def resolve_address(address: str, environ: Mapping[str, str]) -> str:
+    """What `ray.init(address=...)` gets for `cluster.address`: '' means $RAY_ADDRESS if set,
+    else 'local' (a fresh local Ray: never a cluster someone else started on this machine)."""
+    if address == "":
+        return environ.get("RAY_ADDRESS", "") or "local"
+    return address
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+WILDCARD_HOSTS = ("0.0.0.0", "::")

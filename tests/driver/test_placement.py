@@ -1,0 +1,114 @@
+"""The placement plan (no Ray): which placement groups, which bundles, which strategies; how a
+recipe's cluster address resolves; which hosts count as loopback."""
+
+import pytest
+
+from rlkit.config import load_recipe
+from rlkit.config.loader import RecipeError
+from rlkit.driver.cluster import _advertised
+from rlkit.driver.placement import (
+    PlacementError,
+    bundle,
+    is_loopback,
+    local_num_cpus,
+    plan_placement,
+    resolve_address,
+)
+
+GPU = bundle(1, 1)
+CPU = bundle(1, 0)
+
+
+def plan(nodes, *, tp=1, dp=1, engines=2, engine=CPU, trainer=CPU):
+    return plan_placement(num_engines=engines, engine_bundle=engine, tp=tp, dp=dp,
+                          trainer_bundle=trainer, nodes=nodes)
+
+
+def shape(p):
+    return [(g.strategy, len(g.bundles)) for g in p.trainer]
+
+
+def test_bundles_leave_out_zero_resources():
+    assert bundle(1, 0) == {"CPU": 1.0}
+    assert bundle(2, 4) == {"CPU": 2.0, "GPU": 4.0}
+
+
+def test_a_world_that_fits_one_node_is_one_strict_pack_group():
+    p = plan([{"CPU": 32, "GPU": 8}] * 2, tp=2, dp=2, engines=4, engine=GPU, trainer=GPU)
+    assert shape(p) == [("STRICT_PACK", 4)]
+    assert p.trainer[0].bundles == ({"CPU": 1.0, "GPU": 1.0},) * 4
+    assert (p.engines.strategy, p.engines.bundles) == ("PACK", ({"CPU": 1.0, "GPU": 1.0},) * 4)
+    assert p.trainer_slots() == [(0, 0), (0, 1), (0, 2), (0, 3)]
+    assert p.totals() == {"CPU": 8.0, "GPU": 8.0}
+
+
+def test_a_world_larger_than_a_node_is_one_strict_pack_group_per_node():
+    p = plan([{"CPU": 32, "GPU": 8}] * 3, tp=4, dp=4, engines=8, engine=GPU, trainer=GPU)
+    assert shape(p) == [("STRICT_PACK", 8), ("STRICT_PACK", 8)]
+    # ranks in order (TP innermost), so each TP group of 4 stays inside one group, one node
+    assert p.trainer_slots() == [(g, b) for g in range(2) for b in range(8)]
+
+
+def test_chunks_are_multiples_of_tp_that_the_nodes_can_hold():
+    # world 6 (TP 2) on two 4-GPU nodes: neither 6 nor 4 splits it into chunks two nodes hold
+    # (4 does not divide 6); chunks of 2 do (two per node)
+    p = plan([{"CPU": 16, "GPU": 4}] * 2, tp=2, dp=3, engines=1, engine=GPU, trainer=GPU)
+    assert shape(p) == [("STRICT_PACK", 2)] * 3
+
+
+def test_tp_larger_than_any_node_falls_back_to_pack():
+    p = plan([{"CPU": 16, "GPU": 4}] * 4, tp=8, dp=1, engines=1, engine=GPU, trainer=GPU)
+    assert shape(p) == [("PACK", 8)]
+
+
+def test_cpu_only_two_nodes():
+    p = plan([{"CPU": 2}, {"CPU": 2}], tp=1, dp=2, engines=2)
+    assert shape(p) == [("STRICT_PACK", 2)]
+    assert p.engines.bundles == ({"CPU": 1.0},) * 2
+    assert p.totals() == {"CPU": 4.0}
+
+
+def test_sglang_engine_larger_than_any_node_is_an_error_naming_it():
+    with pytest.raises(PlacementError, match=r"an engine needs \{'CPU': 1.0, 'GPU': 16.0\} on one node"):
+        plan([{"CPU": 32, "GPU": 8}] * 4, engines=1, engine=bundle(1, 16), trainer=GPU)
+
+
+def test_more_than_the_cluster_has_is_an_error_with_the_sums():
+    with pytest.raises(PlacementError, match=r"needs \{'CPU': 5.0\} in all .* has \{'CPU': 4.0\}"):
+        plan([{"CPU": 2}, {"CPU": 2}], tp=1, dp=3, engines=2)
+
+
+def test_a_local_ray_offers_what_the_plan_reserves():
+    assert local_num_cpus(10_000) == 10_000
+    assert local_num_cpus(0.5) >= 1
+
+
+@pytest.mark.parametrize("address,env,expected", [
+    ("", {}, "local"),
+    ("", {"RAY_ADDRESS": "10.0.0.1:6379"}, "10.0.0.1:6379"),
+    ("", {"RAY_ADDRESS": ""}, "local"),
+    ("local", {"RAY_ADDRESS": "10.0.0.1:6379"}, "local"),
+    ("auto", {}, "auto"),
+    ("ray://head:10001", {"RAY_ADDRESS": "10.0.0.1:6379"}, "ray://head:10001"),
+])
+def test_cluster_address_resolution(address, env, expected):
+    assert resolve_address(address, env) == expected
+
+
+def test_loopback_hosts():
+    assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3") and not is_loopback("node-7")
+
+
+def test_an_engine_bound_to_every_interface_is_reached_at_its_node_address():
+    assert _advertised("http://0.0.0.0:4321", "10.0.0.7") == "http://10.0.0.7:4321"
+    assert _advertised("http://10.0.0.7:4321", "10.0.0.8") == "http://10.0.0.7:4321"
+
+
+def test_cluster_section_is_typed():
+    r = load_recipe(None, ["cluster.address=auto", "cluster.cpus_per_engine=2"])
+    assert (r.cluster.address, r.cluster.cpus_per_engine) == ("auto", 2.0)
+    with pytest.raises(RecipeError, match="cluster.adress"):
+        load_recipe(None, ["cluster.adress=auto"])
+    with pytest.raises(RecipeError, match="cluster.cpus_per_engine"):
+        load_recipe(None, ["cluster.cpus_per_engine=0"])
