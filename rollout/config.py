@@ -263,6 +263,65 @@ class RewardConfig(BaseModel):
         description="A reward that raises or times out: drop the sample's group (recorded with the "
         "error) or fail the step.",
     )
+    isolation: Literal["process", "thread"] = Field(
+        "process",
+        description="Where a synchronous reward function runs. 'process': a pool of worker "
+        "processes; a call past timeout_s kills its worker, so a reward that never returns "
+        "holds nothing (the function must be importable at module level: built-ins, entry "
+        "points and dotted paths are). 'thread': daemon threads in this process, for functions "
+        "that cannot be pickled or need its state; a timed-out thread cannot be stopped and is "
+        "abandoned (see max_stuck). Async rewards always run on the event loop.",
+    )
+    workers: int = Field(
+        4, ge=1, description="Sync reward calls running at once (worker processes or threads)."
+    )
+    max_stuck: int = Field(
+        8, ge=1,
+        description="isolation 'thread': at this many abandoned threads still running timed-out "
+        "calls, later sync reward calls fail at once (counted as errors) instead of adding more.",
+    )
+
+
+class HealthConfig(BaseModel):
+    """Engine health: probes, removal from the router, restarts (rollout.health)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(
+        True,
+        description="Watch the engines: a dead or hung engine leaves the router at once, its "
+        "unfinished requests go on elsewhere with their tokens, and it is restarted. Off: a "
+        "failed request fails its sample (its group is dropped, counted).",
+    )
+    interval_s: float = Field(
+        2.0, gt=0, description="Seconds between two probes of every engine (a failed request "
+        "also probes at once). A hung engine is found within interval_s + probe_timeout_s x "
+        "hung_after_timeouts.",
+    )
+    probe_timeout_s: float = Field(
+        10.0, gt=0, description="A probe (a one-token /generate, then /health) that takes "
+        "longer has timed out. Keep it above a decode step under full load.",
+    )
+    hung_after_timeouts: int = Field(
+        2, ge=1, description="Consecutive timed-out probes that declare an engine hung. A "
+        "refused or reset connection declares it dead at the first probe.",
+    )
+    max_restarts: int = Field(
+        3, ge=0, description="Restarts per engine over the run (0: never restart; the run goes "
+        "on with the others).",
+    )
+    restart_backoff_s: float = Field(
+        2.0, ge=0, description="Wait before a restart, doubled after each failed attempt.",
+    )
+    relaunches_per_sample: int = Field(
+        3, ge=0, description="Times one response is sent again after its engine was lost, in a "
+        "step, before it fails (recorded as an engine failure).",
+    )
+    wait_for_engine_s: float = Field(
+        600.0, gt=0, description="How long a step waits for an engine to serve again when none "
+        "does (restarts pending). After that, or when no restart is left, the run stops with "
+        "every group parked with its tokens; resume=auto continues from there.",
+    )
 
 
 class RolloutConfig(BaseModel):
@@ -326,6 +385,9 @@ class RolloutConfig(BaseModel):
         "correction must be on).",
     )
     reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward function.")
+    health: HealthConfig = Field(
+        default_factory=HealthConfig, description="Engine health checks and restarts."
+    )
 
     @model_validator(mode="after")
     def _needs_ranker(self) -> "RolloutConfig":

@@ -3,6 +3,9 @@
 Two implementations: `rollout.client.EngineClient` (HTTP: the router and the engine servers
 behind it) and the simulated engines (virtual time). Policies and the manager only ever see
 this Protocol, so the same scheduling code runs against both.
+
+The worker set changes when an engine is lost and comes back (rollout.health): `probe`,
+`abort_worker`, `remove_worker` and `add_worker` are what the health monitor uses.
 """
 
 from __future__ import annotations
@@ -14,13 +17,26 @@ from rollout.config import SamplingConfig
 
 
 class EngineError(RuntimeError):
-    """A request failed for a reason other than an abort (after the endpoint's retries)."""
+    """A request failed for a reason other than an abort (after the endpoint's retries).
+    `worker`: the engine it failed on, when known."""
+
+    def __init__(self, message: str = "", worker: str | None = None) -> None:
+        super().__init__(message)
+        self.worker = worker
+
+
+class WorkerLost(EngineError):
+    """The request's engine was declared dead or hung (`abort_worker`): the sample keeps what
+    it streamed (PARTIAL or PENDING) and may be sent again to another engine."""
+
+    def __init__(self, worker: str, message: str = "") -> None:
+        super().__init__(message or f"engine {worker} was lost", worker)
 
 
 @runtime_checkable
 class Engines(Protocol):
     def workers(self) -> list[str]:
-        """Ids of the engine workers (their URLs for HTTP engines), stable for a run."""
+        """Ids of the engine workers serving now (their URLs for HTTP engines)."""
         ...
 
     async def generate(
@@ -54,4 +70,24 @@ class Engines(Protocol):
 
     async def loads(self) -> dict[str, int]:
         """Requests running or queued on each worker."""
+        ...
+
+    async def probe(self, worker: str, timeout_s: float) -> str | None:
+        """A real one-token generation on `worker`, straight (not through the router): None
+        when it answered within `timeout_s`, else why not ('timeout: ...' when it did not
+        answer in time, anything else when the connection was refused or the answer bad)."""
+        ...
+
+    async def abort_worker(self, worker: str) -> int:
+        """End every request of this client that may be on `worker` now, without asking it (it
+        is dead or hung): each raises `WorkerLost` with its sample interrupted, keeping its
+        tokens. Returns how many."""
+        ...
+
+    async def remove_worker(self, worker: str) -> None:
+        """Stop routing to `worker` (the router forgets it; `workers()` no longer lists it)."""
+        ...
+
+    async def add_worker(self, worker: str) -> None:
+        """Route to `worker` again (a restarted engine, holding the current weights)."""
         ...

@@ -16,6 +16,10 @@ Step does the mechanics every policy shares:
   partial tokens, and park each unfinished group where the policy says (partial queue to
   resume it, long queue to defer it): nothing generated is lost unless the policy restarts
   deferred prompts from scratch, and then it is counted;
+- engine faults (with a health monitor, rollout.health): a request whose engine was lost goes
+  on elsewhere with the tokens it streamed, in the same step (`relaunches_per_sample` times);
+  when no engine serves and none can come back the step fails with `EnginesDown` and, as for
+  any failure, parks every group with its tokens;
 - per-step metrics and a per-request timeline.
 
 Only asyncio primitives and `loop.time()` are used, so a step runs unchanged in virtual time.
@@ -36,8 +40,9 @@ from buffers.group import Group
 from buffers.sample import Sample, SampleStatus
 from rollout.config import SamplingConfig
 from rollout.dispatch import AdmissionGate, Dispatcher, GateClosed, LengthWindow
-from rollout.engine_api import EngineError, Engines
+from rollout.engine_api import EngineError, Engines, WorkerLost
 from rollout.filters import FilterFailure, GroupFilter
+from rollout.health import EngineMonitor
 from rollout.rankers import LengthRanker, group_lengths, mean_length
 from rollout.rankers.recall import recalls
 from rollout.rewards import RewardFailure, RewardScheduler
@@ -117,6 +122,9 @@ class StepReport:
     reward_mean: float = math.nan
     reward_failures: int = 0
     engine_failures: int = 0
+    requests_relaunched: int = 0  # sent again after their engine was lost (tokens kept)
+    relaunched_tokens: int = 0  # tokens those requests had when their engine was lost
+    engines: dict[str, float] = field(default_factory=dict)  # the health monitor's counts
     timeline: list[Span] = field(default_factory=list)
 
     @property
@@ -153,6 +161,9 @@ class StepReport:
             "rollout/reward_mean": self.reward_mean,
             "rollout/reward_failures": self.reward_failures,
             "rollout/engine_failures": self.engine_failures,
+            "rollout/requests_relaunched": self.requests_relaunched,
+            "rollout/relaunched_tokens": self.relaunched_tokens,
+            **self.engines,
             "rollout/max_response_length": self.max_response_length,
             "rollout/prompts_deferred": self.prompts_deferred,
             "rollout/deferred_tokens_discarded": self.deferred_tokens_discarded,
@@ -189,6 +200,8 @@ class RolloutManager:
         group_filter: GroupFilter | None = None,
         ranker: LengthRanker | None = None,
         abort_grace_s: float = 30.0,
+        health: EngineMonitor | None = None,
+        relaunches_per_sample: int = 3,
     ) -> None:
         self.buffer = buffer
         self.engines = engines
@@ -200,6 +213,8 @@ class RolloutManager:
         if ranker is not None:  # its state is saved and restored with the buffer's
             buffer.attach("ranker", ranker)
         self.abort_grace_s = abort_grace_s
+        self.health = health
+        self.relaunches_per_sample = relaunches_per_sample
         self.current: Step | None = None  # the step running now, for progress reports
         # Recent lengths of finished groups, across steps: the distribution D the dispatcher's
         # cost model and the ranker-driven policies' thresholds read (responses; group means).
@@ -216,6 +231,8 @@ class RolloutManager:
         """Run one rollout step: `target` groups become ready in the buffer (or an error).
         `final`: the run's last step (a policy may drain what it queued, e.g. tail batching's
         long queue)."""
+        if self.health is not None:
+            self.health.start()
         step = self.current = Step(self, target, version, final=final)
         if target <= 0:  # the ready queue already holds the batch (see `batch_target`)
             self.current = None
@@ -230,7 +247,13 @@ class RolloutManager:
             raise
         finally:
             self.current = None
+            if self.health is not None:
+                step.report_.engines = self.health.metrics()
         return step.report()
+
+    async def close(self) -> None:
+        if self.health is not None:
+            await self.health.close()
 
 
 @dataclass(eq=False)
@@ -436,7 +459,7 @@ class Step:
                 for index in run.scoring:
                     run.tasks[index].cancel()
             try:
-                await self._m.engines.abort_all()
+                await self._abort_all()
             except BaseException as e:  # unreachable engines: cancel our requests, park, re-raise
                 abort_error = e
             grace = 0 if abort_error is not None else self._m.abort_grace_s
@@ -458,6 +481,22 @@ class Step:
             raise abort_error
 
     # -- mechanics --------------------------------------------------------------------
+    async def _abort_all(self) -> None:
+        """abort_all; an engine that fails it may have died since the last probe: probe, and
+        if that took an engine out of service, abort the ones left."""
+        try:
+            await self._m.engines.abort_all()
+        except EngineError:
+            health = self._m.health
+            if health is None:
+                raise
+            for _ in range(health.cfg.hung_after_timeouts):  # a hung engine needs that many
+                if await health.check():
+                    break
+            else:
+                raise
+            await self._m.engines.abort_all()
+
     async def _sample(self, run: _GroupRun, s: Sample) -> None:
         try:
             if not s.status.terminal:
@@ -497,31 +536,69 @@ class Step:
             except GateClosed:  # the step stopped first: never sent, nothing to park but itself
                 s.interrupt()
                 return
+        try:
+            for attempt in range(self._m.relaunches_per_sample + 1):
+                if not await self._request(run, s, pinned, last=attempt == self._m.relaunches_per_sample):
+                    return
+                remaining = s.remaining_tokens(self._m.sampling.max_new_tokens)
+                if remaining <= 0:  # its engine was lost right at its budget
+                    s.append([], [], self.version, finish_reason="length")
+                    return
+        finally:
+            if gate is not None:
+                gate.release()
+
+    async def _request(self, run: _GroupRun, s: Sample, pinned: str | None, *, last: bool) -> bool:
+        """One request for `s`. True when its engine was lost and it should go again."""
+        health = self._m.health
+        if pinned is not None and health is not None and pinned not in self.engines.workers():
+            pinned = None  # its engine is out of service: the router chooses
+        lost_before = health.lost if health is not None else 0
         before, start, worker, outcome = len(s.response_ids), self._loop.time(), pinned, "abort"
         try:
             worker = await self._m.engines.generate(
-                s, self._m.sampling, max_new_tokens=remaining, version=self.version,
-                worker=pinned,
+                s, self._m.sampling, max_new_tokens=s.remaining_tokens(self._m.sampling.max_new_tokens),
+                version=self.version, worker=pinned,
             ) or pinned
             if worker:
                 run.served_by.add(worker)
             outcome = s.finish_reason if s.status.terminal else "abort"
+            return False
         except asyncio.CancelledError:
             outcome = "cancelled"
             raise
         except EngineError as e:
+            worker = e.worker or worker
             outcome = "error"
+            if not last and await self._engine_lost(e, worker, lost_before):
+                outcome = "lost"
+                self.report_.requests_relaunched += 1
+                self.report_.relaunched_tokens += len(s.response_ids)
+                return True
             s.fail(f"engine: {e}")
             self.report_.engine_failures += 1
+            return False
         finally:
-            if gate is not None:
-                gate.release()
             tokens = len(s.response_ids) - before
             self.report_.tokens_generated += tokens
             self.report_.timeline.append(Span(
                 worker, run.group.group_id, s.index, start, self._loop.time(), tokens, outcome,
                 response_before=before,
             ))
+
+    async def _engine_lost(self, error: EngineError, worker: str | None, lost_before: int) -> bool:
+        """Whether a failed request's engine was lost (and some engine serves again): probe
+        the engine (every engine when the router chose and none is known) unless the monitor
+        already said so. Raises EnginesDown when none serves and none can come back."""
+        health = self._m.health
+        if health is None or self._stopping:
+            return False
+        if not isinstance(error, WorkerLost):
+            await health.check([worker] if worker in self.engines.workers() else None)
+            if health.lost == lost_before:
+                return False  # every engine answers: the request itself failed
+        await health.wait_serving()
+        return not self._stopping
 
     def _check(self, run: _GroupRun, finishing: asyncio.Task | None = None) -> None:
         """After any sample of the group changed: settle the group if it can be settled.

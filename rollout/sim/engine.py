@@ -49,6 +49,11 @@ Model of one worker (an SGLang-like server):
   other by `cpu_interference` each (shared caches and memory bandwidth: a step costs
   1 + cpu_interference x (busy engines - 1) times its profile's CPU); a worker going idle
   speeds up the others (they re-plan at their next step boundary).
+- Faults (tests of rollout.health): `kill(worker)` ends its requests at once (each keeps the
+  tokens it had; its caller sees an EngineError, as a broken stream) and refuses new ones;
+  `hang(worker)` freezes it (requests never return, probes time out). `abort_worker`,
+  `remove_worker`, `add_worker` and `respawn` (a restart: a fresh worker under a new id) are
+  the monitor's side; `SimRestarter` restarts after a delay.
 - Sampling. Simulated engines know no text: a request generates exactly its budget
   (`max_new_tokens`) and finishes with 'length'. Natural lengths come from a trace through
   `TraceReplayEngines` (rollout.sim.replay), exactly as on real engines.
@@ -66,10 +71,11 @@ from typing import Any, Callable, Literal
 
 from buffers.sample import Sample
 from rollout.config import SamplingConfig
-from rollout.engine_api import EngineError
+from rollout.engine_api import EngineError, WorkerLost
 from rollout.sim.profile import EngineProfile
 
 Router = Literal["round_robin", "least_load"]
+HUNG_CONTROL_TIMEOUT_S = 10.0  # a control call to a hung worker fails after this (client timeout)
 TOKEN_ID = 0  # simulated engines produce no text; every token is this id
 LOGPROB = -1.0
 
@@ -206,6 +212,7 @@ class _Request:
     version: int
     done: asyncio.Future
     enqueued: float
+    lost: str | None = None  # why its worker ended it (kill, abort_worker)
     generated: int = 0  # by this request, as of the worker's last advance
     flushed: int = 0  # of those, appended to the sample
     admitted: float | None = None
@@ -318,6 +325,7 @@ class SimWorker:
         self.idle = asyncio.Event()
         self.idle.set()
         self._task: asyncio.Task | None = None
+        self.state = "up"  # up | dead | hung
 
     # -- called by SimEngines -------------------------------------------------------------
     def start(self) -> None:
@@ -364,6 +372,22 @@ class SimWorker:
 
     def load(self) -> int:
         return len(self.running) + len(self.waiting)
+
+    def end_all(self, why: str) -> int:
+        """End every request now (the caller sees `why`), each keeping the tokens it had."""
+        reqs = [*self.running.values(), *self.waiting]
+        for r in reqs:
+            r.lost = why
+            self.cancel(r)
+        return len(reqs)
+
+    def freeze(self) -> None:
+        """Hang: the loop stops mid-plan; tokens of the step in progress are never streamed."""
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+        self._plan = None
+        self.state = "hung"
 
     def check_invariants(self, phase: str = "scheduled") -> None:
         """Raise AssertionError if the worker's state breaks the model (tests). `phase` is
@@ -608,14 +632,16 @@ class SimEngines:
         }
         if cpu is not None:
             cpu.workers = list(self._workers.values())
-        self._order = list(self._workers.values())
+        self._order = list(self._workers.values())  # serving, in routing order
+        self._all = list(self._order)  # every worker ever started (stats, segments)
+        self._respawns = 0
         self._next_rr = 0
         self._next_rid = 0
         self._aborts = 0  # abort_all calls so far: requests on their way see it on arrival
 
     # -- Engines ----------------------------------------------------------------------------
     def workers(self) -> list[str]:
-        return list(self._workers)
+        return [w.id for w in self._order]
 
     async def generate(
         self,
@@ -629,6 +655,8 @@ class SimEngines:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         w = self._route(worker)
+        if w.state == "dead":
+            raise EngineError(f"{w.id}: connection refused", w.id)
         context = len(sample.prompt_ids) + len(sample.response_ids)
         if w.capacity is not None and context + max_new_tokens > w.capacity:
             raise EngineError(
@@ -660,10 +688,18 @@ class SimEngines:
             raise
         if outcome != "length":
             sample.interrupt()
+        if req.lost == "killed":
+            raise EngineError(f"{w.id}: connection reset after {req.generated} tokens", w.id)
+        if req.lost is not None:
+            raise WorkerLost(w.id)
         return w.id
 
     async def abort_all(self) -> None:
         self._aborts += 1
+        hung = [w.id for w in self._order if w.state != "up"]
+        if hung:  # its /abort_request never answers (the client's control timeout)
+            await asyncio.sleep(HUNG_CONTROL_TIMEOUT_S)
+            raise EngineError(f"/abort_request timed out on {hung}")
         if self.cfg.abort_poll_s is not None:
             await asyncio.gather(*(self._abort_until_idle(w) for w in self._order))
             return
@@ -691,21 +727,68 @@ class SimEngines:
             delay = min(2 * delay, longest)
 
     async def loads(self) -> dict[str, int]:
-        return {wid: w.load() for wid, w in self._workers.items()}
+        return {w.id: w.load() for w in self._order}
+
+    async def probe(self, worker: str, timeout_s: float) -> str | None:
+        w = self._workers.get(worker)
+        if w is None or w.state == "dead":
+            return f"{worker}: connection refused"
+        if w.state == "hung":
+            await asyncio.sleep(timeout_s)
+            return f"timeout: no answer from {worker} in {timeout_s} s"
+        return None
+
+    async def abort_worker(self, worker: str) -> int:
+        w = self._workers.get(worker)
+        return w.end_all("lost") if w is not None else 0
+
+    async def remove_worker(self, worker: str) -> None:
+        self._order = [w for w in self._order if w.id != worker]
+
+    async def add_worker(self, worker: str) -> None:
+        w = self._workers[worker]
+        if w not in self._order:
+            self._order.append(w)
+
+    # -- faults (simulation-only) -------------------------------------------------------------
+    def kill(self, worker: str) -> None:
+        """The engine process dies: its streams break (tokens kept), connections are refused."""
+        w = self._workers[worker]
+        w.state = "dead"
+        w.end_all("killed")
+        w.freeze()
+        w.state = "dead"
+
+    def hang(self, worker: str) -> None:
+        """The engine stops (SIGSTOP): requests never return, probes time out."""
+        self._workers[worker].freeze()
+
+    def respawn(self, worker: str) -> str:
+        """A restart of `worker`'s engine: a fresh, idle worker under a new id (not serving
+        until `add_worker`). What is left of the old one is ended."""
+        old = self._workers[worker]
+        old.end_all("lost")
+        old.freeze()
+        old.state = "dead"
+        self._respawns += 1
+        new = SimWorker(f"{worker.split('~')[0]}~{self._respawns}", self.cfg, old._observer, old._cpu)
+        self._workers[new.id] = new
+        self._all.append(new)
+        return new.id
 
     # -- simulation-only ----------------------------------------------------------------------
     async def aclose(self) -> None:
         """Stop the worker loops (their requests must be finished or aborted first)."""
-        for w in self._order:
+        for w in self._all:
             await w.stop()
 
     def stats(self) -> dict[str, WorkerStats]:
-        return {w.id: w.stats.copy() for w in self._order}
+        return {w.id: w.stats.copy() for w in self._all}
 
     def drain_segments(self) -> list[Segment]:
         """Segments ended since the last call, in worker order (a step's timeline)."""
         out: list[Segment] = []
-        for w in self._order:
+        for w in self._all:
             out += w.segments
             w.segments = []
         return out
@@ -716,8 +799,25 @@ class SimEngines:
                 return self._workers[worker]
             except KeyError:
                 raise EngineError(f"unknown worker {worker!r}") from None
+        if not self._order:
+            raise EngineError("no worker serves")
         if self.cfg.router == "least_load":
             return min(self._order, key=lambda w: w.load())  # first on ties
         w = self._order[self._next_rr % len(self._order)]
         self._next_rr += 1
         return w
+
+
+class SimRestarter:
+    """Restarts a simulated engine `delay_s` after it is asked (model loading)."""
+
+    def __init__(self, engines: SimEngines, delay_s: float = 30.0) -> None:
+        self.engines = engines
+        self.delay_s = delay_s
+        self.restarts: list[tuple[str, str]] = []  # (old, new)
+
+    async def restart(self, worker: str) -> str:
+        await asyncio.sleep(self.delay_s)
+        new = self.engines.respawn(worker)
+        self.restarts.append((worker, new))
+        return new

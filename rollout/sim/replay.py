@@ -102,6 +102,18 @@ class TraceReplayEngines:
     async def loads(self) -> dict[str, int]:
         return await self.inner.loads()
 
+    async def probe(self, worker: str, timeout_s: float) -> str | None:
+        return await self.inner.probe(worker, timeout_s)
+
+    async def abort_worker(self, worker: str) -> int:
+        return await self.inner.abort_worker(worker)
+
+    async def remove_worker(self, worker: str) -> None:
+        await self.inner.remove_worker(worker)
+
+    async def add_worker(self, worker: str) -> None:
+        await self.inner.add_worker(worker)
+
     # -- internals ---------------------------------------------------------------------------
     def _end(self, natural: int) -> str:
         return "length" if natural >= self.trace.cap else "stop"

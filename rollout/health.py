@@ -1,0 +1,221 @@
+"""EngineMonitor: find dead and hung engines, take them out of service, bring them back.
+
+Every `interval_s` (and at once when a request fails) each serving engine gets a real probe: a
+one-token generation sent straight to it (`Engines.probe`), because an engine can answer
+/health while its scheduler is stuck. A refused or reset connection declares the engine dead at
+the first probe; `hung_after_timeouts` probes in a row without an answer declare it hung.
+
+A lost engine leaves the router first (no new request goes there; sglang-router 0.3.2 would
+keep choosing it, FACTS.md), then every request this client may have on it ends at once
+(`Engines.abort_worker`): its sample keeps the tokens it streamed and the manager sends it
+again to the engines left (rollout.manager). Then, within the engine's restart budget and
+after a backoff, the `Restarter` kills what is left of it (a hung process too) and starts it
+again. A restarted engine holds the initial weights: it waits in `awaiting_weights` until the
+driver has pushed the current ones (`admit`), and only then serves. Where weights do not
+matter (simulated engines, tests) `needs_weights=False` admits it at once.
+
+When no engine serves and none can come back, `wait_serving` raises `EnginesDown`: the step
+stops, parks every group with its tokens, and the run ends with a checkpoint to resume from.
+
+Only asyncio and the `Engines` interface: the same monitor runs in the simulator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from typing import Any, Protocol
+
+from rollout.config import HealthConfig
+from rollout.engine_api import EngineError, Engines
+
+log = logging.getLogger(__name__)
+
+
+class EnginesDown(EngineError):
+    """No engine serves and none can be brought back: the run stops (its groups parked)."""
+
+
+class Restarter(Protocol):
+    async def restart(self, worker: str) -> str:
+        """Stop what is left of `worker`'s engine (killing a hung process) and start it again;
+        return its new id (URL) once it is healthy. It holds the initial weights."""
+        ...
+
+
+class EngineMonitor:
+    def __init__(self, engines: Engines, config: HealthConfig | None = None,
+                 restarter: Restarter | None = None, *, needs_weights: bool = True) -> None:
+        self.engines = engines
+        self.cfg = config or HealthConfig()
+        self.restarter = restarter
+        self.needs_weights = needs_weights
+        self.lost = 0  # engines declared lost so far: a failed request compares it (manager)
+        self.awaiting_weights: list[str] = []  # restarted, not serving until given weights
+        self.events: list[dict[str, Any]] = []  # lost / restarted / restart_failed / back / gave_up
+        self.counts: Counter[str] = Counter()
+        self._timeouts: Counter[str] = Counter()
+        self._probing: dict[str, asyncio.Future] = {}  # one probe per engine at a time
+        self._slot: dict[str, str] = {w: w for w in engines.workers()}  # URL -> first URL
+        self._restarts: Counter[str] = Counter()  # per slot
+        self._restarting: set[asyncio.Task] = set()
+        self._changed = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the periodic probes (on the running loop); idempotent."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._watch(), name="engine-health")
+
+    async def close(self) -> None:
+        tasks = [t for t in (self._task, *self._restarting, *self._probing.values()) if t]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._task = None
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.interval_s)
+            try:
+                await self.check(fresh=False)
+            except Exception:  # noqa: BLE001 - the watch must outlive one bad round
+                log.exception("engine health check failed")
+
+    # -- checks ------------------------------------------------------------------------------
+    async def check(self, workers: list[str] | None = None, *, fresh: bool = True) -> int:
+        """Probe `workers` (default: every serving engine) now; how many were lost by it.
+        `fresh`: a probe already under way, which began before what the caller saw (a failed
+        request), does not answer for it unless it found the engine lost."""
+        serving = self.engines.workers()
+        targets = [w for w in (workers if workers is not None else serving) if w in serving]
+        lost = await asyncio.gather(*(self._probe_once(w, fresh) for w in targets))
+        return sum(lost)
+
+    async def _probe_once(self, worker: str, fresh: bool) -> bool:
+        fut = self._probing.get(worker)
+        if fut is not None:  # one probe per engine at a time: wait for the one under way
+            if await asyncio.shield(fut) or not fresh or worker not in self.engines.workers():
+                return bool(fut.result())
+            fut = self._probing.get(worker)  # another caller may have started the next one
+        if fut is None:
+            fut = self._probing[worker] = asyncio.ensure_future(self._probe(worker))
+            fut.add_done_callback(lambda _f, w=worker: self._probing.pop(w, None))
+        return await asyncio.shield(fut)
+
+    async def _probe(self, worker: str) -> bool:
+        why = await self.engines.probe(worker, self.cfg.probe_timeout_s)
+        if why is None:
+            self._timeouts[worker] = 0
+            return False
+        if why.startswith("timeout"):
+            self._timeouts[worker] += 1
+            if self._timeouts[worker] < self.cfg.hung_after_timeouts:
+                return False
+            await self.lose(worker, f"hung ({self._timeouts[worker]} probes timed out: {why})")
+        else:
+            await self.lose(worker, f"dead ({why})")
+        return True
+
+    async def lose(self, worker: str, why: str) -> None:
+        """Take `worker` out of service now and schedule its restart."""
+        if worker not in self.engines.workers():
+            return
+        self.lost += 1
+        self._record("lost", worker, why)
+        try:
+            await self.engines.remove_worker(worker)  # first: nothing new goes there
+        except Exception as e:  # noqa: BLE001 - the router may be gone too; go on
+            self._record("remove_failed", worker, f"{type(e).__name__}: {e}")
+        await self.engines.abort_worker(worker)  # its requests go on elsewhere
+        slot = self._slot.get(worker, worker)
+        if self.restarter is not None and self._restarts[slot] < self.cfg.max_restarts:
+            task = asyncio.ensure_future(self._restart(worker, slot))
+            self._restarting.add(task)
+            task.add_done_callback(self._restarting.discard)
+        else:
+            self._record("gave_up", worker, f"restarts used: {self._restarts[slot]} of "
+                         f"{self.cfg.max_restarts}")
+        self._notify()
+
+    async def _restart(self, worker: str, slot: str) -> None:
+        assert self.restarter is not None
+        delay = self.cfg.restart_backoff_s
+        while self._restarts[slot] < self.cfg.max_restarts:
+            self._restarts[slot] += 1
+            await asyncio.sleep(delay)
+            delay *= 2
+            try:
+                new = await self.restarter.restart(worker)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - counted, then the next attempt
+                self._record("restart_failed", worker, f"{type(e).__name__}: {e}")
+                continue
+            self._slot[new] = slot
+            self._record("restarted", new, f"was {worker}")
+            if self.needs_weights:
+                self.awaiting_weights.append(new)
+                self._notify()
+            else:
+                await self.admit([new])
+            return
+        self._record("gave_up", worker, f"{self.cfg.max_restarts} restarts used")
+        self._notify()
+
+    async def admit(self, workers: list[str]) -> None:
+        """Restarted engines hold the current weights now: route to them again."""
+        for w in workers:
+            await self.engines.add_worker(w)
+            if w in self.awaiting_weights:
+                self.awaiting_weights.remove(w)
+            self._timeouts[w] = 0
+            self._record("back", w, "")
+        self._notify()
+
+    async def wait_serving(self) -> None:
+        """Return once some engine serves; raise EnginesDown when none does and none can come
+        back, or none came back within `wait_for_engine_s`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.wait_for_engine_s
+        while not self.engines.workers():
+            if not self._restarting and not self.awaiting_weights:
+                raise EnginesDown(f"every engine is down and none can be restarted "
+                                  f"({self._summary()})")
+            left = deadline - loop.time()
+            if left <= 0:
+                raise EnginesDown(f"no engine served for {self.cfg.wait_for_engine_s:.0f} s "
+                                  f"({self._summary()})")
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+
+    # -- reporting ---------------------------------------------------------------------------
+    def metrics(self) -> dict[str, float]:
+        return {
+            "engines/serving": float(len(self.engines.workers())),
+            "engines/lost": float(self.counts["lost"]),
+            "engines/restarted": float(self.counts["restarted"]),
+            "engines/restart_failed": float(self.counts["restart_failed"]),
+            "engines/gave_up": float(self.counts["gave_up"]),
+        }
+
+    def _record(self, kind: str, worker: str, detail: str) -> None:
+        self.counts[kind] += 1
+        event = {"t": asyncio.get_running_loop().time(), "event": kind, "worker": worker,
+                 "detail": detail}
+        self.events.append(event)
+        (log.warning if kind in ("lost", "restart_failed", "gave_up") else log.info)(
+            "engine %s %s %s", worker, kind, detail)
+
+    def _summary(self) -> str:
+        recent = "; ".join(f"{e['event']} {e['worker']} {e['detail']}".strip()
+                           for e in self.events[-6:])
+        return f"{self.counts['lost']} lost, {self.counts['restarted']} restarted; {recent}"
+
+    def _notify(self) -> None:
+        self._changed.set()
