@@ -30,12 +30,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--samples", help="jsonl of {prompt, response, label[, finish_reason]} to use instead"
     )
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds per call")
+    parser.add_argument("--isolation", choices=("process", "thread"), default="process",
+                        help="where a sync reward runs (as rollout.reward.isolation)")
 
 
 def run(args: argparse.Namespace) -> int:
-    from rlkit.rewards import RewardInput, RewardNotFound, call_reward, is_async
+    from rlkit.rewards import RewardNotFound, call_reward, is_async, make_runner
     from rlkit.rewards.scoring import load_reward
-    from rollout.rewards import check_reward_value
 
     try:
         kwargs = json.loads(args.kwargs)
@@ -50,9 +51,25 @@ def run(args: argparse.Namespace) -> int:
         print(f"FAIL  {e}")
         return 1
     cases = _load_samples(args.samples) if args.samples else SAMPLES
-    call = call_reward(fn)
-    kind = "async" if is_async(fn) else "sync (run in a worker thread)"
+    try:
+        call = call_reward(fn, make_runner(args.isolation))
+    except ValueError as e:
+        print(f"FAIL  {e}")
+        return 1
+    kind = "async" if is_async(fn) else f"sync (run in a worker {args.isolation})"
     print(f"reward {args.reward!r}: {getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}, {kind}")
+    problems = asyncio.run(_check_all(call, cases, kwargs, args.timeout))
+    print(f"{len(cases) - problems} of {len(cases)} calls kept the contract "
+          "(a finite float, no exception, within the timeout)")
+    return 1 if problems else 0
+
+
+async def _check_all(call: Any, cases: list[tuple[str, str, Any, str]], kwargs: dict[str, Any],
+                     timeout: float) -> int:
+    """Call the reward on each case under the timeout (one event loop: a timed-out sync call's
+    worker is killed, and nothing waits for it at exit); the number of violations."""
+    from rlkit.rewards import RewardInput
+    from rollout.rewards import check_reward_value, describe_error
 
     problems = 0
     for i, (prompt, response, label, finish) in enumerate(cases):
@@ -60,21 +77,22 @@ def run(args: argparse.Namespace) -> int:
                              index=i)
         t0 = time.perf_counter()
         try:
-            value = asyncio.run(asyncio.wait_for(call(sample, kwargs), args.timeout))
+            value = await asyncio.wait_for(call(sample, kwargs), timeout)
             problem = check_reward_value(value)
         except asyncio.TimeoutError:
-            value, problem = None, f"took longer than {args.timeout} s"
+            value, problem = None, f"took longer than {timeout} s"
         except Exception as e:
-            value, problem = None, f"raised {type(e).__name__}: {e}"
+            value, problem = None, f"raised {describe_error(e)}"
         ms = (time.perf_counter() - t0) * 1000
         shown = response if len(response) <= 40 else response[:37] + "..."
         status = "ok  " if problem is None else "FAIL"
         print(f"{status}  #{i} {shown!r} label={label!r}: "
               f"{value if problem is None else problem} ({ms:.1f} ms)")
         problems += problem is not None
-    print(f"{len(cases) - problems} of {len(cases)} calls kept the contract "
-          "(a finite float, no exception, within the timeout)")
-    return 1 if problems else 0
+    runner = getattr(call, "runner", None)
+    if runner is not None:
+        runner.close()
+    return problems
 
 
 def _load_samples(path: str) -> list[tuple[str, str, Any, str]]:

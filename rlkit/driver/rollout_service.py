@@ -19,7 +19,7 @@ from rollout.filters import GroupFilter
 from rollout.manager import RolloutManager, StepReport, batch_target
 from rollout.policies import make_policy
 from rollout.rankers import LengthRanker
-from rollout.rewards import RewardScheduler, ScoreFn
+from rollout.rewards import REWARD_FAILURE_KINDS, RewardScheduler, ScoreFn
 
 
 @dataclass
@@ -72,6 +72,7 @@ class RolloutService:
         buffer admits only within max_staleness); afterwards `batch_size` groups are ready.
         `final`: the run's last step (tail batching drains its long queue)."""
         self.buffer.begin_production(version if for_version is None else for_version)
+        failures_before = self.manager.rewards.failures.copy()
         self._current = asyncio.ensure_future(
             self.manager.run_step(batch_target(self.buffer, self.batch_size), version,
                                   final=final))
@@ -79,8 +80,12 @@ class RolloutService:
             report: StepReport = await self._current
         finally:
             self._current = None
+        # this step's reward failures by kind, beside the manager's total rollout/reward_failures
+        failures = self.manager.rewards.failures
+        by_kind = {f"rollout/reward_failures/{kind}": failures[kind] - failures_before[kind]
+                   for kind in REWARD_FAILURE_KINDS}
         return StepResult(
-            metrics=report.metrics(),
+            metrics={**report.metrics(), **by_kind},
             timeline=[s.to_json() for s in report.timeline],
             completed=report.completed,
             buffer=self.stats(),

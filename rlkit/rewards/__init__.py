@@ -8,6 +8,9 @@ and how the response ended. kwargs are the data set's metadata columns
 `rollout.reward.name` finds it as, in order: a built-in name (math, exact_match, format); an
 entry point in the `rlkit.rewards` group (so `pip install my-rewards` is all a user does); a
 dotted path `pkg.module:function` (or `pkg.module.function`).
+
+Sync functions run in worker processes by default (`rollout.reward.isolation`), so they must be
+importable by name (module level); see rlkit.rewards.worker for why and for the thread option.
 """
 
 from __future__ import annotations
@@ -15,12 +18,15 @@ from __future__ import annotations
 import asyncio
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Protocol, Union
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol, Union
 
 from rlkit.plugins import PluginNotFound, resolve_plugin, signature_problem
 
+if TYPE_CHECKING:
+    from rlkit.rewards.worker import ProcessRewardRunner, ThreadRewardRunner
+
 __all__ = ["RewardFn", "RewardInput", "RewardNotFound", "call_reward", "is_async",
-           "resolve_reward", "signature_problem"]
+           "make_runner", "resolve_reward", "signature_problem"]
 
 
 class RewardFn(Protocol):
@@ -55,9 +61,15 @@ def resolve_reward(name: str) -> Callable[..., Any]:
     return resolve_plugin("reward", name)
 
 
-def call_reward(fn: Callable[..., Any]) -> Callable[[RewardInput, dict[str, Any]], Awaitable[Any]]:
-    """An async caller for fn: coroutines are awaited; sync functions run in a worker thread,
-    so a slow reward never blocks generation."""
+def call_reward(
+    fn: Callable[..., Any], runner: "ProcessRewardRunner | ThreadRewardRunner | None" = None
+) -> Callable[[RewardInput, dict[str, Any]], Awaitable[Any]]:
+    """An async caller for fn: coroutines are awaited on the loop; sync functions run on
+    `runner` (default: a ProcessRewardRunner with 4 workers), never on the loop's default
+    executor, so a sync reward that never returns can be stopped (process) or at least cannot
+    starve other work or block exit (thread). See rlkit.rewards.worker."""
+    from rlkit.rewards.worker import ProcessRewardRunner, picklable_reference
+
     names = _keyword_names(fn)
 
     def kwargs_for(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -69,13 +81,35 @@ def call_reward(fn: Callable[..., Any]) -> Callable[[RewardInput, dict[str, Any]
 
         return call_async
 
-    async def call_sync(sample: RewardInput, kwargs: dict[str, Any]) -> Any:
-        result = await asyncio.to_thread(fn, sample, **kwargs_for(kwargs))
+    runner = ProcessRewardRunner() if runner is None else runner
+    if isinstance(runner, ProcessRewardRunner):
+        fn_bytes = picklable_reference(fn)  # fails here, at load, not on the first sample
+
+        async def call_in_process(sample: RewardInput, kwargs: dict[str, Any]) -> Any:
+            return await runner.run(fn_bytes, sample, kwargs_for(kwargs))
+
+        call_in_process.runner = runner  # type: ignore[attr-defined]
+        return call_in_process
+
+    async def call_in_thread(sample: RewardInput, kwargs: dict[str, Any]) -> Any:
+        result = await runner.run(fn, sample, kwargs_for(kwargs))
         if inspect.isawaitable(result):
             result = await result
         return result
 
-    return call_sync
+    call_in_thread.runner = runner  # type: ignore[attr-defined]
+    return call_in_thread
+
+
+def make_runner(isolation: str, workers: int = 4, max_stuck: int = 8) -> "ProcessRewardRunner | ThreadRewardRunner":
+    """The runner for sync rewards named by rollout.reward.isolation (process | thread)."""
+    from rlkit.rewards.worker import ProcessRewardRunner, ThreadRewardRunner
+
+    if isolation == "process":
+        return ProcessRewardRunner(workers)
+    if isolation == "thread":
+        return ThreadRewardRunner(workers, max_stuck)
+    raise ValueError(f"reward isolation must be 'process' or 'thread', got {isolation!r}")
 
 
 def is_async(fn: Callable[..., Any]) -> bool:

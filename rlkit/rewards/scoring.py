@@ -6,7 +6,8 @@ from typing import Callable, Sequence
 
 from buffers.group import Group
 from buffers.sample import Sample
-from rlkit.rewards import RewardInput, RewardNotFound, call_reward, resolve_reward, signature_problem
+from rlkit.rewards import (RewardInput, RewardNotFound, call_reward, make_runner, resolve_reward,
+                          signature_problem)
 from rollout.config import RewardConfig
 from rollout.rewards import ScoreFn
 
@@ -36,7 +37,11 @@ def reward_input(sample: Sample, group: Group, decode: Decode) -> RewardInput:
 
 
 def make_score_fn(cfg: RewardConfig, decode: Decode) -> ScoreFn:
-    call = call_reward(load_reward(cfg.name))
+    fn = load_reward(cfg.name)
+    try:
+        call = call_reward(fn, make_runner(cfg.isolation, cfg.workers, cfg.max_stuck))
+    except ValueError as e:  # a sync function process isolation cannot import by name
+        raise RewardNotFound(f"rollout.reward.name={cfg.name!r}: {e}") from None
 
     async def score(sample: Sample, group: Group) -> float:
         kwargs = {**group.prompt.metadata, **cfg.kwargs}
