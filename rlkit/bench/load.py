@@ -433,41 +433,41 @@ class RequestRecord:
     received: int = 0  # tokens the sample got from this request
 
 
-class CountingClient:
-    """Builds an EngineClient subclass that records every /generate POST it sends (the only
-    place that sends one is `_generate_once`) and what the engine said about each request."""
+def counting_client_class(base: type | None = None) -> type:
+    """An EngineClient subclass (of `base`, itself one, or of EngineClient) that records every
+    /generate POST it sends in `posts` (the only place that sends one is `_generate_once`) and
+    what the engine said about each request."""
+    from rollout.client import EngineClient
 
-    @staticmethod
-    def make(router_url: str, worker_urls: list[str]) -> Any:
-        from rollout.client import EngineClient
+    class CountingClient(base or EngineClient):  # type: ignore[misc,valid-type]
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            self.posts: list[RequestRecord] = []
+            self._current: dict[int, RequestRecord] = {}
 
-        class _Client(EngineClient):
-            async def _generate_once(self, sample: Any, *args: Any, **kwargs: Any) -> Any:
-                rec = RequestRecord(sample.index, len(sample.input_ids()), len(sample.response_ids))
-                self.posts.append(rec)
-                self._current[id(sample)] = rec
-                try:
-                    return await super()._generate_once(sample, *args, **kwargs)
-                finally:
-                    rec.received = len(sample.response_ids) - rec.before
-                    self._current.pop(id(sample), None)
+        async def _generate_once(self, sample: Any, *args: Any, **kwargs: Any) -> Any:
+            rec = RequestRecord(sample.index, len(sample.input_ids()), len(sample.response_ids))
+            self.posts.append(rec)
+            self._current[id(sample)] = rec
+            try:
+                return await super()._generate_once(sample, *args, **kwargs)
+            finally:
+                rec.received = len(sample.response_ids) - rec.before
+                self._current.pop(id(sample), None)
 
-            def _apply_chunk(self, sample: Any, payload: Any, *args: Any, **kwargs: Any) -> Any:
-                rec = self._current.get(id(sample))
-                meta = payload.get("meta_info") if isinstance(payload, dict) else None
-                if rec is not None and isinstance(meta, dict):
-                    rec.engine_prompt_tokens = meta.get("prompt_tokens", rec.engine_prompt_tokens)
-                    rec.engine_completion_tokens = meta.get("completion_tokens",
-                                                            rec.engine_completion_tokens)
-                    fin = meta.get("finish_reason")
-                    if isinstance(fin, dict):
-                        rec.finish = fin.get("type")
-                return super()._apply_chunk(sample, payload, *args, **kwargs)
+        def _apply_chunk(self, sample: Any, payload: Any, *args: Any, **kwargs: Any) -> Any:
+            rec = self._current.get(id(sample))
+            meta = payload.get("meta_info") if isinstance(payload, dict) else None
+            if rec is not None and isinstance(meta, dict):
+                rec.engine_prompt_tokens = meta.get("prompt_tokens", rec.engine_prompt_tokens)
+                rec.engine_completion_tokens = meta.get("completion_tokens",
+                                                        rec.engine_completion_tokens)
+                fin = meta.get("finish_reason")
+                if isinstance(fin, dict):
+                    rec.finish = fin.get("type")
+            return super()._apply_chunk(sample, payload, *args, **kwargs)
 
-        client = _Client(router_url, worker_urls=worker_urls)
-        client.posts = []
-        client._current = {}
-        return client
+    return CountingClient
 
 
 @dataclass
@@ -512,17 +512,14 @@ def bench_router(model_path: str, *, concurrency: int = 256, engines: int = 2,
     from rollout.engines.config import EngineConfig, RouterConfig
     from rollout.engines.fleet import EngineFleet
 
-    if not 0 <= cancel_fraction < 1:
-        raise LoadBenchError(f"--cancel-fraction must be in [0, 1), got {cancel_fraction}")
     engine = EngineConfig(num_engines=engines, cpu_threads=1,
                           max_running_requests=max(16, -(-concurrency // engines)),
                           startup_timeout_s=600)
     with EngineFleet(model_path, engine, RouterConfig(), log_dir=log_dir) as fleet:
-        result = asyncio.run(_router_load(fleet, RouterLoad(concurrency, engines, model_path,
-                                                            max_new_tokens),
-                                          cancel_fraction, abort_alls, max_resumes,
-                                          hang_timeout_s, settle_s, seed))
-    return result
+        return asyncio.run(router_load(
+            fleet, concurrency=concurrency, max_new_tokens=max_new_tokens,
+            cancel_fraction=cancel_fraction, abort_alls=abort_alls, max_resumes=max_resumes,
+            hang_timeout_s=hang_timeout_s, settle_s=settle_s, seed=seed))
 
 
 def _router_counters(prometheus_port: int | None) -> tuple[int | None, int | None]:
@@ -540,11 +537,19 @@ def _router_counters(prometheus_port: int | None) -> tuple[int | None, int | Non
     return received, selections
 
 
-async def _router_load(fleet: Any, out: RouterLoad, cancel_fraction: float, n_abort_alls: int,
-                       max_resumes: int, hang_timeout_s: float, settle_s: float,
-                       seed: int) -> RouterLoad:
+async def router_load(fleet: Any, *, concurrency: int = 256, max_new_tokens: int = 256,
+                      cancel_fraction: float = 0.1, abort_alls: int = 3, max_resumes: int = 8,
+                      hang_timeout_s: float = 600.0, settle_s: float = 30.0, seed: int = 0,
+                      client_class: type | None = None) -> RouterLoad:
+    """The load on a running EngineFleet (see the module doc). `client_class`: the client,
+    a `counting_client_class()` (tests pass a faulty one to see the checks catch it)."""
     from buffers.sample import Sample, SampleStatus
     from rollout.config import SamplingConfig
+
+    if not 0 <= cancel_fraction < 1:
+        raise LoadBenchError(f"cancel_fraction must be in [0, 1), got {cancel_fraction}")
+    out = RouterLoad(concurrency, len(fleet.worker_urls), fleet.model_path, max_new_tokens)
+    n_abort_alls = abort_alls
 
     rng = random.Random(seed)
     c = out.concurrency
@@ -559,7 +564,8 @@ async def _router_load(fleet: Any, out: RouterLoad, cancel_fraction: float, n_ab
     total_budget = sum(budgets)
     before_router = _router_counters(fleet.router.prometheus_port)
 
-    client = CountingClient.make(fleet.router.url, fleet.worker_urls)
+    client = (client_class or counting_client_class())(fleet.router.url,
+                                                       worker_urls=fleet.worker_urls)
     await client.connect()
     try:
         calm = asyncio.Event()  # cleared while an abort_all runs
