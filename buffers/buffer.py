@@ -37,6 +37,7 @@ import warnings
 from collections import Counter, deque
 from typing import Any, AsyncIterator, Collection, Iterator, NamedTuple
 
+from buffers.errors import UserError
 from buffers.group import Group, Lane, PromptRecord
 from buffers.sample import Sample, SampleStatus
 from buffers.source import PromptSource
@@ -58,7 +59,7 @@ class StalenessBoundError(BufferError):
     """A producer asked to run further ahead of the consumer than max_staleness allows."""
 
 
-class BufferStateError(ValueError):
+class BufferStateError(UserError, ValueError):
     """A saved buffer state that cannot be loaded (corrupt, or from a different run set-up)."""
 
 

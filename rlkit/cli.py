@@ -15,7 +15,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("train",), "rlkit.commands.train", "run a training job from a recipe"),
     (("config", "show"), "rlkit.commands.config_show", "print the resolved recipe"),
     (("config", "docs"), "rlkit.commands.config_docs", "regenerate docs/recipe-reference.md"),
-    (("prepare-model",), "rlkit.demo_models", "build a demo model (tiny, tiny-llama, smollm2) into the cache"),
+    (("prepare-model",), "rlkit.commands.prepare_model", "build a demo model (tiny, tiny-llama, smollm2) into the cache"),
     (("check-reward",), "rlkit.commands.check_reward", "check a reward plugin against the contract"),
     (("export",), "rlkit.commands.export", "write a trainer checkpoint as an HF model folder"),
     (("plot", "metrics"), "rlkit.commands.plot_metrics", "per-step metric curves of a run as a PNG"),
@@ -54,16 +54,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from rlkit.config import RecipeError
+    from buffers.errors import find_user_error
 
     try:
         return int(args._run(args) or 0)
-    except RecipeError as e:
-        print(f"rlkit: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("rlkit: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        # The one place errors a user can fix (recipe, data, model, reward, checkpoint, port)
+        # are reported: the message names what and where; a traceback (through Ray's wrapper,
+        # unwrapped here) adds nothing. Anything else is a bug and keeps its traceback.
+        user = find_user_error(e)
+        if user is None:
+            raise
+        print(f"rlkit: {user}", file=sys.stderr)
+        return user.exit_code
 
 
 if __name__ == "__main__":

@@ -11,13 +11,15 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, Callable
 
+from buffers.errors import UserError
+
 if TYPE_CHECKING:
     from rollout.config import FilterConfig, RankerConfig
     from rollout.filters import GroupFilter
     from rollout.rankers import LengthRanker
 
 
-class PluginNotFound(LookupError):
+class PluginNotFound(UserError, LookupError):
     """A plugin name that resolves to nothing usable; the message says what was tried."""
 
 

@@ -17,10 +17,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from buffers.errors import UserError
 from buffers.group import Group
 
 
-class FilterFailure(RuntimeError):
+class FilterFailure(UserError, RuntimeError):
     """The filter raised or returned something that is neither a bool nor a reason string."""
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from buffers.errors import UserError
 from rollout.engines.config import RouterConfig
 from rollout.engines.process import (
     ManagedProcess,
@@ -35,7 +36,7 @@ from rollout.engines.process import (
 )
 
 
-class RouterError(RuntimeError):
+class RouterError(UserError, RuntimeError):
     """The router cannot be started, reached, or asked to change its workers."""
 
 

@@ -11,10 +11,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
+from buffers.errors import UserError
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(UserError, ValueError):
     """The HF config describes a model the Megatron backend cannot represent exactly."""
 
 

@@ -186,7 +186,7 @@ def bench_model(model_name: str, levels: list[int], n: int, args: argparse.Names
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rlkit.demo_models import resolve_model_path
+    from rollout.demo_models import resolve_model_path
     from rollout.engines.config import EngineConfig, RouterConfig
     from rollout.engines.fleet import EngineFleet
 

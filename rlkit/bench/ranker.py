@@ -176,7 +176,7 @@ def _run_prompts(run_dir: Path) -> Callable[[int, int], Any]:
 
             from rlkit.config.schema import Recipe
             from rlkit.data.prompts import load_prompts
-            from rlkit.demo_models import resolve_model_path
+            from rollout.demo_models import resolve_model_path
 
             recipe = Recipe.model_validate(yaml.safe_load(recipe_file.read_text()))
             tok = AutoTokenizer.from_pretrained(

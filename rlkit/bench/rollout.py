@@ -88,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
 def policy_specs(args: argparse.Namespace) -> dict[str, Any]:
     """spec -> RolloutConfig for each --policy entry (partial's default from --over-provision)."""
     from rollout.config import DispatchConfig, RolloutConfig
-    from rollout.policies import PolicySpecError, policy_config
+    from rollout.policies import PolicySpecError
+    from rollout.policies.specs import policy_config
 
     profile = _profile_path(args.model)
     base = RolloutConfig(over_provision=args.over_provision, batch_size=args.batch_size,
@@ -135,7 +136,7 @@ def make_trace(args: argparse.Namespace) -> Any:
 async def bench_rollout(args: argparse.Namespace) -> dict[str, Any]:
     from buffers import ListPromptSource, PromptRecord, RolloutBuffer
     from rlkit.bench.ranker import ranker_for_trace
-    from rlkit.demo_models import resolve_model_path
+    from rollout.demo_models import resolve_model_path
     from rollout.config import SamplingConfig
     from rollout.engines.config import EngineConfig, RouterConfig
     from rollout.engines.fleet import EngineFleet

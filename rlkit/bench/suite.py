@@ -57,7 +57,7 @@ DEFAULT_CAPS = (8192, 16384, 32768)
 def make_policy(spec: str, base: Any = None) -> Any:
     """A registry spec ('sync', 'partial@1.5', 'tail_batching+resume', ...) -> a policy."""
     from rollout.policies import make_policy as from_config
-    from rollout.policies import policy_config
+    from rollout.policies.specs import policy_config
 
     return from_config(policy_config(spec, base))
 
@@ -65,7 +65,7 @@ def make_policy(spec: str, base: Any = None) -> Any:
 def make_ranker(spec: str, trace: Any, base: Any = None) -> Any:
     """The length ranker a spec's recipe names (the oracle reads this trace's lengths)."""
     from rlkit.bench.ranker import ranker_for_trace
-    from rollout.policies import policy_config
+    from rollout.policies.specs import policy_config
 
     return ranker_for_trace(policy_config(spec, base).ranker, trace)
 

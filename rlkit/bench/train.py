@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
 
 # -- models and batches ----------------------------------------------------------------------
 def model_path(name: str, workdir: Path) -> str:
-    from rlkit.demo_models import prepare_model
+    from rollout.demo_models import prepare_model
 
     if name in ("tiny", "smollm2"):
         return str(prepare_model(name))

@@ -22,13 +22,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def trainer_checkpoint_dir(path: Path) -> Path:
-    from rlkit.checkpoint import TRAINER_DIR
+    from rlkit.checkpoint import TRAINER_DIR, CheckpointError
 
     if (path / "meta.json").is_file():
         return path
     if (path / TRAINER_DIR / "meta.json").is_file():
         return path / TRAINER_DIR
-    raise FileNotFoundError(f"{path}: neither a trainer checkpoint nor a run checkpoint with trainer/")
+    raise CheckpointError(f"{path}: neither a trainer checkpoint nor a run checkpoint with trainer/")
 
 
 def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "keep") -> Path:
@@ -39,14 +39,14 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "keep") -> Path:
     from train.convert import iter_megatron_to_hf
     from train.hf_arch import ModelArch
     from train.hf_io import save_hf_folder
-    from train.megatron.checkpoint import checkpoint_hf_shards
+    from train.megatron.checkpoint import CheckpointError, checkpoint_hf_shards
 
     ckpt = trainer_checkpoint_dir(checkpoint)
     meta, shards = checkpoint_hf_shards(ckpt)
     config = json.loads((ckpt / "hf" / "config.json").read_text())
     arch = ModelArch.from_hf_config(config)
     if arch.to_dict() != meta["arch"]:
-        raise ValueError(f"{ckpt}: hf/config.json does not describe the saved architecture")
+        raise CheckpointError(f"{ckpt / 'hf' / 'config.json'}: does not describe the saved architecture")
     target = None if dtype == "keep" else getattr(torch, dtype)
     return save_hf_folder(out, iter_megatron_to_hf(shards, arch), config, side_files_from=ckpt / "hf", dtype=target)
 

@@ -14,13 +14,14 @@ from typing import Any, Iterable, Sequence
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from buffers.errors import UserError
 from rlkit.config.schema import Recipe
 
 CMDLINE = "command line"
 Origins = dict[tuple[str, ...], str]
 
 
-class RecipeError(ValueError):
+class RecipeError(UserError, ValueError):
     """A recipe that cannot be loaded; the message lists every problem with its key path."""
 
 

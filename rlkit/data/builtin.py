@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from typing import Any, Callable, Iterator
 
-from rlkit.data.prompts import DataError
+from rlkit.data.errors import DataError
 
 
 def arithmetic(rows: int = 2000, max_operand: int = 20, seed: int = 0) -> Iterator[dict[str, Any]]:

@@ -21,13 +21,10 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 from buffers.group import PromptRecord
 from buffers.source import EpochOrder
 from rlkit.config.schema import DataConfig
+from rlkit.data.errors import DataError
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 TOKENIZE_CHUNK = 1024
-
-
-class DataError(ValueError):
-    """Unusable prompt data; the message names the file and the row."""
 
 
 class Tokenizer(Protocol):

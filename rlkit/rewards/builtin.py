@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rlkit.rewards import RewardInput
+if TYPE_CHECKING:  # annotations only: rlkit.rewards resolves plugins, which list these
+    from rlkit.rewards import RewardInput
 
 _BOXED = re.compile(r"\\boxed\s*\{")
 

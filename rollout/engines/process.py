@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from buffers.errors import UserError
 from rollout.engines.config import EngineConfig
 
 
-class ProcessStartError(RuntimeError):
+class ProcessStartError(UserError, RuntimeError):
     """A process died or did not become healthy in time; the message quotes its log."""
 
 

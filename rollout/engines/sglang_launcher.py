@@ -15,11 +15,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from buffers.errors import UserError
 from rollout.engines.config import EngineConfig
 from rollout.engines.process import ManagedProcess, ProcessStartError, free_port, spawn
 
 
-class SGLangNotInstalled(RuntimeError):
+class SGLangNotInstalled(UserError, RuntimeError):
     """sglang is missing: it only installs on CUDA machines."""
 
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from rollout.policies.partial import PartialPolicy
 from rollout.policies.ranked_dispatch import RankedDispatchPolicy
-from rollout.policies.registry import POLICIES, POLICY_NAMES, PolicySpecError, policy_config
+from rollout.policies.registry import POLICIES, POLICY_NAMES, PolicySpecError
 from rollout.policies.sync import SyncPolicy
 from rollout.policies.tail_batching import TailBatchingPolicy
 
@@ -29,5 +29,7 @@ def make_policy(cfg: "RolloutConfig") -> "RolloutPolicy":
 __all__ = [
     "POLICIES", "POLICY_NAMES", "PartialPolicy", "PolicySpecError", "RankedDispatchPolicy",
     "SyncPolicy",
-    "TailBatchingPolicy", "make_policy", "policy_config",
+    "TailBatchingPolicy", "make_policy",
 ]
+# policy_config (bench specs -> RolloutConfig) is rollout.policies.specs: it imports rollout.config,
+# which imports the registry from this package, so this package must not import it.

@@ -8,7 +8,8 @@ names from here; the policies take the config and the Step only as arguments).
 Bench specs name a policy with its knobs: `name[@value][+option...]`, e.g. `partial@1.5`
 (over-provision 1.5), `tail_batching@1.5` (eta 1.5 for prompts and responses),
 `tail_batching+resume`, `ranked_dispatch+partial+oracle`, `partial+adaptive+history`.
-`policy_config(spec)` turns one into a RolloutConfig.
+`rollout.policies.specs.policy_config(spec)` turns one into a RolloutConfig (it needs
+rollout.config, which reads this module: so it lives apart).
 """
 
 from __future__ import annotations
@@ -150,40 +151,3 @@ def describe_specs() -> str:
         )
         out.append(f"{p.name}{extra}: {p.summary}")
     return "; ".join(out)
-
-
-def policy_config(spec: str, base: "RolloutConfig | None" = None) -> "RolloutConfig":
-    """The rollout config a bench spec names: `base` (default: the schema's defaults) with the
-    policy and the knobs the spec sets."""
-    from rollout.config import RolloutConfig
-
-    head, *options = spec.strip().split("+")
-    name, at, value = head.partition("@")
-    info = POLICIES.get(name)
-    if info is None:
-        raise PolicySpecError(f"policy spec {spec!r}: unknown policy {name!r} (known: {describe_specs()})")
-    updates: dict[str, Any] = {"policy": name}
-    if at:
-        if not info.arg:
-            raise PolicySpecError(f"policy spec {spec!r}: {name} takes no @value")
-        try:
-            number = float(value)
-        except ValueError:
-            raise PolicySpecError(f"policy spec {spec!r}: @{value!r} is not a number") from None
-        updates.update({key: number for key in info.arg})
-    for opt in options:
-        if opt not in info.options:
-            known = ", ".join(f"+{o}" for o in info.options) or "none"
-            raise PolicySpecError(f"policy spec {spec!r}: {name} has no option +{opt} ({known})")
-        updates.update(info.options[opt])
-    data = (base or RolloutConfig()).model_dump()
-    for key, v in updates.items():
-        *path, last = key.split(".")
-        node = data
-        for part in path:
-            node = node[part]
-        node[last] = v
-    try:
-        return RolloutConfig.model_validate(data)
-    except ValueError as e:
-        raise PolicySpecError(f"policy spec {spec!r}: {e}") from None

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 from buffers.group import Group
+from rollout.rankers.lengths import group_lengths, mean_length, prompt_key
 
 
 @runtime_checkable
@@ -44,27 +45,6 @@ def builtin_rankers() -> dict[str, Any]:
 
     return {"prompt_length": PromptLengthRanker, "history": HistoryRanker,
             "learned": LearnedRanker, "oracle": OracleRanker}
-
-
-def group_lengths(group: Group) -> tuple[list[int], bool]:
-    """The response lengths a group shows a ranker, and whether they are exact (every kept
-    response finished) or lower bounds (parked mid-generation)."""
-    kept = group.first_finished() if group.is_complete else group.samples
-    lengths = [len(s.response_ids) for s in kept]
-    return lengths, group.is_complete
-
-
-def mean_length(group: Group) -> float:
-    """A group's mean response length as rankers see it (exact once complete, else a lower
-    bound): what a prediction is scored against."""
-    lengths, _ = group_lengths(group)
-    return sum(lengths) / len(lengths) if lengths else 0.0
-
-
-def prompt_key(group: Group) -> int:
-    """A prompt's identity across epochs: its data row (or its tokens, when it has none)."""
-    p = group.prompt
-    return p.source_index if p.source_index >= 0 else hash(p.ids) & 0x7FFFFFFF
 
 
 __all__ = ["LengthRanker", "builtin_rankers", "group_lengths", "mean_length", "prompt_key"]

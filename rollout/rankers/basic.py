@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from buffers.group import Group
-from rollout.rankers import group_lengths, prompt_key
+from rollout.rankers.lengths import group_lengths, prompt_key
 
 
 class PromptLengthRanker:

@@ -15,7 +15,7 @@ from collections import deque
 from typing import Any, Sequence
 
 from buffers.group import Group
-from rollout.rankers import group_lengths
+from rollout.rankers.lengths import group_lengths
 
 
 class LearnedRanker:

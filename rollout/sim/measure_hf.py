@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import torch
 
-    from rlkit.demo_models import resolve_model_path
+    from rollout.demo_models import resolve_model_path
 
     torch.set_num_threads(1)
     path = resolve_model_path(args.model)

@@ -10,7 +10,8 @@ from buffers.source import records_from_token_lists
 from rollout.config import SamplingConfig
 from rollout.filters import FilterFailure, GroupFilter, zero_variance
 from rollout.manager import EventKind, RolloutManager
-from rollout.policies import POLICY_NAMES, make_policy, policy_config
+from rollout.policies import POLICY_NAMES, make_policy
+from rollout.policies.specs import policy_config
 from rollout.rewards import RewardScheduler
 from tests.manager.fakes import FakeEngines
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rlkit.demo_models import TINY_ARCH, TINY_VOCAB
+from rollout.demo_models import TINY_ARCH, TINY_VOCAB
 
 # The demo tiny architecture, with the tie and RoPE base left to each test.
 TINY = {k: v for k, v in TINY_ARCH.items() if k not in ("tie_word_embeddings", "rope_theta")}

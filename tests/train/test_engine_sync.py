@@ -22,7 +22,7 @@ SYNC_ATOL = 1e-4  # engine (KV-cache decode, fp32) vs trainer (packed forward, f
 
 @pytest.fixture(scope="module")
 def tiny_demo_dir(tmp_path_factory):
-    from rlkit.demo_models import build_tiny
+    from rollout.demo_models import build_tiny
 
     path = tmp_path_factory.mktemp("tiny-demo")
     build_tiny(path, arch="qwen2")

@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu only to check this script on a machine without a GPU")
     args = p.parse_args(argv)
-    from rlkit.demo_models import resolve_model_path
+    from rollout.demo_models import resolve_model_path
 
     path = resolve_model_path(args.model)
     vocab = int(json.loads((Path(path) / "config.json").read_text())["vocab_size"])

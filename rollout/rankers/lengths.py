@@ -1,0 +1,27 @@
+"""What rankers read from a group (its response lengths, its prompt's identity): apart from the
+package so the built-in rankers import it without importing the package that lists them."""
+
+from __future__ import annotations
+
+from buffers.group import Group
+
+
+def group_lengths(group: Group) -> tuple[list[int], bool]:
+    """The response lengths a group shows a ranker, and whether they are exact (every kept
+    response finished) or lower bounds (parked mid-generation)."""
+    kept = group.first_finished() if group.is_complete else group.samples
+    lengths = [len(s.response_ids) for s in kept]
+    return lengths, group.is_complete
+
+
+def mean_length(group: Group) -> float:
+    """A group's mean response length as rankers see it (exact once complete, else a lower
+    bound): what a prediction is scored against."""
+    lengths, _ = group_lengths(group)
+    return sum(lengths) / len(lengths) if lengths else 0.0
+
+
+def prompt_key(group: Group) -> int:
+    """A prompt's identity across epochs: its data row (or its tokens, when it has none)."""
+    p = group.prompt
+    return p.source_index if p.source_index >= 0 else hash(p.ids) & 0x7FFFFFFF
