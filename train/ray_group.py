@@ -38,7 +38,10 @@ def split_for_data_parallel(batch: TrainBatch, dp: int) -> list[list[int]]:
 class TrainWorker:
     """One trainer rank inside a Ray actor (wrapped with ray.remote by TrainerGroup)."""
 
-    def __init__(self, rank: int, world_size: int, tp: int, threads: int | None) -> None:
+    def __init__(self, rank: int, world_size: int, tp: int, threads: int | None,
+                 control_token: str | None = None) -> None:
+        if control_token:  # weight sync calls the engines' control endpoints
+            os.environ["RLKIT_CONTROL_TOKEN"] = control_token
         self.rank, self.world_size, self.tp = rank, world_size, tp
         if threads:
             torch.set_num_threads(threads)
@@ -143,11 +146,11 @@ class TrainerGroup:
         num_gpus_per_worker: float | None = None,
         threads_per_worker: int | None = None,
         scheduling: Sequence[Any] | None = None,
-        runtime_env: dict[str, Any] | None = None,
+        control_token: str | None = None,
     ) -> None:
         """`scheduling`: one Ray scheduling strategy per rank (rlkit.driver.cluster gives each
-        rank its placement-group bundle); None lets Ray place them. `runtime_env`: applied to
-        every rank (the per-run control token travels in its env_vars)."""
+        rank its placement-group bundle); None lets Ray place them. `control_token`: the run's
+        token for the engines' control endpoints, put in every rank's environment."""
         import ray
 
         self.config = config
@@ -168,9 +171,8 @@ class TrainerGroup:
             options: dict[str, Any] = {"num_cpus": num_cpus_per_worker, "num_gpus": num_gpus_per_worker}
             if scheduling is not None:
                 options["scheduling_strategy"] = scheduling[rank]
-            if runtime_env:
-                options["runtime_env"] = runtime_env
-            self.workers.append(actor_cls.options(**options).remote(rank, world, self.tp, threads))
+            self.workers.append(actor_cls.options(**options).remote(rank, world, self.tp, threads,
+                                                                    control_token))
         try:
             master = ray.get(self.workers[0].master_address.remote())
             self.ranks = ray.get(

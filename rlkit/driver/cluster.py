@@ -39,14 +39,26 @@ from rollout.engines.config import EngineConfig
 DEFAULT_HOST = EngineConfig.model_fields["host"].default  # loopback: one node needs no more
 
 
+CONTROL_TOKEN_ENV = "RLKIT_CONTROL_TOKEN"
+
+
+def use_control_token(token: str | None) -> None:
+    """Put the run's control token in this actor's environment (engine servers started from it
+    inherit it; clients read it there). It travels as an actor argument, not in a Ray
+    runtime_env, because Ray's runtime-env agent logs env_vars in clear."""
+    if token:
+        os.environ[CONTROL_TOKEN_ENV] = token
+
+
 class EngineActor:
     """Owns one engine server process."""
 
     def __init__(self, model_path: str, engine: dict[str, Any], index: int, log_dir: str,
-                 bind_node_address: bool = False) -> None:
+                 bind_node_address: bool = False, control_token: str | None = None) -> None:
         from rollout.engines.config import EngineConfig
         from rollout.engines.fleet import start_engine
 
+        use_control_token(control_token)
         if bind_node_address:  # a cluster of several nodes: reachable from the other nodes
             import ray
 
@@ -63,7 +75,9 @@ class EngineActor:
 class RolloutActor:
     """The rollout box as a Ray actor (async: steps run on the actor's event loop)."""
 
-    def __init__(self, recipe: dict[str, Any], model_path: str, log_dir: str) -> None:
+    def __init__(self, recipe: dict[str, Any], model_path: str, log_dir: str,
+                 control_token: str | None = None) -> None:
+        use_control_token(control_token)  # the EngineClient reads it from the environment
         self.recipe = Recipe.model_validate(recipe)
         self.model_path = model_path
         self.log_dir = Path(log_dir)
@@ -212,10 +226,9 @@ class Cluster:
     Placement follows `rlkit.driver.placement` (trainer groups first, then one engine group).
     On a cluster of several nodes each engine binds its node's address (unless the recipe names
     another engine host) and, whenever anything binds beyond loopback, a fresh per-run control
-    token reaches every actor in its environment (RLKIT_CONTROL_TOKEN), never the recipe or logs.
+    token reaches every actor (an argument it puts in its environment as RLKIT_CONTROL_TOKEN),
+    never the recipe or logs.
     """
-
-    TOKEN_ENV = "RLKIT_CONTROL_TOKEN"
 
     def __init__(self, recipe: Recipe, model_path: str, run_dir: Path) -> None:
         self.recipe = recipe
@@ -301,19 +314,12 @@ class Cluster:
 
         return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
 
-    def _runtime_env(self) -> dict[str, Any] | None:
-        return {"env_vars": {self.TOKEN_ENV: self._control_token}} if self._control_token else None
-
     def engine_options(self, index: int) -> dict[str, Any]:
-        """Ray options of engine `index`: its bundle (a restarted engine goes back there) and the
-        run's environment."""
+        """Ray options of engine `index`: its resources and its bundle."""
         assert self.plan is not None and self.engine_group is not None, "start() first"
         b = self.plan.engines.bundles[index]
-        options = {"num_cpus": b.get("CPU", 0.0), "num_gpus": b.get("GPU", 0.0),
-                   "scheduling_strategy": self._strategy(self.engine_group, index)}
-        if self._runtime_env():
-            options["runtime_env"] = self._runtime_env()
-        return options
+        return {"num_cpus": b.get("CPU", 0.0), "num_gpus": b.get("GPU", 0.0),
+                "scheduling_strategy": self._strategy(self.engine_group, index)}
 
     def placement(self) -> dict[str, Any]:
         """Where the bundles landed: node ids per trainer rank and per engine, and each node's
@@ -348,28 +354,25 @@ class Cluster:
             self.bind_node_address = self.multi_node and eng.host == DEFAULT_HOST
             beyond_loopback = (self.bind_node_address or not is_loopback(eng.host)
                                or not is_loopback(r.rollout.router.host))
-            self._control_token = secrets.token_urlsafe(32) if beyond_loopback else None
-            env = self._runtime_env()
+            token = self._control_token = secrets.token_urlsafe(32) if beyond_loopback else None
 
             engine_cls = ray.remote(EngineActor)
             self.engines = [
                 engine_cls.options(**self.engine_options(i)).remote(
                     self.model_path, eng.model_dump(), i, str(self.log_dir),
-                    bind_node_address=self.bind_node_address)
+                    bind_node_address=self.bind_node_address, control_token=token)
                 for i in range(eng.num_engines)
             ]
             # The router and its log stay on the driver's node (a soft preference: with Ray
             # Client the driver is on no node).
             rollout_options: dict[str, Any] = {"num_cpus": 0}
-            if env:
-                rollout_options["runtime_env"] = env
             driver_node = _driver_node_id()
             if driver_node is not None:
                 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
                 rollout_options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(driver_node, soft=True)
             self.rollout_actor = ray.remote(RolloutActor).options(**rollout_options).remote(
-                r.model_dump(mode="json"), self.model_path, str(self.log_dir)
+                r.model_dump(mode="json"), self.model_path, str(self.log_dir), control_token=token
             )
             ray.get(self.rollout_actor.prepare.remote())  # while the engines start
             urls = ray.get([e.url.remote() for e in self.engines])
@@ -382,7 +385,7 @@ class Cluster:
                 num_cpus_per_worker=self.plan.trainer[0].bundles[0].get("CPU", 0.0),
                 num_gpus_per_worker=self.plan.trainer[0].bundles[0].get("GPU", 0.0),
                 scheduling=[self._strategy(self.trainer_groups[g], b) for g, b in self.plan.trainer_slots()],
-                runtime_env=env,
+                control_token=token,
             )
         except BaseException:
             self.shutdown()
