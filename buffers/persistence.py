@@ -17,20 +17,28 @@ from buffers.buffer import BufferStateError, RolloutBuffer
 
 
 def save_buffer(buffer: RolloutBuffer, path: str | os.PathLike) -> Path:
-    """Write the buffer's state to `path` atomically (a crash never leaves half a file)."""
+    """Write the buffer's state to `path` atomically: into a temporary sibling, then renamed over
+    it, so a crash or a full disk never leaves half a file (nor harms the file already there).
+    An unwritable folder or a full disk is a BufferStateError naming the path."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     data = json.dumps(buffer.state_dict(), separators=(",", ":")).encode()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with os.fdopen(fd, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz:
             gz.write(data)
             gz.flush()
             raw.flush()
             os.fsync(raw.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        raise BufferStateError(f"{path}: cannot write the buffer state ({e.strerror or e})") from None
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
         raise
     return path
 

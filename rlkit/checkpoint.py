@@ -5,25 +5,27 @@ and policy version, saved atomically; `run.resume: auto` continues from the newe
         trainer/            written by the trainer (weights, optimizer, RNG)
         buffer.json.gz      every queue of the buffer, the data position, the version
         state.json          step, version; written last: a folder without it is incomplete
+
+A checkpoint is written into a hidden sibling (`.step_000012.tmp`) and renamed into place only
+once complete, so a crash, a full disk or an unwritable folder never touches the checkpoints
+already there: the error names the path, and the previous checkpoint stays the one to resume.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from buffers import RolloutBuffer, load_buffer
+from buffers import BufferStateError, RolloutBuffer, load_buffer
+from buffers.errors import CheckpointError, find_user_error
 
 STATE = "state.json"
 TRAINER_DIR = "trainer"
 BUFFER_FILE = "buffer.json.gz"
-
-
-class CheckpointError(RuntimeError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -81,17 +83,67 @@ def save_checkpoint(
     root = checkpoints_dir(run_dir)
     final = root / f"step_{step:06d}"
     tmp = root / f".step_{step:06d}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    (tmp / TRAINER_DIR).mkdir(parents=True)
-    save_trainer(tmp / TRAINER_DIR)
-    if save_buffer is not None:
-        save_buffer(tmp / BUFFER_FILE)
-    (tmp / STATE).write_text(json.dumps({"step": step, "version": version}))
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    for old in list_checkpoints(run_dir)[:-keep_last]:
-        shutil.rmtree(old.path, ignore_errors=True)
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / TRAINER_DIR).mkdir(parents=True)
+        save_trainer(tmp / TRAINER_DIR)
+        if save_buffer is not None:
+            save_buffer(tmp / BUFFER_FILE)
+        _write_synced(tmp / STATE, json.dumps({"step": step, "version": version}))
+        if final.exists():  # the same step saved again (a resumed run): swap, never delete first
+            old = root / f".step_{step:06d}.old"
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(final)
+        _fsync_dir(root)
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        cause = find_user_error(e) or getattr(e, "cause", None) or e  # unwrapped from Ray's
+        if isinstance(cause, (OSError, CheckpointError, BufferStateError)):
+            raise _write_error(run_dir, step, tmp, cause) from None
+        raise  # not a write failure (a dead trainer, a bug): as it is
+    for old_ckpt in list_checkpoints(run_dir)[:-keep_last]:
+        shutil.rmtree(old_ckpt.path, ignore_errors=True)
     return Checkpoint(final, step, version)
+
+
+def _write_error(run_dir: Path, step: int, tmp: Path, cause: BaseException) -> CheckpointError:
+    """What a failed save says: where, why (the errno text, or the writer's own message) and
+    which checkpoint a resume would use instead."""
+    if isinstance(cause, OSError):
+        why = cause.strerror or str(cause)
+        why = f"{cause.filename}: {why}" if cause.filename else why
+    else:
+        why = str(cause).strip().splitlines()[-1] if str(cause).strip() else type(cause).__name__
+    try:
+        previous = latest_checkpoint(run_dir)
+    except CheckpointError:
+        previous = None
+    kept = (f"the previous checkpoint ({previous.path}, step {previous.step}) is intact"
+            if previous is not None else "no earlier checkpoint exists")
+    return CheckpointError(
+        f"cannot write the checkpoint of step {step} into {tmp.parent}: {why}. Free disk space or "
+        f"make the folder writable; {kept}"
+    )
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make the rename durable (a power cut after it keeps the new name)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def restore_buffer(ckpt: Checkpoint, buffer: RolloutBuffer) -> bool:

@@ -19,6 +19,33 @@ from rollout.timeline import TIMELINE_FILE
 GROUPS_FILE = "groups.jsonl"
 
 
+def rewind(run_dir: Path, step: int) -> None:
+    """Drop the rows of steps after `step` from the run's per-step files (metrics, timeline,
+    trained groups): a run resumed from the checkpoint of `step` does those steps again, and
+    each step must be recorded once (a crash can come after a step's rows, before its
+    checkpoint). A line cut short by a crash goes too. Each file is rewritten atomically."""
+    for name in ("metrics.jsonl", TIMELINE_FILE, GROUPS_FILE):
+        path = run_dir / name
+        if not path.is_file():
+            continue
+        lines = path.read_text().splitlines()
+        keep = [line for line in lines if (s := _step_of(line)) is not None and s <= step]
+        if len(keep) == len(lines):
+            continue
+        tmp = path.with_name(f".{name}.tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        os.replace(tmp, path)
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    step = row.get("step") if isinstance(row, dict) else None
+    return step if isinstance(step, int) else None
+
+
 class Tracker:
     def __init__(self, cfg: TrackingConfig, run_dir: Path, run_name: str, config: dict[str, Any]):
         self.cfg = cfg

@@ -1,4 +1,6 @@
-"""Checkpoints: atomic, newest complete one wins, rotation, buffer with partials restored."""
+"""Checkpoints: atomic, newest complete one wins, rotation, buffer with partials restored; a full
+disk or an unwritable folder is an error naming the path and leaves the previous checkpoint
+loadable; a resumed run's per-step files are cut back to its checkpoint."""
 
 import json
 
@@ -14,8 +16,9 @@ from rlkit.checkpoint import (
     save_checkpoint,
 )
 from rlkit.config.schema import TrackingConfig
-from rlkit.tracking import Tracker
+from rlkit.tracking import Tracker, rewind
 from tests.buffers.helpers import make_buffer
+from tests.faults import make_read_only, run_with_file_size_limit
 
 
 def fake_trainer_save(path):
@@ -65,3 +68,122 @@ def test_tracker_wandb_offline_writes_a_local_run(tmp_path):
     t.log(0, {"train/loss": 1.0})
     t.close()
     assert list((tmp_path / "wandb").glob("offline-run-*"))
+
+
+def _parked_buffer():
+    buf = make_buffer(n=2)
+    (g,) = buf.acquire(1)
+    g.samples[0].start_request()
+    g.samples[0].append([1, 2, 3], [-0.1] * 3, 0)
+    buf.requeue(g)
+    return buf
+
+
+def _assert_step_1_intact(run_dir):
+    ckpt = latest_checkpoint(run_dir)
+    assert ckpt.step == 1 and (ckpt.trainer_dir / "weights.bin").read_bytes() == b"w"
+    fresh = make_buffer(n=2)
+    assert restore_buffer(ckpt, fresh)
+    (partial,) = fresh.queued(Place.PARTIAL)
+    assert partial.samples[0].response_ids == [1, 2, 3]
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_000001"]  # no leftovers
+
+
+def test_a_full_disk_names_the_path_and_keeps_the_previous_checkpoint(tmp_path):
+    save_checkpoint(tmp_path, 1, 1, fake_trainer_save, lambda p: save_buffer(_parked_buffer(), p),
+                    keep_last=2)
+    # step 2's trainer writes 1 MiB where files may not exceed 64 KiB (EFBIG, as a full disk)
+    done = run_with_file_size_limit(f"""
+        from pathlib import Path
+        from rlkit.checkpoint import CheckpointError, save_checkpoint
+        def big(path):
+            (path / "weights.bin").write_bytes(b"w" * (1 << 20))
+        try:
+            save_checkpoint(Path({str(tmp_path)!r}), 2, 2, big, None, keep_last=2)
+        except CheckpointError as e:
+            print(e)
+        else:
+            raise SystemExit("saved")
+    """, limit=64 * 1024)
+    assert done.returncode == 0, done.stdout + done.stderr
+    message = done.stdout
+    assert f"cannot write the checkpoint of step 2 into {tmp_path / 'checkpoints'}: File too large" in message
+    assert "step_000001, step 1) is intact" in message
+    _assert_step_1_intact(tmp_path)
+
+
+def test_a_full_disk_while_writing_the_buffer_names_the_buffer_file(tmp_path):
+    save_checkpoint(tmp_path, 1, 1, fake_trainer_save, lambda p: save_buffer(_parked_buffer(), p),
+                    keep_last=2)
+    done = run_with_file_size_limit(f"""
+        from pathlib import Path
+        from buffers import save_buffer
+        from rlkit.checkpoint import CheckpointError, save_checkpoint
+        from tests.buffers.helpers import make_buffer
+        import random
+        buf = make_buffer(n=2, rows=20)
+        rng = random.Random(0)
+        for g in buf.acquire(10):  # parked groups with 20k random tokens: far over the limit
+            g.samples[0].start_request()
+            g.samples[0].append([rng.randrange(50000) for _ in range(2000)], [-0.5] * 2000, 0)
+            buf.requeue(g)
+        try:
+            save_checkpoint(Path({str(tmp_path)!r}), 2, 2, lambda p: None,
+                            lambda p: save_buffer(buf, p), keep_last=2)
+        except CheckpointError as e:
+            print(e)
+        else:
+            raise SystemExit("saved")
+    """, limit=16 * 1024)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert str(tmp_path / "checkpoints" / ".step_000002.tmp" / "buffer.json.gz") in done.stdout
+    _assert_step_1_intact(tmp_path)
+
+
+def test_an_unwritable_checkpoint_folder_names_it_and_keeps_the_previous_checkpoint(tmp_path):
+    save_checkpoint(tmp_path, 1, 1, fake_trainer_save, lambda p: save_buffer(_parked_buffer(), p),
+                    keep_last=2)
+    make_read_only(tmp_path / "checkpoints")
+    try:
+        with pytest.raises(CheckpointError) as e:
+            save_checkpoint(tmp_path, 2, 2, fake_trainer_save, None, keep_last=2)
+    finally:
+        (tmp_path / "checkpoints").chmod(0o755)
+    assert "Permission denied" in str(e.value)
+    assert str(tmp_path / "checkpoints" / ".step_000002.tmp") in str(e.value)
+    _assert_step_1_intact(tmp_path)
+
+
+def test_a_writer_that_fails_otherwise_is_not_called_a_write_error(tmp_path):
+    def broken(path):
+        raise KeyError("a bug")
+
+    with pytest.raises(KeyError):
+        save_checkpoint(tmp_path, 1, 1, broken, None, keep_last=2)
+    assert list((tmp_path / "checkpoints").iterdir()) == []  # the temporary folder is gone
+
+
+def test_saving_a_step_again_replaces_it_whole(tmp_path):
+    save_checkpoint(tmp_path, 1, 1, fake_trainer_save, None, keep_last=2)
+    save_checkpoint(tmp_path, 1, 1, lambda p: (p / "other.bin").write_bytes(b"o"), None, keep_last=2)
+    ckpt = latest_checkpoint(tmp_path)
+    assert [f.name for f in ckpt.trainer_dir.iterdir()] == ["other.bin"]
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_000001"]
+
+
+def test_rewind_drops_the_rows_of_steps_after_the_checkpoint(tmp_path):
+    t = Tracker(TrackingConfig(wandb="disabled", progress=False), tmp_path, "r", {})
+    for step in (1, 2, 3):
+        t.log(step, {"train/loss": 0.5})
+        t.log_timeline(step, [{"worker": "w", "start": 0.0, "end": 1.0}], header={"round": "short"})
+        t.log_groups(step, [{"group_id": 10 * step}, {"group_id": 10 * step + 1}])
+    t.close()
+    with open(tmp_path / "groups.jsonl", "a") as f:
+        f.write('{"step": 3, "group_i')  # a line cut short by a crash
+    rewind(tmp_path, 2)
+    for name in ("metrics.jsonl", "timeline.jsonl", "groups.jsonl"):
+        steps = [json.loads(x)["step"] for x in (tmp_path / name).read_text().splitlines()]
+        assert steps and max(steps) == 2 and 1 in steps, name
+    assert len((tmp_path / "groups.jsonl").read_text().splitlines()) == 4
+    rewind(tmp_path, 0)
+    assert (tmp_path / "metrics.jsonl").read_text() == ""

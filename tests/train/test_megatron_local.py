@@ -4,6 +4,7 @@ streamed accumulation, optimisation, reference policy, checkpoints, export."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -287,3 +288,79 @@ def test_rlkit_export_turns_a_run_checkpoint_into_an_hf_folder(tiny_qwen2_dir, t
     assert read_config(tmp_path / "out")["tie_word_embeddings"] is True
     assert main(["export", str(tmp_path / "checkpoints" / "step_000001"), str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
     assert load_hf_state_dict(tmp_path / "bf16")["model.norm.weight"].dtype == torch.bfloat16
+
+
+def test_checkpoint_files_cut_short_foreign_or_unsafe_are_refused_naming_the_file(tiny_qwen2_dir, tmp_path):
+    import json
+    import shutil
+
+    from train.megatron.checkpoint import CheckpointError
+
+    a = make_trainer(tiny_qwen2_dir)
+    a.accumulate(random_batch(2, seed=8))
+    a.step()
+    a.save(tmp_path / "good")
+
+    def variant(name, change):
+        path = tmp_path / name
+        shutil.copytree(tmp_path / "good", path)
+        change(path)
+        return path
+
+    def cut(file):
+        return lambda p: (p / file).write_bytes((p / file).read_bytes()[: (p / file).stat().st_size // 2])
+
+    def meta(**kw):
+        return lambda p: (p / "meta.json").write_text(json.dumps({**json.loads((p / "meta.json").read_text()), **kw}))
+
+    class Payload:  # a pickle that would run code when loaded without weights_only
+        def __reduce__(self):
+            return (Path.touch, (tmp_path / "code-ran",))
+
+    def wrong_shape(p):
+        shard = torch.load(p / "model_tp00.pt", weights_only=True)
+        name = next(iter(shard))
+        shard[name] = shard[name][:1]
+        torch.save(shard, p / "model_tp00.pt")
+
+    cases = {
+        "model_cut": (cut("model_tp00.pt"), "model_tp00.pt: unreadable model shard, truncated"),
+        "optim_cut": (cut("optim_tp00.pt"), "optim_tp00.pt: unreadable optimizer state, truncated"),
+        "rng_cut": (cut("rng_rank0000.pt"), "rng_rank0000.pt: unreadable RNG state"),
+        "model_missing": (lambda p: (p / "model_tp00.pt").unlink(), "model_tp00.pt: missing model shard"),
+        "wrong_tp": (meta(tensor_parallel=2), "meta.json: saved with TP=2, this trainer runs TP=1"),
+        "other_model": (meta(arch={**a.arch.to_dict(), "num_layers": 3}), "meta.json: saved for a different architecture"),
+        "wrong_shape": (wrong_shape, "model_tp00.pt: does not fit this model"),
+        "unsafe": (lambda p: torch.save({"state": Payload()}, p / "optim_tp00.pt"), "optim_tp00.pt: unreadable optimizer state"),
+    }
+    b = make_trainer(tiny_qwen2_dir)
+    for name, (change, message) in cases.items():
+        path = variant(name, change)
+        with pytest.raises(CheckpointError) as e:
+            b.load(path)
+        assert f"{path}/{message}" in str(e.value), (name, str(e.value))
+    assert not (tmp_path / "code-ran").exists()  # weights_only: nothing in a file runs
+    b.load(tmp_path / "good")  # and the intact checkpoint still loads
+    assert b.step_count == 1
+
+
+def test_a_full_disk_while_saving_names_the_file_and_keeps_the_old_one(tmp_path):
+    from tests.faults import run_with_file_size_limit
+
+    file = tmp_path / "model_tp00.pt"
+    torch.save({"w": torch.ones(4)}, file)
+    done = run_with_file_size_limit(f"""
+        import torch
+        from pathlib import Path
+        from train.megatron.checkpoint import CheckpointError, _save
+        try:
+            _save({{"w": torch.zeros(1 << 20)}}, Path({str(file)!r}))
+        except CheckpointError as e:
+            print(e)
+        else:
+            raise SystemExit("saved")
+    """, limit=64 * 1024)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith(f"{file}: cannot write ("), done.stdout
+    assert torch.equal(torch.load(file, weights_only=True)["w"], torch.ones(4))
+    assert [p.name for p in tmp_path.iterdir()] == [file.name]  # no temporary file left

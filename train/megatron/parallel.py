@@ -8,6 +8,7 @@ tracker. A process holds one trainer world for its lifetime (megatron's parallel
 from __future__ import annotations
 
 import datetime
+import random
 import socket
 from dataclasses import dataclass
 
@@ -121,3 +122,9 @@ def shutdown_parallel() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def seed_everything(seed: int) -> None:
+    """Python's and torch's RNGs of this rank (megatron's CUDA tracker is seeded in init_parallel)."""
+    random.seed(seed)
+    torch.manual_seed(seed)

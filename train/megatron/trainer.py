@@ -16,7 +16,6 @@ order, therefore yields the same gradient up to float summation order.
 from __future__ import annotations
 
 import contextlib
-import random
 from collections import defaultdict
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -31,7 +30,9 @@ from train.hf_arch import ModelArch
 from train.hf_io import load_hf_state_dict, read_config, save_hf_folder
 from train.megatron.logprobs import vocab_parallel_logprobs
 from train.megatron.optimizer import build_optimizer, learning_rate
-from train.megatron.parallel import RankInfo, current_rank_info, init_single_process, resolve_device
+from train.megatron.parallel import (
+    RankInfo, current_rank_info, init_single_process, resolve_device, seed_everything,
+)
 from train.packing import PackedRows, pack_samples
 from train.protocol import Policy
 
@@ -464,7 +465,3 @@ class MegatronTrainer:
 
         load_checkpoint(self, Path(path))
 
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
