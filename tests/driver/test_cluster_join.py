@@ -43,3 +43,30 @@ def test_a_joined_cluster_keeps_running_after_the_run(monkeypatch, tmp_path):
             assert groups and all(g["state"] == "REMOVED" for g in groups)
         finally:
             ray.shutdown()
+
+
+def test_a_world_larger_than_a_node_is_packed_node_by_node(monkeypatch, tmp_path):
+    """TP 2 x DP 2 on two nodes of 2 (fake) GPUs: one STRICT_PACK group per node, each TP pair
+    inside one node; the engines' CPU bundles go where CPUs are left."""
+    import ray
+
+    nodes = [{"num_cpus": 3, "num_gpus": 2}, {"num_cpus": 3, "num_gpus": 2}]
+    with external_cluster(monkeypatch, nodes) as c:
+        recipe = load_recipe(None, [
+            f"cluster.address={c.address}", "train.device=cuda", "train.parallelism.tensor=2",
+            "train.parallelism.data=2", "rollout.engine.device=cpu", "cluster.placement_timeout_s=60",
+        ])
+        cluster = Cluster(recipe, "no-model-needed", tmp_path)
+        cluster._connect()
+        try:
+            cluster._place()
+            assert [(g.strategy, g.bundles) for g in cluster.plan.trainer] == \
+                [("STRICT_PACK", ({"CPU": 1.0, "GPU": 1.0},) * 2)] * 2
+            where = cluster.placement()
+            first, second = where["trainer"][:2], where["trainer"][2:]
+            assert len(set(first)) == len(set(second)) == 1 and first[0] != second[0]
+            assert len(where["engines"]) == 2
+            assert cluster.multi_node
+        finally:
+            cluster.shutdown()
+        assert not ray.is_initialized()
