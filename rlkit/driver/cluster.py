@@ -25,9 +25,11 @@ from rlkit.config.schema import Recipe
 from rlkit.driver.loop import Handed
 from rlkit.driver.placement import (
     WILDCARD_HOSTS,
+    ClusterJoinError,
     PlacementError,
     PlacementPlan,
     bundle,
+    check_reachable,
     is_loopback,
     local_num_cpus,
     plan_placement,
@@ -263,13 +265,14 @@ class Cluster:
             cpus = eng.num_engines * r.cluster.cpus_per_engine + world * r.cluster.cpus_per_train_worker
             ray.init(address="local", num_cpus=local_num_cpus(cpus), **common)
         else:
+            where = (f"cluster.address {r.cluster.address!r}, RAY_ADDRESS "
+                     f"{os.environ.get('RAY_ADDRESS', '')!r}")
             try:
+                # Ray waits minutes on an address where nothing listens: fail in seconds instead
+                check_reachable(address)
                 ray.init(address=address, **common)
             except Exception as e:
-                raise RuntimeError(
-                    f"cannot join the Ray cluster at {address!r} (cluster.address "
-                    f"{r.cluster.address!r}, RAY_ADDRESS {os.environ.get('RAY_ADDRESS', '')!r}): {e}"
-                ) from e
+                raise ClusterJoinError(f"cannot join the Ray cluster at {address!r} ({where}): {e}") from e
             self.joined = address
         self._connected = True
 

@@ -20,14 +20,21 @@ from __future__ import annotations
 import ipaddress
 import math
 import os
+import socket
 from dataclasses import dataclass
 from typing import Mapping, Sequence
+
+from buffers.errors import UserError
 
 Bundle = dict[str, float]
 
 
-class PlacementError(RuntimeError):
+class PlacementError(UserError, RuntimeError):
     """The cluster cannot hold the run's pieces; the message says which and what it has."""
+
+
+class ClusterJoinError(UserError, RuntimeError):
+    """The Ray cluster named by cluster.address or RAY_ADDRESS cannot be joined."""
 
 
 @dataclass(frozen=True)
@@ -126,6 +133,21 @@ def resolve_address(address: str, environ: Mapping[str, str]) -> str:
     if address == "":
         return environ.get("RAY_ADDRESS", "") or "local"
     return address
+
+
+def check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Raise ConnectionError when nothing accepts a connection at a 'host:port' or
+    'ray://host:port' address ('auto' is left to Ray)."""
+    hostport = address.removeprefix("ray://")
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        if address == "auto":
+            return
+        raise ConnectionError(f"{address!r} is not 'host:port', 'ray://host:port', 'auto' or 'local'")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ConnectionError(f"nothing accepts connections at {hostport} ({e})") from None
 
 
 def is_loopback(host: str) -> bool:

@@ -112,3 +112,19 @@ def test_cluster_section_is_typed():
         load_recipe(None, ["cluster.adress=auto"])
     with pytest.raises(RecipeError, match="cluster.cpus_per_engine"):
         load_recipe(None, ["cluster.cpus_per_engine=0"])
+
+
+def test_an_address_where_nothing_listens_fails_at_once_naming_it():
+    import socket
+
+    from rlkit.driver.placement import check_reachable
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    with pytest.raises(ConnectionError, match=f"nothing accepts connections at 127.0.0.1:{port}"):
+        check_reachable(f"ray://127.0.0.1:{port}")
+    with pytest.raises(ConnectionError, match="is not 'host:port'"):
+        check_reachable("head-node")
+    check_reachable("auto")  # Ray finds it itself
