@@ -436,7 +436,8 @@ def _advertised(url: str, node_address: str) -> str:
     """An engine bound to every interface is reached at its node's address."""
     parts = urlsplit(url)
     if parts.hostname in WILDCARD_HOSTS and node_address:
-        return urlunsplit(parts._replace(netloc=f"{node_address}:{parts.port}"))
+        host = f"[{node_address}]" if ":" in node_address else node_address  # IPv6
+        return urlunsplit(parts._replace(netloc=f"{host}:{parts.port}"))
     return url
 
 

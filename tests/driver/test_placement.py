@@ -103,6 +103,7 @@ def test_loopback_hosts():
 def test_an_engine_bound_to_every_interface_is_reached_at_its_node_address():
     assert _advertised("http://0.0.0.0:4321", "10.0.0.7") == "http://10.0.0.7:4321"
     assert _advertised("http://10.0.0.7:4321", "10.0.0.8") == "http://10.0.0.7:4321"
+    assert _advertised("http://[::]:4321", "fd00::7") == "http://[fd00::7]:4321"
 
 
 def test_cluster_section_is_typed():
