@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import secrets
 from pathlib import Path
 from typing import Any
@@ -522,6 +523,7 @@ class RayTrainerBox:
                 who = f"trainer rank {rank}" + (f" (pid {pid})" if pid else "")
         for w in self.group.workers:  # the others cannot finish a collective without it
             _quietly(lambda w=w: ray.kill(w))
-        lines = [x.strip() for x in str(e).splitlines() if x.strip()]
-        reason = lines[-1][:300] if lines else type(e).__name__
+        exit_type = re.search(r"Worker exit type: (\w+)", str(e))
+        reason = (f"its process is gone, Ray's exit type {exit_type.group(1)}: killed, out of "
+                  "memory or crashed" if exit_type else str(e).strip().split("\n")[0][:200])
         return TrainerDied(f"{who} died during {what} ({reason})")

@@ -1,4 +1,11 @@
-"""`rlkit train`: start the pieces through Ray, run the mode's loop, shut everything down."""
+"""`rlkit train`: start the pieces through Ray, run the mode's loop, shut everything down.
+
+Whatever ends the run (the last step, Ctrl-C, a bad input, a trainer process killed mid-step),
+every process of it is stopped before `train` returns or raises. A run continued with
+`run.resume: auto` starts from its newest checkpoint: the trainer's state and the buffer's
+(partial groups, long queue, data position), and the run's per-step files are cut back to that
+step, so the steps redone after a crash are recorded once.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +15,11 @@ from pathlib import Path
 
 import yaml
 
-from rlkit.checkpoint import resume_point
+from rlkit.checkpoint import Checkpoint, latest_checkpoint, resume_point
 from rlkit.config.schema import Recipe
 from rlkit.driver.loop import LoopState, Run, finish_step
 from rlkit.driver.modes import MODES
-from rlkit.tracking import Tracker
+from rlkit.tracking import Tracker, rewind
 
 
 def run_dir_of(recipe: Recipe) -> Path:
@@ -20,12 +27,14 @@ def run_dir_of(recipe: Recipe) -> Path:
 
 
 def train(recipe: Recipe) -> LoopState:
-    from rlkit.demo_models import resolve_model_path
-    from rlkit.driver.cluster import Cluster, RayRolloutBox, RayTrainerBox
+    from rollout.demo_models import resolve_model_path
+    from rlkit.driver.cluster import Cluster, RayRolloutBox, RayTrainerBox, TrainerDied
 
     run_dir = run_dir_of(recipe)
     ckpt = resume_point(run_dir, recipe.run.resume)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if recipe.run.resume == "auto":  # rows of steps after the checkpoint are redone: drop them
+        rewind(run_dir, ckpt.step if ckpt is not None else 0)
     (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
     model_path = resolve_model_path(recipe.model.path)
 
@@ -33,6 +42,7 @@ def train(recipe: Recipe) -> LoopState:
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     tracker = Tracker(recipe.tracking, run_dir, recipe.run.name, recipe.model_dump(mode="json"))
     cluster = Cluster(recipe, model_path, run_dir)
+    state = LoopState(step=ckpt.step, version=ckpt.version) if ckpt is not None else LoopState()
     try:
         cluster.start()
 
@@ -41,12 +51,10 @@ def train(recipe: Recipe) -> LoopState:
 
         box = RayRolloutBox(cluster.rollout_actor, on_progress=on_progress if recipe.tracking.progress else None)
         trainer = RayTrainerBox(cluster.trainer, recipe, cluster.engine_urls, run_dir)
-        state = LoopState()
         if ckpt is not None:
             cluster.trainer.load(ckpt.trainer_dir)
             if ckpt.buffer_file.is_file():
                 box.load(str(ckpt.buffer_file))
-            state = LoopState(step=ckpt.step, version=ckpt.version)
         run = Run(box, trainer, recipe.run.num_steps, recipe.rollout.batch_size,
                   finish_step(recipe, tracker, box, trainer, run_dir), state)
 
@@ -56,10 +64,25 @@ def train(recipe: Recipe) -> LoopState:
             return await MODES[recipe.mode](run)
 
         return asyncio.run(main())
+    except TrainerDied as e:
+        raise TrainerDied(_died_message(str(e), state.step + 1, recipe, latest_checkpoint(run_dir))) from None
     finally:
         tracker.close()
         cluster.shutdown()
         signal.signal(signal.SIGTERM, previous)
+
+
+def _died_message(what: str, step: int, recipe: Recipe, ckpt: Checkpoint | None) -> str:
+    """Which piece died, at which step, and how the run continues."""
+    again = ("run the same command again (run.resume=auto)" if recipe.run.resume == "auto"
+             else "run it again with run.resume=auto")
+    if ckpt is not None:
+        how = f"{again} to continue from the checkpoint of step {ckpt.step} ({ckpt.path})"
+        if ckpt.buffer_file.is_file():
+            how += ", with its buffered partial groups and long queue"
+    else:
+        how = f"no checkpoint was written yet: {again} to start over from step 0"
+    return f"{what}, in step {step} of {recipe.run.num_steps}. The run stopped (all its processes); {how}"
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
