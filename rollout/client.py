@@ -28,6 +28,7 @@ from typing import Any, Iterable, Sequence
 import aiohttp
 
 from buffers.sample import Sample, SampleError, SampleStatus
+from rollout.auth import auth_headers, control_token_from_env
 from rollout.config import SamplingConfig
 from rollout.engine_api import EngineError
 from rollout.protocol import (
@@ -114,6 +115,9 @@ class EngineClient:
     abort_timeout_s: float = 120.0
     sock_read_timeout_s: float = 3600.0  # longest silence tolerated inside one generation
     max_connections: int = 0  # 0: unlimited (the router is the throttle, not this client)
+    # The run's control token (rollout.auth), sent as `Authorization: Bearer` on every request:
+    # engines and the router guard their control endpoints with it. Default: $RLKIT_CONTROL_TOKEN.
+    control_token: str | None = field(default_factory=control_token_from_env)
 
     def __post_init__(self) -> None:
         if self.router_url is None and not self.worker_urls:
@@ -131,6 +135,7 @@ class EngineClient:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=self.max_connections, force_close=False),
                 timeout=aiohttp.ClientTimeout(total=None),
+                headers=auth_headers(self.control_token),
             )
         if not self._workers:
             await self.refresh_workers()

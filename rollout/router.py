@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from buffers.errors import UserError
+from rollout.auth import ControlTokenMissing, auth_headers, check_bind, control_token_from_env
 from rollout.engines.config import RouterConfig
 from rollout.engines.process import (
     ManagedProcess,
@@ -50,10 +51,11 @@ class RouterWorker:
 
 
 def _request(method: str, url: str, body: dict[str, Any] | None = None,
-             timeout: float = 10.0) -> tuple[int, Any]:
+             timeout: float = 10.0, token: str | None = None) -> tuple[int, Any]:
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json",
+                                          **auth_headers(token)})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             raw = r.read()
@@ -77,6 +79,9 @@ class Router:
         self.process: ManagedProcess | None = None
         self.port: int | None = None
         self.prometheus_port: int | None = None
+        # With the run's control token, the router's control plane (/workers, /flush_cache)
+        # answers 401 without it (--control-plane-api-keys); /generate and /health stay open.
+        self.control_token = control_token_from_env()
 
     # -- lifecycle ----------------------------------------------------------------------------
     @property
@@ -103,7 +108,11 @@ class Router:
             argv.append("--disable-circuit-breaker")
         if worker_urls:
             argv += ["--worker-urls", *worker_urls]
-        return argv + list(c.extra_args)
+        argv += list(c.extra_args)
+        if self.control_token is not None:  # the key joins the arguments inside the process
+            argv[1:3] = ["-m", "rollout.token_exec", "--control-plane-api-keys",
+                         "rlkit:rlkit:admin:{token}", "sglang_router.launch_router"]
+        return argv
 
     def start(self, worker_urls: Sequence[str] = (), *, wait_for_workers: bool = True) -> str:
         """Start the router in front of `worker_urls`; return its URL once /health answers
@@ -113,6 +122,10 @@ class Router:
         if importlib.util.find_spec("sglang_router") is None:
             raise RouterError("sglang-router is not installed (`pip install sglang-router==0.3.2`)")
         host, c = self.config.host, self.config
+        try:
+            check_bind(host, self.control_token, "the sglang-router")
+        except ControlTokenMissing as e:
+            raise RouterError(str(e)) from None
         for port, what in ((c.port, "port"), (c.prometheus_port, "prometheus_port")):
             if port and not port_is_free(host, port):
                 raise RouterError(f"router {what} {port} on {host} is already in use")
@@ -156,7 +169,7 @@ class Router:
 
     # -- workers ------------------------------------------------------------------------------
     def list_workers(self) -> list[RouterWorker]:
-        status, body = _request("GET", f"{self.url}/workers")
+        status, body = _request("GET", f"{self.url}/workers", token=self.control_token)
         if status != 200 or not isinstance(body, dict):
             raise RouterError(f"GET {self.url}/workers answered {status}: {body}")
         return [
@@ -170,7 +183,8 @@ class Router:
         url = url.rstrip("/")
         if not http_ok(f"{url}/health"):
             raise RouterError(f"worker {url} does not answer /health; not registering it")
-        status, body = _request("POST", f"{self.url}/workers", {"url": url})
+        status, body = _request("POST", f"{self.url}/workers", {"url": url},
+                                token=self.control_token)
         if status not in (200, 201, 202):
             raise RouterError(f"router refused worker {url}: HTTP {status} {body}")
         return self._wait_listed(url, timeout_s or self.config.startup_timeout_s).id
@@ -181,7 +195,8 @@ class Router:
         match = [w for w in self.list_workers() if target in (w.id, w.url)]
         if not match:
             raise RouterError(f"no worker {url_or_id!r} at the router {self.url}")
-        status, body = _request("DELETE", f"{self.url}/workers/{match[0].id}")
+        status, body = _request("DELETE", f"{self.url}/workers/{match[0].id}",
+                                token=self.control_token)
         if status not in (200, 202, 204):
             raise RouterError(f"router refused to remove {url_or_id}: HTTP {status} {body}")
         deadline = time.monotonic() + timeout_s

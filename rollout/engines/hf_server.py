@@ -8,7 +8,9 @@ SGLang: this one is only the HTTP layer (validation with `rollout.protocol`, tok
 prompts, streaming, turning control calls into commands); the engine core process
 (engine_core.py) owns the model and runs the continuous-batching decoder, so neither steals
 the other's core. Every answer carries `weight_version`. A bad request gets a 4xx JSON error
-in SGLang's shape; an unexpected error gets a 500; neither stops the server.
+in SGLang's shape; an unexpected error gets a 500; neither stops the server. With a control
+token ($RLKIT_CONTROL_TOKEN, read at start) the control endpoints need `Authorization: Bearer
+<token>`; bound beyond loopback, the server refuses to start without one (rollout.auth).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 from pydantic import ValidationError
 
+from rollout.auth import (CONTROL_PATHS, CONTROL_TOKEN_ENV, ControlTokenMissing, check_authorization,
+                          check_bind, control_token_from_env)
 from rollout.engines.requests import DecodeParams
 from rollout.engines.core_client import CoreDied, CoreError, CoreRefused, EngineCoreClient, RemoteRequest
 from rollout.engines.detokenizer import IncrementalDetokenizer, load_tokenizer
@@ -91,6 +95,23 @@ async def _errors_middleware(request: web.Request, handler: Callable[[web.Reques
         return _error(f"internal error on {request.path}: {type(e).__name__}: {e}", 500)
 
 
+def _auth_middleware(token: str | None) -> Any:
+    """With a control token, the control endpoints (rollout.auth.CONTROL_PATHS) answer 401
+    without `Authorization: Bearer <token>` and 403 with another token; the rest stays open."""
+
+    @web.middleware
+    async def auth(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        if token is not None and request.path in CONTROL_PATHS:
+            status = check_authorization(request.headers.get("Authorization"), token)
+            if status is not None:
+                what = "missing" if status == 401 else "wrong"
+                return _error(f"{request.path} is a control endpoint: {what} control token "
+                              f"(send Authorization: Bearer ${CONTROL_TOKEN_ENV})", status)
+        return await handler(request)
+
+    return auth
+
+
 class _IgnoreHttp2Probes(logging.Filter):
     """sglang-router probes workers with HTTP/2 prior knowledge first; aiohttp logs each probe
     as an error ('Pause on PRI/Upgrade') before the router falls back to HTTP/1.1."""
@@ -121,6 +142,7 @@ class EngineServer:
         ))
         self.weight_version = args.weight_version  # mirrors the core's (set only through it)
         self.update_session_open = False
+        self.control_token = control_token_from_env()  # read once, at start (rollout.auth)
         self.public_url = ""  # set once bound; sent as X-Engine-Url so clients behind the
         # router can tell which worker served them (the router passes worker headers through)
 
@@ -133,7 +155,8 @@ class EngineServer:
         return int(self.core.info["context_length"])
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[_errors_middleware], client_max_size=1 << 30)
+        app = web.Application(middlewares=[_auth_middleware(self.control_token), _errors_middleware],
+                              client_max_size=1 << 30)
         r = app.router
         for path in ("/health", "/health_generate"):
             r.add_get(path, self.health)
@@ -256,6 +279,10 @@ class EngineServer:
         if req.top_logprobs_num:
             raise RequestError(f"top_logprobs_num is not supported by the {ENGINE_NAME} engine")
         if req.text is not None:
+            try:  # JSON may carry lone surrogates ("\ud800"), which no tokenizer takes
+                req.text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise RequestError(f"text is not valid Unicode ({e.reason} at {e.start})") from None
             input_ids = self.tokenizer.encode(req.text)
             if not input_ids:
                 raise RequestError("text tokenizes to no tokens")
@@ -265,6 +292,8 @@ class EngineServer:
         if too_big:
             raise RequestError(f"input_ids contains token id {too_big[0]} outside the vocabulary "
                                f"(size {self.vocab_size})")
+        if "" in sp.stop_strings():  # it would match before the first token
+            raise RequestError("stop contains an empty string")
         bad_stop = [t for t in (sp.stop_token_ids or []) if not 0 <= t < self.vocab_size]
         if bad_stop:
             raise RequestError(f"stop_token_ids contains {bad_stop[0]}, outside the vocabulary")
@@ -287,7 +316,10 @@ class EngineServer:
             raise RequestError(f"a request with rid {rid!r} is already running")
         params = DecodeParams(
             max_new_tokens=max_new, min_new_tokens=sp.min_new_tokens,
-            temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
+            temperature=sp.temperature, top_p=sp.top_p, min_p=sp.min_p,
+            # top_k >= vocab keeps every token, as off does; the core puts it in an int64 tensor,
+            # where a huge value (the fuzzer sent 2**70) crashed it for every later request
+            top_k=sp.top_k if sp.top_k < self.vocab_size else -1,
             stop_token_ids=frozenset(sp.stop_token_ids or ()),
             stop_strings=tuple(sp.stop_strings()), ignore_eos=sp.ignore_eos,
             seed=sp.sampling_seed,
@@ -556,6 +588,11 @@ async def _serve(server: EngineServer, host: str, port: int, port_file: str | No
 
 def main(argv: list[str] | None = None) -> int:
     args = build_arg_parser().parse_args(argv)
+    try:  # before loading anything: a refused start should be quick and plain
+        check_bind(args.host, control_token_from_env(), f"the {ENGINE_NAME} engine server")
+    except ControlTokenMissing as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("aiohttp.server").addFilter(_IgnoreHttp2Probes())
     server = EngineServer(args)

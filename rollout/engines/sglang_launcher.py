@@ -5,7 +5,9 @@ unchanged ({"mem_fraction_static": 0.8} -> `--mem-fraction-static 0.8`, True -> 
 False/None -> omitted, a list -> repeated values). Each server gets its own GPUs through
 `--base-gpu-id`, its own port, and is polled on /health_generate (a real one-token generation)
 before it counts as up. Where sglang is not installed this fails with a clear error instead of
-an ImportError deep in a subprocess.
+an ImportError deep in a subprocess. With a control token ($RLKIT_CONTROL_TOKEN) SGLang gets it
+as its admin key (`sglang_auth_flag`), added inside the process (rollout.token_exec), never on
+the command line; beyond loopback without a token a server is not started.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from buffers.errors import UserError
+from rollout.auth import ControlTokenMissing, check_bind, control_token_from_env
 from rollout.engines.config import EngineConfig
 from rollout.engines.process import ManagedProcess, ProcessStartError, free_port, spawn
 
@@ -77,13 +80,37 @@ def sglang_server_argv(model_path: str, config: EngineConfig, *, index: int, por
     if clashes:
         raise ValueError(f"rollout.engine.sglang_args sets {clashes}, which rlkit derives from "
                          "other engine fields; set those fields instead")
-    return argv + passthrough_args(config.sglang_args)
+    argv += passthrough_args(config.sglang_args)
+    if control_token_from_env() is not None:  # the key joins the arguments inside the process
+        argv[1:3] = ["-m", "rollout.token_exec", sglang_auth_flag(), "{token}",
+                     "sglang.launch_server"]
+    return argv
+
+
+def sglang_auth_flag() -> str:
+    """How the installed SGLang takes the control token. '--admin-api-key' where it has one
+    (sglang/srt/utils/auth.py: weight updates, abort, pause/continue, flush_cache and the other
+    admin endpoints need `Bearer <key>`; /generate, /health*, /metrics stay open); else
+    '--api-key' (older SGLang: every endpoint but /health* and /metrics needs it, /generate
+    included; rlkit's client sends it on every request, and sglang-router 0.3.2 passes the
+    client's Authorization header through on /generate). Read from the source, not by importing
+    sglang (a slow, GPU-initialising import)."""
+    spec = importlib.util.find_spec("sglang")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        server_args = Path(root) / "srt" / "server_args.py"
+        if server_args.is_file() and "admin_api_key" in server_args.read_text(errors="replace"):
+            return "--admin-api-key"
+    return "--api-key"
 
 
 def start_sglang_server(model_path: str, config: EngineConfig, *, index: int,
                         log_path: Path | None = None) -> ManagedProcess:
     """Start SGLang server `index` and wait until it generates."""
     require_sglang()
+    try:
+        check_bind(config.host, control_token_from_env(), f"SGLang server {index}")
+    except ControlTokenMissing as e:
+        raise ProcessStartError(str(e)) from None
     port = free_port(config.host)
     argv = sglang_server_argv(model_path, config, index=index, port=port)
     proc = spawn(f"sglang-{index}", argv, log_path=log_path)

@@ -13,6 +13,8 @@ import urllib.error
 import urllib.request
 from typing import Any, Protocol, Sequence
 
+from buffers.control_token import auth_headers, control_token_from_env
+
 
 class EngineControlError(RuntimeError):
     """An engine refused or failed a control call."""
@@ -41,15 +43,19 @@ class EngineControl(Protocol):
 
 
 class HttpEngineControl:
-    def __init__(self, url: str, timeout_s: float = 600.0) -> None:
+    """`control_token`: the run's control token (rollout.auth), sent as `Authorization: Bearer`
+    on every call; default $RLKIT_CONTROL_TOKEN."""
+
+    def __init__(self, url: str, timeout_s: float = 600.0, control_token: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
+        self.control_token = control_token if control_token is not None else control_token_from_env()
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         req = urllib.request.Request(
             self.url + path,
             data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
+            headers={"Content-Type": "application/json", **auth_headers(self.control_token)},
             method="POST",
         )
         try:

@@ -1,0 +1,32 @@
+"""Control-token checks of rlkit's servers: the contract lives in buffers.control_token (the
+trainer side needs it too); this adds which endpoints of the built-in engine server it guards."""
+
+from __future__ import annotations
+
+from buffers.control_token import (  # noqa: F401 - re-exported: the rollout side's one import
+    CONTROL_TOKEN_ENV,
+    ControlTokenMissing,
+    auth_headers,
+    check_authorization,
+    check_bind,
+    control_token_from_env,
+    is_loopback,
+)
+
+# Built-in engine server endpoints that change server state (SGLang's names). The router's own
+# state-changing endpoints (/workers, /flush_cache) are guarded by the router itself
+# (--control-plane-api-keys, rollout.router).
+CONTROL_PATHS = frozenset({
+    "/abort_request",
+    "/pause_generation",
+    "/continue_generation",
+    "/flush_cache",
+    "/update_weights_from_disk",
+    "/init_weights_update_group",
+    "/destroy_weights_update_group",
+    "/begin_weight_update",
+    "/end_weight_update",
+    "/update_weights_from_distributed",
+    "/update_weight_version",
+    "/rlkit/decode_stats",  # ?reset=1 clears the counters a benchmark reads
+})
