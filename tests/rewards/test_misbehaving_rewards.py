@@ -124,7 +124,9 @@ async def test_hung_rewards_in_processes_are_killed_at_the_timeout_and_starve_no
     assert results == [False] * 8 and sched.failures == {"timeout": 8}
     assert all("timed out after 2.0 s" in g.samples[0].error for g in hung)
     assert time.monotonic() - t0 < SLACK_S
-    assert runner.killed == len(procs) == 2  # the two that got a worker; the rest waited
+    # the two that got a worker first (a waiter woken as a slot frees, just before its own
+    # timeout fires, may start one more): every worker started was killed, none is left
+    assert runner.killed == len(procs) >= 2
     assert all(p.proc.poll() is not None for p in procs)  # killed, reaped
     assert await asyncio.wait_for(asyncio.to_thread(lambda: 42), SLACK_S) == 42
     good = group_with("ok")
