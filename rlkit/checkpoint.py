@@ -162,4 +162,25 @@ def resume_point(run_dir: Path, resume: str) -> Checkpoint | None:
             f"{run_dir} already has checkpoints (newest: step {ckpt.step}); set run.resume=auto "
             "to continue it, or choose another run.name"
         )
-    return ckpt if resume == "auto" else None
+    if resume != "auto":
+        return None
+    if ckpt is not None:
+        _check_parts_agree(ckpt)
+    return ckpt
+
+
+def _check_parts_agree(ckpt: Checkpoint) -> None:
+    """The trainer state inside a checkpoint is the one its state.json describes (a folder put
+    together from two checkpoints would resume weights of one step with the data of another)."""
+    meta_file = ckpt.trainer_dir / "meta.json"
+    if not meta_file.is_file():
+        return  # the trainer's own load names what is missing
+    try:
+        version = json.loads(meta_file.read_text())["version"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{meta_file}: unreadable trainer checkpoint metadata ({e})") from None
+    if version != ckpt.version:
+        raise CheckpointError(
+            f"{meta_file}: trainer weights of policy version {version}, but {ckpt.path / STATE} "
+            f"says version {ckpt.version}: the folder mixes two checkpoints"
+        )

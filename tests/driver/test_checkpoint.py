@@ -187,3 +187,15 @@ def test_rewind_drops_the_rows_of_steps_after_the_checkpoint(tmp_path):
     assert len((tmp_path / "groups.jsonl").read_text().splitlines()) == 4
     rewind(tmp_path, 0)
     assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_a_checkpoint_whose_trainer_state_is_from_another_step_is_refused(tmp_path):
+    def trainer_of_version(v):
+        return lambda path: (path / "meta.json").write_text(json.dumps({"version": v}))
+
+    save_checkpoint(tmp_path, 2, 2, trainer_of_version(2), None, keep_last=2)
+    assert resume_point(tmp_path, "auto").step == 2
+    save_checkpoint(tmp_path, 3, 3, trainer_of_version(2), None, keep_last=2)
+    with pytest.raises(CheckpointError, match=r"step_000003/trainer/meta.json: trainer weights of "
+                                              r"policy version 2, but .*step_000003/state.json says version 3"):
+        resume_point(tmp_path, "auto")
