@@ -35,7 +35,7 @@ import threading
 import time
 import warnings
 from collections import Counter, deque
-from typing import Any, AsyncIterator, Collection, Iterator, NamedTuple
+from typing import Any, AsyncIterator, Collection, Iterator, NamedTuple, Sequence
 
 from buffers.errors import UserError
 from buffers.group import Group, Lane, PromptRecord
@@ -366,6 +366,23 @@ class RolloutBuffer:
         with self._lock:
             k = min(n, len(self._ready))
             return [self._hand_to_trainer(self._ready.popleft()) for _ in range(k)]
+
+    def untake(self, groups: Sequence[Group]) -> None:
+        """Groups handed out (take, stream) that no trainer trained, because the run stopped in
+        the middle of a step, go back to the front of the ready queue in their order and no
+        longer count as trained: a checkpoint written now keeps them."""
+        with self._ready_cond:
+            if len({g.group_id for g in groups}) != len(groups):
+                raise BufferError("untake: a group is given back twice")
+            for g in groups:
+                if g.group_id in self._place:
+                    raise BufferError(f"untake: group {g.group_id} is still in the buffer "
+                                      f"({self._place[g.group_id].value})")
+            for g in reversed(groups):
+                self._move(g, Place.READY)
+                self._ready.appendleft(g)
+                self._counts["trained"] -= 1
+            self._wake_consumers()
 
     async def stream(self, n: int) -> AsyncIterator[Group]:
         """Yield n groups, each as soon as it is ready. Several consumers may stream at once:

@@ -30,7 +30,7 @@ import aiohttp
 from buffers.sample import Sample, SampleError, SampleStatus
 from rollout.auth import auth_headers, control_token_from_env
 from rollout.config import SamplingConfig
-from rollout.engine_api import EngineError
+from rollout.engine_api import EngineError, WorkerLost
 from rollout.protocol import (
     ENGINE_URL_HEADER,
     LOADS_PATHS,
@@ -95,6 +95,8 @@ class _Inflight:
     aborted: bool = False  # this client aborted it: never re-submit
     tokens: int = 0  # tokens appended to the sample by this attempt
     served_by: str | None = None  # the worker, when the answer says (X-Engine-Url)
+    task: asyncio.Task | None = None  # the task awaiting it (abort_worker cancels it)
+    lost: str | None = None  # abort_worker ended it: the worker declared lost
 
 
 # An abort lands within a decode step: the first load check comes this soon after it, then the
@@ -115,6 +117,9 @@ class EngineClient:
     abort_timeout_s: float = 120.0
     sock_read_timeout_s: float = 3600.0  # longest silence tolerated inside one generation
     max_connections: int = 0  # 0: unlimited (the router is the throttle, not this client)
+    # Registers and unregisters workers at the router (rollout.router.Router: add_worker /
+    # remove_worker, blocking); None: remove/add_worker change only this client's list.
+    router_admin: Any = None
     # The run's control token (rollout.auth), sent as `Authorization: Bearer` on every request:
     # engines and the router guard their control endpoints with it. Default: $RLKIT_CONTROL_TOKEN.
     control_token: str | None = field(default_factory=control_token_from_env)
@@ -270,7 +275,7 @@ class EngineClient:
                     return worker
             rid = uuid.uuid4().hex
             sample.metadata["rid"] = rid
-            flight = _Inflight(rid=rid, url=base)
+            flight = _Inflight(rid=rid, url=base, task=asyncio.current_task())
             self._inflight[rid] = flight
             try:
                 outcome = await self._generate_once(sample, sampling, max_new_tokens, version,
@@ -279,6 +284,9 @@ class EngineClient:
                 # Closing the connection makes the router (or the engine) drop the request.
                 flight.aborted = True
                 sample.interrupt()
+                task = asyncio.current_task()
+                if flight.lost is not None and task is not None and task.uncancel() == 0:
+                    raise WorkerLost(flight.lost) from None  # our cancel (abort_worker) alone
                 raise
             finally:
                 self._inflight.pop(rid, None)
@@ -289,7 +297,8 @@ class EngineClient:
                 sample.interrupt()
                 return worker or flight.served_by
         sample.interrupt()
-        raise EngineError(f"/generate at {base} failed after {policy.attempts} attempt(s): {last}")
+        raise EngineError(f"/generate at {base} failed after {policy.attempts} attempt(s): {last}",
+                          worker)
 
     async def _generate_once(self, sample: Sample, sampling: SamplingConfig, max_new_tokens: int,
                              version: int, flight: _Inflight) -> str | None:
@@ -327,7 +336,8 @@ class EngineClient:
                 return f"{type(e).__name__}: {e}"
             sample.interrupt()
             raise EngineError(f"/generate at {flight.url} (rid {flight.rid}) broke after tokens "
-                              f"arrived: {type(e).__name__}: {e}") from None
+                              f"arrived: {type(e).__name__}: {e}",
+                              flight.served_by or _worker_of(flight, self.router_url)) from None
 
     async def _consume_stream(self, resp: aiohttp.ClientResponse, sample: Sample, version: int,
                               flight: _Inflight) -> str | None:
@@ -350,7 +360,8 @@ class EngineClient:
         if flight.tokens == 0:
             return "stream closed before any token"
         raise EngineError(f"/generate stream from {flight.url} (rid {flight.rid}) ended without a "
-                          f"finish reason after {received} tokens")
+                          f"finish reason after {received} tokens",
+                          flight.served_by or _worker_of(flight, self.router_url))
 
     def _apply_chunk(self, sample: Sample, payload: Any, received: int, version: int,
                      flight: _Inflight) -> int:
@@ -419,9 +430,15 @@ class EngineClient:
         deadline = loop.time() + self.abort_timeout_s
         delay = ABORT_POLL_FIRST_S
         while True:
-            await self._call("POST", worker, "/abort_request", {"rid": "", "abort_all": True},
-                             policy="abort")
-            left = await self.worker_load(worker)
+            try:
+                await self._call("POST", worker, "/abort_request", {"rid": "", "abort_all": True},
+                                 policy="abort")
+                left = await self.worker_load(worker)
+            except EngineError as e:
+                if worker not in self._workers:
+                    return  # lost meanwhile (rollout.health): abort_worker ended our requests
+                e.worker = worker
+                raise
             if left == 0:
                 return
             if loop.time() > deadline:
@@ -442,6 +459,52 @@ class EngineClient:
     async def loads(self) -> dict[str, int]:
         counts = await asyncio.gather(*(self.worker_load(w) for w in self._workers))
         return dict(zip(self._workers, counts))
+
+    # -- Engines: faults (rollout.health) ---------------------------------------------------------
+    async def probe(self, worker: str, timeout_s: float) -> str | None:
+        """A one-token /generate sent straight to `worker` (an engine can answer /health with
+        a stuck scheduler). None when it answered in time."""
+        body = GenerateRequest(input_ids=[0], sampling_params=SamplingParams(max_new_tokens=1),
+                               rid=f"probe-{uuid.uuid4().hex}", stream=False).payload()
+        try:
+            async with self.session.post(f"{worker}/generate", json=body,
+                                         timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                payload = await _read_body(resp)
+                if resp.status != 200:
+                    return f"HTTP {resp.status}: {error_message(payload) or payload}"
+                return None
+        except asyncio.TimeoutError:
+            return f"timeout: no answer from {worker} in {timeout_s:g} s"
+        except aiohttp.ClientError as e:
+            return f"{type(e).__name__}: {e}"
+
+    async def abort_worker(self, worker: str) -> int:
+        """End (client side) every request that is or may be on `worker`: those it serves, and
+        those the router has not answered yet (a hung engine never does). The router closes
+        the upstream request when the connection closes."""
+        ended = 0
+        for flight in list(self._inflight.values()):
+            if flight.aborted or flight.task is None or flight.task.done():
+                continue
+            if _worker_of(flight, self.router_url) in (worker, None):
+                flight.lost = worker
+                flight.task.cancel()
+                ended += 1
+        return ended
+
+    async def remove_worker(self, worker: str) -> None:
+        worker = worker.rstrip("/")
+        if worker in self._workers:
+            self._workers.remove(worker)
+        if self.router_admin is not None:
+            await asyncio.to_thread(self.router_admin.remove_worker, worker)
+
+    async def add_worker(self, worker: str) -> None:
+        worker = worker.rstrip("/")
+        if self.router_admin is not None:
+            await asyncio.to_thread(self.router_admin.add_worker, worker)
+        if worker not in self._workers:
+            self._workers.append(worker)
 
     # -- control ----------------------------------------------------------------------------------
     async def health(self) -> dict[str, bool]:
@@ -526,6 +589,14 @@ class EngineClient:
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
         return await self._fanout("POST", "/destroy_weights_update_group",
                                   {"group_name": group_name}, policy="weights")
+
+
+def _worker_of(flight: _Inflight, router_url: str | None) -> str | None:
+    """The worker a request is on: the one it was sent to, or the one the answer named; None
+    while the router has not answered."""
+    if flight.url != router_url:
+        return flight.url
+    return flight.served_by.rstrip("/") if flight.served_by else None
 
 
 async def _read_body(resp: aiohttp.ClientResponse) -> Any:

@@ -27,14 +27,18 @@ import logging
 from collections import Counter
 from typing import Any, Protocol
 
+from buffers.errors import UserError
 from rollout.config import HealthConfig
 from rollout.engine_api import EngineError, Engines
 
 log = logging.getLogger(__name__)
 
 
-class EnginesDown(EngineError):
-    """No engine serves and none can be brought back: the run stops (its groups parked)."""
+class EnginesDown(EngineError, UserError):
+    """No engine serves and none can be brought back: the run stops (its groups parked) and
+    can be resumed, hence a UserError (its message, no traceback)."""
+
+    exit_code = 1  # not bad input: the run failed, and can be resumed
 
 
 class Restarter(Protocol):

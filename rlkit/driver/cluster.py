@@ -66,10 +66,20 @@ class EngineActor:
             import ray
 
             engine = {**engine, "host": ray.util.get_node_ip_address()}
-        self.proc = start_engine(model_path, EngineConfig.model_validate(engine), index, Path(log_dir))
+        self.args = (model_path, EngineConfig.model_validate(engine), index, Path(log_dir))
+        self.proc = start_engine(*self.args)
 
     def url(self) -> str:
         return self.proc.url  # type: ignore[return-value]
+
+    def restart(self) -> str:
+        """Kill what is left of the engine (a hung, stopped process too: SIGKILL to its process
+        group) and start it again, in this actor's bundle; its new URL once healthy."""
+        from rollout.engines.fleet import start_engine
+
+        self.proc.kill()
+        self.proc = start_engine(*self.args)
+        return self.url()
 
     def stop(self) -> None:
         self.proc.stop()
@@ -113,8 +123,9 @@ class RolloutActor:
         self.group_filter = load_group_filter(r.rollout.filter)
         self.ranker = load_ranker(r.rollout.ranker)
 
-    async def start(self, engine_urls: list[str]) -> None:
-        """Start the router in front of the engines and the rollout service over them."""
+    async def start(self, engine_urls: list[str], engine_actors: list[Any] = ()) -> None:
+        """Start the router in front of the engines and the rollout service over them; a lost
+        engine is restarted by its EngineActor (`engine_actors`, in the order of the URLs)."""
         from rollout.client import EngineClient
         from rollout.router import Router
 
@@ -122,9 +133,11 @@ class RolloutActor:
         r = self.recipe
         self.router = Router(r.rollout.router, log_path=self.log_dir / "router.log")
         router_url = await asyncio.to_thread(self.router.start, engine_urls)
-        self.client = await EngineClient(router_url, worker_urls=engine_urls).connect()
+        self.client = await EngineClient(router_url, worker_urls=engine_urls,
+                                         router_admin=self.router).connect()
+        restarter = ActorRestarter(dict(zip(engine_urls, engine_actors))) if engine_actors else None
         self.service = RolloutService.from_config(r.rollout, self.source, self.client, self.score,
-                                                  self.group_filter, self.ranker)
+                                                  self.group_filter, self.ranker, restarter)
 
     async def run_step(self, version: int, for_version: int, final: bool) -> StepResult:
         assert self.service is not None
@@ -153,6 +166,18 @@ class RolloutActor:
         assert self.service is not None
         self.service.set_version(version)
 
+    def engine_set(self) -> tuple[list[str], list[str]]:
+        assert self.service is not None
+        return self.service.engine_set()
+
+    async def admit_engines(self, urls: list[str]) -> None:
+        assert self.service is not None
+        await self.service.admit_engines(urls)
+
+    def give_back_untrained(self) -> int:
+        assert self.service is not None
+        return self.service.give_back_untrained()
+
     def save(self, path: str) -> None:
         assert self.service is not None
         self.service.save(path)
@@ -172,6 +197,19 @@ class RolloutActor:
             self.router = None
 
 
+class ActorRestarter:
+    """Restarts a lost engine through the EngineActor that owns it (rollout.health.Restarter)."""
+
+    def __init__(self, actors: dict[str, Any]) -> None:
+        self.actors = actors  # engine URL -> its EngineActor
+
+    async def restart(self, worker: str) -> str:
+        actor = self.actors.pop(worker)
+        url = await actor.restart.remote()
+        self.actors[url] = actor
+        return url
+
+
 def _refs(groups: list[Any]) -> tuple[list[Any], list[dict[str, Any]]]:
     import ray
 
@@ -185,6 +223,8 @@ class RayRolloutBox:
         self.actor = actor
         self.on_progress = on_progress
         self.poll_s = poll_s
+        # Run.restore_engines: engines restarted mid-step get the weights (set by the driver)
+        self.on_engines_back: Any = None
 
     def start_step(self, version: int, *, for_version: int, final: bool) -> asyncio.Future[StepResult]:
         return asyncio.ensure_future(self._step(version, for_version, final))
@@ -195,10 +235,11 @@ class RayRolloutBox:
             finished, _ = await asyncio.wait({done}, timeout=self.poll_s)
             if finished:
                 return done.result()
-            if self.on_progress is not None:
-                p = await self.actor.progress.remote()
-                if p:
-                    self.on_progress(p)
+            p = await self.actor.progress.remote()
+            if p and self.on_progress is not None:
+                self.on_progress(p)
+            if p and p.get("awaiting_weights") and self.on_engines_back is not None:
+                await self.on_engines_back()
 
     async def next_ready(self) -> Handed:
         return Handed(*await self.actor.next_ready.remote())
@@ -211,6 +252,15 @@ class RayRolloutBox:
 
     async def set_version(self, version: int) -> None:
         await self.actor.set_version.remote(version)
+
+    async def engine_set(self) -> tuple[list[str], list[str]]:
+        return await self.actor.engine_set.remote()
+
+    async def admit_engines(self, urls: list[str]) -> None:
+        await self.actor.admit_engines.remote(urls)
+
+    async def give_back_untrained(self) -> int:
+        return await self.actor.give_back_untrained.remote()
 
     def save(self, path: str) -> None:
         import ray
@@ -382,7 +432,7 @@ class Cluster:
             urls = ray.get([e.url.remote() for e in self.engines])
             where = self.placement()
             self.engine_urls = [_advertised(u, where["addresses"].get(n, "")) for u, n in zip(urls, where["engines"])]
-            ray.get(self.rollout_actor.start.remote(self.engine_urls))
+            ray.get(self.rollout_actor.start.remote(self.engine_urls, self.engines))
             assert self.plan is not None
             self.trainer = TrainerGroup(
                 self.model_path, r.train, temperature=r.rollout.sampling.temperature,
@@ -483,11 +533,13 @@ class RayTrainerBox:
         await self._wait(calls, "training")  # an error in any earlier call surfaces here
         return (await self._wait(self.group.finish_batch(), "the optimizer step"))[0]
 
-    async def push_weights(self, version: int) -> None:
+    async def push_weights(self, version: int, urls: list[str] | None = None) -> None:
+        """To `urls` (the engines serving now, and restarted ones); by default the first set."""
+        urls = list(urls if urls is not None else self.engine_urls)
         folder = str(self.folder)
         method = self.recipe.train.weight_sync.method
         # TrainerGroup.sync_weights's calls, one per rank, so a dead rank is seen at once
-        await self._wait([w.sync_weights.remote(list(self.engine_urls), version, method, folder)
+        await self._wait([w.sync_weights.remote(urls, version, method, folder)
                           for w in self.group.workers], "the weight sync")
 
     def save(self, path: str | Path) -> None:

@@ -37,6 +37,15 @@ class LocalRolloutBox:
     async def set_version(self, version: int) -> None:
         self.service.set_version(version)
 
+    async def engine_set(self) -> tuple[list[str], list[str]]:
+        return self.service.engine_set()
+
+    async def admit_engines(self, urls: list[str]) -> None:
+        await self.service.admit_engines(urls)
+
+    async def give_back_untrained(self) -> int:
+        return self.service.give_back_untrained()
+
     def save(self, path: str) -> None:
         self.service.save(path)
 
@@ -66,8 +75,9 @@ class LocalTrainerBox:
         batch, self._batch = self._batch, None
         return await asyncio.to_thread(batch.finish)  # generation goes on meanwhile (async mode)
 
-    async def push_weights(self, version: int) -> None:
-        self.trainer.sync_weights(self.engine_urls, version=version,
+    async def push_weights(self, version: int, urls: Sequence[str]) -> None:
+        """To `urls` (the engines serving now); with none known, to `engine_urls`."""
+        self.trainer.sync_weights(list(urls or self.engine_urls), version=version,
                                   method=self.cfg.weight_sync.method, folder=self.weights_folder)
 
     def save(self, path: str | Path) -> None:

@@ -58,6 +58,14 @@ class RolloutBox(Protocol):
 
     async def set_version(self, version: int) -> None: ...  # weights now on the engines
 
+    async def engine_set(self) -> tuple[list[str], list[str]]:
+        """Engines serving, and engines restarted that wait for the current weights."""
+        ...
+
+    async def admit_engines(self, urls: list[str]) -> None: ...  # they hold the weights now
+
+    async def give_back_untrained(self) -> int: ...  # handed since the last sync: back to ready
+
     def save(self, path: str) -> None: ...
 
 
@@ -68,7 +76,7 @@ class TrainerBox(Protocol):
 
     async def finish(self) -> dict[str, float]: ...  # all in: optimizer step(s), metrics
 
-    async def push_weights(self, version: int) -> None: ...  # to the engines
+    async def push_weights(self, version: int, urls: Sequence[str]) -> None: ...  # to these engines
 
     def save(self, path: str | Path) -> None: ...
 
@@ -88,6 +96,9 @@ class Run:
     state: LoopState = field(default_factory=LoopState)
     final_step: bool = True  # the last step is the run's final one (benchmarks of the steady state: no)
     _last_end: float | None = None
+    # Held while the trainer's weights differ from what `state.version` says (training, the
+    # sync), so a restarted engine is given weights only at a version boundary.
+    _weights: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def now(self) -> float:
         return asyncio.get_running_loop().time()  # virtual time in the simulator
@@ -101,18 +112,34 @@ class Run:
         return self.final_step and step == self.num_steps
 
     async def push_weights(self, version: int) -> None:
-        """The one weight sync of every mode (and of a resume): trainer -> engines, then the
-        rollout box knows the version its engines generate with."""
-        await self.trainer.push_weights(version)
+        """The one weight sync of every mode (and of a resume): trainer -> engines (those
+        serving, and those restarted, which serve from now on), then the rollout box knows
+        the version its engines generate with."""
+        serving, restarted = await self.rollout.engine_set()
+        await self.trainer.push_weights(version, [*serving, *restarted])
         await self.rollout.set_version(version)
+        if restarted:
+            await self.rollout.admit_engines(restarted)
+
+    async def restore_engines(self) -> None:
+        """Engines restarted in the middle of a step (rollout.health) get the current weights
+        and serve again; during training they wait for its end (the next sync)."""
+        if self._weights.locked():
+            return
+        async with self._weights:
+            _, restarted = await self.rollout.engine_set()
+            if restarted:
+                await self.trainer.push_weights(self.state.version, restarted)
+                await self.rollout.admit_engines(restarted)
 
     async def finish_step(self, result: StepResult, handed: Handed, **row: float) -> None:
         """Every mode's end of a step, once the trainer has all of its groups: what training
         is left and the optimizer step(s), the weight sync, then count, time and report it."""
-        t1 = self.now()
-        metrics = await self.trainer.finish()
-        t2 = self.now()
-        await self.push_weights(self.state.version + 1)
+        async with self._weights:
+            t1 = self.now()
+            metrics = await self.trainer.finish()
+            t2 = self.now()
+            await self.push_weights(self.state.version + 1)
         now = self.now()
         self.state.step += 1
         self.state.version += 1

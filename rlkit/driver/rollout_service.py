@@ -16,6 +16,7 @@ from buffers import Group, PromptSource, RolloutBuffer, load_buffer, save_buffer
 from rollout.config import RolloutConfig
 from rollout.engine_api import Engines
 from rollout.filters import GroupFilter
+from rollout.health import EngineMonitor, Restarter
 from rollout.manager import RolloutManager, StepReport, batch_target
 from rollout.policies import make_policy
 from rollout.rankers import LengthRanker
@@ -43,6 +44,7 @@ class RolloutService:
         self.engines = manager.engines
         self.batch_size = batch_size
         self._current: asyncio.Task | None = None
+        self._untrained: list[Group] = []  # handed to the trainer since the last weight sync
 
     @classmethod
     def from_config(
@@ -53,7 +55,10 @@ class RolloutService:
         score: ScoreFn,
         group_filter: GroupFilter | None = None,
         ranker: LengthRanker | None = None,
+        restarter: Restarter | None = None,
     ) -> "RolloutService":
+        """`restarter`: how a lost engine is started again (none: the run goes on without it).
+        A restarted engine serves once the driver has pushed it the weights (`admit_engines`)."""
         buffer = RolloutBuffer(
             source,
             n_samples_per_prompt=cfg.n_samples_per_prompt,
@@ -61,8 +66,10 @@ class RolloutService:
             staleness_policy=cfg.staleness_policy,
         )
         rewards = RewardScheduler(score, timeout_s=cfg.reward.timeout_s, on_error=cfg.reward.on_error)
+        health = EngineMonitor(engines, cfg.health, restarter) if cfg.health.enabled else None
         manager = RolloutManager(buffer, engines, make_policy(cfg), cfg.sampling, rewards,
-                                 group_filter=group_filter, ranker=ranker)
+                                 group_filter=group_filter, ranker=ranker, health=health,
+                                 relaunches_per_sample=cfg.health.relaunches_per_sample)
         return cls(buffer, manager, cfg.batch_size)
 
     async def run_step(self, version: int, *, for_version: int | None = None,
@@ -97,19 +104,34 @@ class RolloutService:
 
     def progress(self) -> dict[str, Any] | None:
         step = self.manager.current
-        return step.progress() if step is not None else None
+        if step is None:
+            return None
+        return {**step.progress(), "awaiting_weights": self.engine_set()[1]}
+
+    def engine_set(self) -> tuple[list[str], list[str]]:
+        """The engines serving, and those restarted that wait for the current weights."""
+        health = self.manager.health
+        return self.engines.workers(), list(health.awaiting_weights) if health else []
+
+    async def admit_engines(self, workers: list[str]) -> None:
+        """Restarted engines hold the current weights now: they serve again."""
+        if self.manager.health is not None and workers:
+            await self.manager.health.admit(workers)
 
     def take(self, n: int) -> list[Group]:
         """The ready groups for one training step (the oldest first)."""
         try:
-            return self.buffer.take(n, timeout=0)  # all n or none: a shortfall loses nothing
+            groups = self.buffer.take(n, timeout=0)  # all n or none: a shortfall loses nothing
         except TimeoutError as e:
             raise RuntimeError(f"{e} (after the rollout step); nothing was taken") from None
+        self._untrained += groups
+        return groups
 
     async def next_ready(self) -> Group:
         """The next ready group, as soon as there is one (stream mode). It waits on the event
         loop generation runs on without blocking it."""
         async for group in self.buffer.stream(1):
+            self._untrained.append(group)
             return group
         raise RuntimeError("unreachable: stream(1) yields one group")
 
@@ -122,6 +144,15 @@ class RolloutService:
         self.buffer.set_version(version)
         self.buffer.set_producer_version(version)
         self.manager.set_weights_version(version)
+        self._untrained = []  # trained: the weights came out of them
+
+    def give_back_untrained(self) -> int:
+        """The run stops in the middle of a step (every engine down): the groups handed to the
+        trainer since the last sync were not trained; back to the ready queue, so a checkpoint
+        written now keeps them. How many."""
+        groups, self._untrained = self._untrained, []
+        self.buffer.untake(groups)
+        return len(groups)
 
     def stats(self) -> dict[str, Any]:
         out = self.buffer.stats()
@@ -137,10 +168,12 @@ class RolloutService:
         load_buffer(self.buffer, Path(path))
 
     async def cancel(self) -> None:
-        """Stop a running step (Ctrl-C): it aborts and parks everything before returning."""
+        """Stop a running step (Ctrl-C): it aborts and parks everything before returning; stop
+        watching the engines."""
         if self._current is not None and not self._current.done():
             self._current.cancel()
             await asyncio.gather(self._current, return_exceptions=True)
+        await self.manager.close()
 
 
 def group_record(g: Group) -> dict[str, Any]:

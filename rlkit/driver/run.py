@@ -15,11 +15,12 @@ from pathlib import Path
 
 import yaml
 
-from rlkit.checkpoint import Checkpoint, latest_checkpoint, resume_point
+from rlkit.checkpoint import Checkpoint, latest_checkpoint, resume_point, save_checkpoint
 from rlkit.config.schema import Recipe
 from rlkit.driver.loop import LoopState, Run, finish_step
 from rlkit.driver.modes import MODES
 from rlkit.tracking import Tracker, rewind
+from rollout.health import EnginesDown
 
 
 def run_dir_of(recipe: Recipe) -> Path:
@@ -57,11 +58,28 @@ def train(recipe: Recipe) -> LoopState:
                 box.load(str(ckpt.buffer_file))
         run = Run(box, trainer, recipe.run.num_steps, recipe.rollout.batch_size,
                   finish_step(recipe, tracker, box, trainer, run_dir), state)
+        box.on_engines_back = run.restore_engines  # restarted engines get the weights mid-step
 
         async def main() -> LoopState:
             if ckpt is not None:  # fresh engines hold the initial weights: give them the checkpoint's
                 await run.push_weights(ckpt.version)
-            return await MODES[recipe.mode](run)
+            try:
+                return await MODES[recipe.mode](run)
+            except Exception as e:
+                down = _engines_down(e)
+                if down is None:
+                    raise
+                # The step parked every group with its tokens; keep them, and the steps done.
+                await box.give_back_untrained()
+                saved = save_checkpoint(
+                    run_dir, state.step, state.version, save_trainer=trainer.save,
+                    save_buffer=(lambda p: box.save(str(p))) if recipe.checkpoint.save_buffer else None,
+                    keep_last=max(1, recipe.checkpoint.keep_last))
+                raise EnginesDown(
+                    f"{down}, in step {state.step + 1} of {recipe.run.num_steps}. The run stopped "
+                    f"with every unfinished group parked with its tokens in the checkpoint of step "
+                    f"{saved.step} ({saved.path}); once the engines can start, run it again with "
+                    "run.resume=auto to continue from there") from None
 
         return asyncio.run(main())
     except TrainerDied as e:
@@ -83,6 +101,12 @@ def _died_message(what: str, step: int, recipe: Recipe, ckpt: Checkpoint | None)
     else:
         how = f"no checkpoint was written yet: {again} to start over from step 0"
     return f"{what}, in step {step} of {recipe.run.num_steps}. The run stopped (all its processes); {how}"
+
+
+def _engines_down(e: BaseException) -> EnginesDown | None:
+    """The EnginesDown behind a rollout step's failure (Ray wraps it), if that is what it is."""
+    cause = getattr(e, "cause", None) or e
+    return cause if isinstance(cause, EnginesDown) else None
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

@@ -75,7 +75,7 @@ class TimedTrainerBox:
             self.on_batch(self._version, self._groups)
         return {}
 
-    async def push_weights(self, version: int) -> None:
+    async def push_weights(self, version: int, urls: Any = ()) -> None:
         if self.model is not None:
             await asyncio.sleep(self.model.sync_s())
 

@@ -391,3 +391,25 @@ def test_dropped_tokens_are_counted_and_partial_keeps_them():
     assert buf.stats()["discarded_tokens"] == 0
     buf.drop(b, "filtered")
     assert buf.stats()["discarded_tokens"] == 3
+
+
+def test_untake_puts_untrained_groups_back_first_and_uncounts_them():
+    """A run stopped mid-step: groups handed to the trainer and never trained go back to the
+    front of the ready queue in their order, so a checkpoint written then keeps them."""
+    buf = make_buffer(rows=7)
+    groups = buf.acquire(4)
+    for g in groups:
+        finish(g, 0)
+        buf.complete(g)
+    taken = buf.take(3, timeout=0)
+    assert buf.stats()["trained"] == 3
+    buf.untake(taken)
+    st_ = buf.stats()
+    assert st_["trained"] == 0 and st_["ready"] == 4 and st_["balanced"]
+    again = buf.take(4, timeout=0)
+    assert [g.group_id for g in again] == [g.group_id for g in groups]
+    with pytest.raises(BufferError, match="twice"):
+        buf.untake([again[0], again[0]])
+    buf.untake(again[:1])
+    with pytest.raises(BufferError, match="still in the buffer"):
+        buf.untake(again[:1])

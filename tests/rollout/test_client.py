@@ -240,3 +240,57 @@ async def test_a_failing_worker_is_named(worker):
         assert await c.health() == {worker.url: True, dead: False}
     finally:
         await c.close()
+
+
+# -- engine faults (rollout.health) ---------------------------------------------------------------
+async def test_probe_tells_answered_refused_and_timed_out(worker):
+    async def stuck(request, body):
+        await asyncio.sleep(3600)
+
+    worker.generate += [answer_json({"text": "", "meta_info": {"finish_reason": {"type": "length"}}}),
+                        stuck]
+    dead = f"http://127.0.0.1:{free_port()}"
+    c = await client_for(worker)
+    try:
+        assert await c.probe(worker.url, 5.0) is None
+        assert (await c.probe(worker.url, 0.3)).startswith("timeout")
+        refused = await c.probe(dead, 5.0)
+        assert refused is not None and not refused.startswith("timeout")
+    finally:
+        await c.close()
+    probe = worker.calls("/generate")[0]
+    assert probe["sampling_params"]["max_new_tokens"] == 1 and probe["stream"] is False
+
+
+async def test_abort_worker_ends_its_requests_keeping_their_tokens(worker):
+    """A hung engine: the stream stalls after two tokens. abort_worker ends the request at once
+    with WorkerLost, the sample PARTIAL with both tokens; a request on another engine goes on."""
+    from rollout.engine_api import WorkerLost
+
+    other = await FakeWorker().start()
+    stream = "\n".join(tokens_chunk([11 + i], [-0.1], total=i + 1, finish=None) for i in range(3))
+    worker.generate.append(answer_sse(stream, stall_after=2))
+    other.generate.append(answer_sse(stream, stall_after=1))
+    c = await client_for(worker, other)
+    try:
+        s, t = fresh(), Sample(index=1, group_id=0, prompt_ids=[1])
+        task = asyncio.create_task(c.generate(s, SAMPLING, max_new_tokens=10, version=0, worker=worker.url))
+        keep = asyncio.create_task(c.generate(t, SAMPLING, max_new_tokens=10, version=0, worker=other.url))
+        while len(s.response_ids) < 2 or not t.response_ids:
+            await asyncio.sleep(0.01)
+        assert await c.abort_worker(worker.url) == 1
+        with pytest.raises(WorkerLost) as lost:
+            await task
+        assert lost.value.worker == worker.url
+        assert not keep.done()
+        keep.cancel()
+        await asyncio.gather(keep, return_exceptions=True)
+        await c.remove_worker(worker.url)
+        assert c.workers() == [other.url]
+        await c.add_worker(worker.url)
+        assert c.workers() == [other.url, worker.url]
+    finally:
+        await c.close()
+        await other.stop()
+    assert s.response_ids == [11, 12] and s.status is SampleStatus.PARTIAL
+    assert len(worker.calls("/generate")) == 1  # ended, never re-submitted by the client
