@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
+from buffers.control_token import CONTROL_TOKEN_ENV
 from train.batch import TrainBatch
 from train.config import TrainConfig
 
@@ -41,7 +42,7 @@ class TrainWorker:
     def __init__(self, rank: int, world_size: int, tp: int, threads: int | None,
                  control_token: str | None = None) -> None:
         if control_token:  # weight sync calls the engines' control endpoints
-            os.environ["RLKIT_CONTROL_TOKEN"] = control_token
+            os.environ[CONTROL_TOKEN_ENV] = control_token
         self.rank, self.world_size, self.tp = rank, world_size, tp
         if threads:
             torch.set_num_threads(threads)

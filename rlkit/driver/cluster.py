@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from buffers.control_token import CONTROL_TOKEN_ENV, is_loopback
 from buffers.errors import UserError
 from rlkit.config.schema import Recipe
 from rlkit.driver.loop import Handed
@@ -31,7 +32,6 @@ from rlkit.driver.placement import (
     PlacementPlan,
     bundle,
     check_reachable,
-    is_loopback,
     local_num_cpus,
     plan_placement,
     resolve_address,
@@ -40,9 +40,6 @@ from rlkit.driver.rollout_service import RolloutService, StepResult, group_recor
 from rollout.engines.config import EngineConfig
 
 DEFAULT_HOST = EngineConfig.model_fields["host"].default  # loopback: one node needs no more
-
-
-CONTROL_TOKEN_ENV = "RLKIT_CONTROL_TOKEN"
 
 
 def use_control_token(token: str | None) -> None:

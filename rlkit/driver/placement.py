@@ -17,7 +17,6 @@ Rules (docs/reliability.md, "Beyond one machine"):
 
 from __future__ import annotations
 
-import ipaddress
 import math
 import os
 import socket
@@ -148,15 +147,6 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
     except OSError as e:
         raise ConnectionError(f"nothing accepts connections at {hostport} ({e})") from None
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 WILDCARD_HOSTS = ("0.0.0.0", "::")

@@ -9,7 +9,6 @@ from rlkit.driver.cluster import _advertised
 from rlkit.driver.placement import (
     PlacementError,
     bundle,
-    is_loopback,
     local_num_cpus,
     plan_placement,
     resolve_address,
@@ -93,11 +92,6 @@ def test_a_local_ray_offers_what_the_plan_reserves():
 ])
 def test_cluster_address_resolution(address, env, expected):
     assert resolve_address(address, env) == expected
-
-
-def test_loopback_hosts():
-    assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
-    assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3") and not is_loopback("node-7")
 
 
 def test_an_engine_bound_to_every_interface_is_reached_at_its_node_address():
