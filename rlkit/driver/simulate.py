@@ -13,6 +13,12 @@ given policy; then runs `mode`'s loop for `steps` steps and measures each (rollo
 What the simulated trainer does not model: in async mode a weight sync pauses the engines on a
 real cluster (retract, update, continue); here generation goes on through it (sync_s is a few
 seconds against steps of minutes).
+
+Engine faults (`health`, `faults`, `restart_s`; `rlkit bench faults`): the manager gets the real
+EngineMonitor over the replay engines, restarting a lost engine `restart_s` after its backoff
+(SimRestarter; None: never), and a task injects each Fault at its virtual time
+(rollout.sim.faults). Restarted simulated engines need no weights (admitted at once). Without
+`health` and `faults` nothing of this is built: results are exactly those of a run without them.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from buffers.buffer import RolloutBuffer
 from buffers.group import Group
@@ -28,18 +34,23 @@ from rlkit.driver.local import LocalRolloutBox
 from rlkit.driver.loop import Handed, LoopState, Run
 from rlkit.driver.modes import MODES
 from rlkit.driver.rollout_service import RolloutService, StepResult as ServiceStep
-from rollout.config import SamplingConfig
+from rollout.config import HealthConfig, SamplingConfig
 from rollout.filters import GroupFilter
 from rollout.manager import RolloutManager, RolloutPolicy
+from rollout.health import EngineMonitor
 from rollout.rankers import LengthRanker
 from rollout.rewards import RewardScheduler
 from rollout.sim.clock import run_virtual
-from rollout.sim.engine import SimConfig, SimEngines, SimWorker
+from rollout.sim.engine import SimConfig, SimEngines, SimRestarter, SimWorker
+from rollout.sim.faults import Fault, FaultedRun, FaultInjector
 from rollout.sim.harness import StepResult, measure, span, trace_reward, trace_source
 from rollout.sim.replay import BufferPrompts, TraceReplayEngines
 from rollout.sim.trace import Trace
 from rollout.sim.train_time import TrainTimeModel
 from rollout.timeline import StepTimeline, append_step
+
+
+DEFAULT_RESTART_S = 60.0  # a lost engine's restart: process start + loading a 4B model on GPU
 
 
 class TimedTrainerBox:
@@ -128,13 +139,20 @@ async def simulate(
     first_step: int = 0,
     final_step: bool = True,
     mode: str = "sync",
+    health: HealthConfig | None = None,
+    faults: Sequence[Fault] = (),
+    restart_s: float | None = DEFAULT_RESTART_S,
+    on_faults: Callable[[FaultedRun], None] | None = None,
 ) -> list[StepResult]:
     """The coroutine behind `run_simulation` (run it on a VirtualTimeLoop). `observer` sees
     every simulated worker at every event; `on_batch(step, groups)` each trained batch.
     `buffer` (with `first_step`, its version) continues a run from a restored buffer; by
     default a fresh one over the trace's prompts. The last of `steps` is the run's final step
     (tail batching drains its long queue there) unless `final_step` is False, as benchmarks of
-    the steady state want. `mode`: the driver loop (rlkit/driver/modes.py)."""
+    the steady state want. `mode`: the driver loop (rlkit/driver/modes.py).
+    `health` (default HealthConfig() when `faults` are given) watches the engines; `faults` are
+    injected at their times; a lost engine is restarted after `restart_s` (None: never);
+    `on_faults` gets the run's FaultedRun when it ends, also when it fails (EnginesDown)."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r} (modes: {', '.join(MODES)})")
     batch = batch_size or trace.batch_size
@@ -145,11 +163,24 @@ async def simulate(
     engines = SimEngines(cluster, observer=observer)
     replay = TraceReplayEngines(engines, trace, BufferPrompts(buffer))
     sampling = SamplingConfig(max_new_tokens=cap, temperature=1.0)
+    # -- engine faults (absent by default: then the manager is built exactly as before) --
+    if faults and health is None:
+        health = HealthConfig()
+    monitor = injector = None
+    watch: dict[str, Any] = {}
+    if health is not None and health.enabled:
+        restarter = SimRestarter(engines, restart_s) if restart_s is not None else None
+        monitor = EngineMonitor(replay, health, restarter, needs_weights=False)
+        injector = FaultInjector(engines, faults)
+        watch = {"health": monitor, "relaunches_per_sample": health.relaunches_per_sample}
+    elif faults:
+        raise ValueError("faults need a health monitor (health.enabled)")
     manager = RolloutManager(buffer, replay, policy, sampling,
                              RewardScheduler(trace_reward(trace, seed)), group_filter=group_filter,
-                             ranker=ranker)
+                             ranker=ranker, **watch)
     box = MeasuredRolloutBox(RolloutService(buffer, manager, batch), engines)
     results: list[StepResult] = []
+    reports: list[Any] = []  # the manager's StepReports, kept only when engines are watched
 
     def on_step(state: LoopState, result: ServiceStep, handed: Handed, row: dict[str, float]) -> None:
         before, after, t0, t1, segments = box.measured.popleft()
@@ -160,6 +191,8 @@ async def simulate(
         r.step_s, r.mode = row["step/seconds"], mode
         r.waited_train_s = row["train/seconds"] + row["sync/seconds"]
         results.append(r)
+        if monitor is not None:
+            reports.append(report)  # relaunches, for FaultedRun
         if timeline_path is not None:
             append_step(timeline_path, StepTimeline(
                 step, policy.name, t0, t1, engines.workers(), "sim",
@@ -168,10 +201,23 @@ async def simulate(
 
     run = Run(box, TimedTrainerBox(train, on_batch), first_step + steps, batch, on_step,
               LoopState(step=first_step, version=first_step), final_step=final_step)
+    loop = asyncio.get_running_loop()
+    started, error = loop.time(), None
+    inject = asyncio.ensure_future(injector.run()) if injector is not None else None
     try:
         await MODES[mode](run)
+    except BaseException as e:
+        error = e
+        raise
     finally:
+        if inject is not None:
+            inject.cancel()
+            await asyncio.gather(inject, return_exceptions=True)
+            await manager.close()
         await engines.aclose()
+        if monitor is not None and injector is not None and on_faults is not None:
+            on_faults(FaultedRun(engines, monitor, injector.injected, results, reports,
+                                 started, loop.time(), error))
     return results
 
 

@@ -18,6 +18,9 @@ from rollout.timeline import Span
 from rollout.sim.trace import Trace
 
 
+_ZERO = WorkerStats()
+
+
 @dataclass
 class StepResult:
     """One simulated step. Times in (virtual) seconds, throughputs in tokens/s."""
@@ -86,8 +89,8 @@ def measure(step: int, policy: str, cluster: SimConfig, report: Any,
     """A step's result from the manager's report and the engines' counters around it
     (step_s: rollout + train + sync, as a synchronous loop pays them; the caller sets what its
     loop measured)."""
-    def delta(field: str) -> float:
-        return sum(getattr(after[w], field) - getattr(before[w], field) for w in after)
+    def delta(field: str) -> float:  # an engine restarted during the step started from zero
+        return sum(getattr(after[w], field) - getattr(before.get(w, _ZERO), field) for w in after)
 
     engines = len(after)
     tokens = int(delta("tokens"))
