@@ -98,6 +98,14 @@ class EngineMonitor:
         lost = await asyncio.gather(*(self._probe_once(w, fresh) for w in targets))
         return sum(lost)
 
+    async def sweep(self) -> int:
+        """After a control call failed (abort, weight sync): probe every engine until one is
+        lost or none can be (a hang takes `hung_after_timeouts` probes). Engines lost."""
+        for _ in range(self.cfg.hung_after_timeouts):
+            if lost := await self.check():
+                return lost
+        return 0
+
     async def _probe_once(self, worker: str, fresh: bool) -> bool:
         fut = self._probing.get(worker)
         if fut is not None:  # one probe per engine at a time: wait for the one under way

@@ -484,16 +484,13 @@ class Step:
     async def _abort_all(self) -> None:
         """abort_all; an engine that fails it may have died since the last probe: probe, and
         if that took an engine out of service, abort the ones left."""
+        health = self._m.health
+        lost_before = health.lost if health is not None else 0
         try:
             await self._m.engines.abort_all()
         except EngineError:
-            health = self._m.health
-            if health is None:
-                raise
-            for _ in range(health.cfg.hung_after_timeouts):  # a hung engine needs that many
-                if await health.check():
-                    break
-            else:
+            # lost meanwhile (the periodic probe may have found it first), or found now
+            if health is None or (health.lost == lost_before and not await health.sweep()):
                 raise
             await self._m.engines.abort_all()
 
@@ -551,6 +548,8 @@ class Step:
     async def _request(self, run: _GroupRun, s: Sample, pinned: str | None, *, last: bool) -> bool:
         """One request for `s`. True when its engine was lost and it should go again."""
         health = self._m.health
+        if health is not None and not self.engines.workers():
+            await health.wait_serving()  # none in service: wait for one, or EnginesDown
         if pinned is not None and health is not None and pinned not in self.engines.workers():
             pinned = None  # its engine is out of service: the router chooses
         lost_before = health.lost if health is not None else 0
@@ -570,6 +569,11 @@ class Step:
         except EngineError as e:
             worker = e.worker or worker
             outcome = "error"
+            if self._stopping and health is not None:
+                # The step is ending (its abort): the sample keeps what it has and its group is
+                # parked with it, as every unfinished group is; failing it would drop the group.
+                outcome = "lost" if isinstance(e, WorkerLost) else "abort"
+                return False
             if not last and await self._engine_lost(e, worker, lost_before):
                 outcome = "lost"
                 self.report_.requests_relaunched += 1
@@ -593,9 +597,9 @@ class Step:
         health = self._m.health
         if health is None or self._stopping:
             return False
-        if not isinstance(error, WorkerLost):
+        if not isinstance(error, WorkerLost) and self.engines.workers():
             await health.check([worker] if worker in self.engines.workers() else None)
-            if health.lost == lost_before:
+            if health.lost == lost_before and self.engines.workers():
                 return False  # every engine answers: the request itself failed
         await health.wait_serving()
         return not self._stopping

@@ -175,6 +175,10 @@ class RolloutActor:
         assert self.service is not None
         return self.service.give_back_untrained()
 
+    async def check_engines(self) -> int:
+        assert self.service is not None
+        return await self.service.check_engines()
+
     def save(self, path: str) -> None:
         assert self.service is not None
         self.service.save(path)
@@ -258,6 +262,9 @@ class RayRolloutBox:
 
     async def give_back_untrained(self) -> int:
         return await self.actor.give_back_untrained.remote()
+
+    async def check_engines(self) -> int:
+        return await self.actor.check_engines.remote()
 
     def save(self, path: str) -> None:
         import ray

@@ -46,6 +46,9 @@ class LocalRolloutBox:
     async def give_back_untrained(self) -> int:
         return self.service.give_back_untrained()
 
+    async def check_engines(self) -> int:
+        return await self.service.check_engines()
+
     def save(self, path: str) -> None:
         self.service.save(path)
 

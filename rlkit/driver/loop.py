@@ -66,6 +66,8 @@ class RolloutBox(Protocol):
 
     async def give_back_untrained(self) -> int: ...  # handed since the last sync: back to ready
 
+    async def check_engines(self) -> int: ...  # probe every engine now: how many were lost
+
     def save(self, path: str) -> None: ...
 
 
@@ -115,8 +117,18 @@ class Run:
         """The one weight sync of every mode (and of a resume): trainer -> engines (those
         serving, and those restarted, which serve from now on), then the rollout box knows
         the version its engines generate with."""
-        serving, restarted = await self.rollout.engine_set()
-        await self.trainer.push_weights(version, [*serving, *restarted])
+        for attempt in range(2):
+            serving, restarted = await self.rollout.engine_set()
+            if not serving and not restarted:
+                break  # every engine lost: the next rollout step stops the run (EnginesDown)
+            try:
+                await self.trainer.push_weights(version, [*serving, *restarted])
+                break
+            except Exception:
+                # An engine that died since the last probe fails the sync: probe, and if that
+                # took one out of service, push to the ones left.
+                if attempt or not await self.rollout.check_engines():
+                    raise
         await self.rollout.set_version(version)
         if restarted:
             await self.rollout.admit_engines(restarted)

@@ -113,6 +113,10 @@ class RolloutService:
         health = self.manager.health
         return self.engines.workers(), list(health.awaiting_weights) if health else []
 
+    async def check_engines(self) -> int:
+        """Probe every engine now (as often as a hang takes to be declared); engines lost."""
+        return await self.manager.health.sweep() if self.manager.health is not None else 0
+
     async def admit_engines(self, workers: list[str]) -> None:
         """Restarted engines hold the current weights now: they serve again."""
         if self.manager.health is not None and workers:

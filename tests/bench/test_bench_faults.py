@@ -1,7 +1,7 @@
 """`rlkit bench faults` at tiny scale: faults injected into simulated engines while the real
 manager, buffer and health monitor run; what survives and what is lost (virtual time).
 
-Three bugs the bench found in rollout/manager.py are pinned below as strict xfails."""
+Three manager bugs the bench found are pinned below as regression tests."""
 
 from __future__ import annotations
 
@@ -16,8 +16,7 @@ from rlkit.bench.suite import make_policy
 from rlkit.cli import main
 from rlkit.driver.simulate import run_simulation
 from rollout.config import HealthConfig
-from rollout.engine_api import EngineError
-from rollout.manager import EnginesFailing, batch_target
+from rollout.manager import batch_target
 from rollout.policies import PartialPolicy, SyncPolicy
 from rollout.sim.clock import run_virtual
 from rollout.sim.engine import SimConfig
@@ -144,7 +143,7 @@ def test_invariants_name_what_broke():
     assert invariants(row) == ["2 groups dropped", "ended with EnginesFailing, not EnginesDown"]
 
 
-# -- bugs in rollout/manager.py found by the bench (owned elsewhere): strict xfails ----------
+# -- regressions: three manager bugs the bench found (fixed) --------------------------------
 
 def _partial_with_a_hang(health: HealthConfig):
     buf, sim, monitor, mgr = make(PartialPolicy(over_provision=2.0), engines=4, rows=40, n=2,
@@ -169,26 +168,16 @@ def _partial_with_a_hang(health: HealthConfig):
     return buf
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="BUG manager: an engine lost during Step.stop() fails "
-                   "its requests (_engine_lost returns False while stopping), so their groups "
-                   "are dropped as engine_failed with their tokens instead of parked")
-def test_bug_engine_lost_during_the_abort_drops_groups():
+def test_an_engine_lost_during_the_abort_parks_its_groups():
     buf = _partial_with_a_hang(HealthConfig())  # defaults: 2 s interval, 10 s probe timeout
     assert buf.stats()["dropped_by_reason"] == {}
 
 
-@pytest.mark.xfail(strict=True, raises=EngineError, reason="BUG manager: when the periodic probe declares the hung "
-                   "engine lost while abort_all waits on it, Step._abort_all's own check finds "
-                   "nothing newly lost and re-raises '/abort_request timed out': the step fails")
-def test_bug_hung_engine_found_by_the_watch_during_abort_fails_the_step():
+def test_a_hung_engine_found_by_the_watch_during_the_abort_does_not_fail_the_step():
     _partial_with_a_hang(HealthConfig(interval_s=1.0, probe_timeout_s=2.0))
 
 
-@pytest.mark.xfail(strict=True, raises=EnginesFailing, reason="BUG manager: with every engine out of service, a "
-                   "request the router cannot place ('no worker serves', no worker named) "
-                   "fails its sample instead of waiting (wait_serving) or raising EnginesDown: "
-                   "groups are dropped and the step ends with EnginesFailing")
-def test_bug_a_step_started_with_every_engine_down_drops_its_groups():
+def test_a_step_started_with_every_engine_down_parks_and_stops():
     buf, sim, monitor, mgr = make(SyncPolicy(), restart_s=None)
 
     async def main():
