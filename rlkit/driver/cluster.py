@@ -76,7 +76,9 @@ class EngineActor:
 
         self.proc.kill()
         self.proc = start_engine(*self.args)
-        return self.url()
+        import ray
+
+        return _advertised(self.url(), ray.util.get_node_ip_address())  # as Cluster.start does
 
     def stop(self) -> None:
         self.proc.stop()
