@@ -58,16 +58,46 @@ def run(args: argparse.Namespace) -> int:
         return 1
     kind = "async" if is_async(fn) else f"sync (run in a worker {args.isolation})"
     print(f"reward {args.reward!r}: {getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}, {kind}")
-    problems = asyncio.run(_check_all(call, cases, kwargs, args.timeout))
+    values: list[Any] = []
+    problems = asyncio.run(_check_all(call, cases, kwargs, args.timeout, values))
     print(f"{len(cases) - problems} of {len(cases)} calls kept the contract "
           "(a finite float, no exception, within the timeout)")
+    warning = constant_warning(values)
+    if warning:
+        print(warning)
     return 1 if problems else 0
 
 
+def constant_warning(values: list[Any]) -> str | None:
+    """A warning when every good call returned the same value (two or more): a reward that
+    reads a misspelled attribute of `sample` (getattr with a default, or a try/except) scores
+    every input alike and otherwise passes the check; None when the values vary."""
+    if len(values) < 2 or any(float(v) != float(values[0]) for v in values[1:]):
+        return None
+    return (
+        f"WARN  the reward returned {float(values[0])!r} on all {len(values)} inputs: a reward whose "
+        "value never varies teaches the policy nothing. A reward reading a misspelled attribute "
+        "of `sample` does this; `sample` has: " + ", ".join(sample_attributes()) + "."
+    )
+
+
+def sample_attributes() -> list[str]:
+    """The public fields (and properties) of RewardInput, the object a reward receives."""
+    import dataclasses
+
+    from rlkit.rewards import RewardInput
+
+    names = [f.name for f in dataclasses.fields(RewardInput)]
+    names += [n for n, v in vars(RewardInput).items()
+              if isinstance(v, property) and not n.startswith("_") and n not in names]
+    return names
+
+
 async def _check_all(call: Any, cases: list[tuple[str, str, Any, str]], kwargs: dict[str, Any],
-                     timeout: float) -> int:
+                     timeout: float, values: list[Any] | None = None) -> int:
     """Call the reward on each case under the timeout (one event loop: a timed-out sync call's
-    worker is killed, and nothing waits for it at exit); the number of violations."""
+    worker is killed, and nothing waits for it at exit); the number of violations. The values
+    of the calls that kept the contract are appended to values when given."""
     from rlkit.rewards import RewardInput
     from rollout.rewards import check_reward_value, describe_error
 
@@ -89,6 +119,8 @@ async def _check_all(call: Any, cases: list[tuple[str, str, Any, str]], kwargs: 
         print(f"{status}  #{i} {shown!r} label={label!r}: "
               f"{value if problem is None else problem} ({ms:.1f} ms)")
         problems += problem is not None
+        if problem is None and values is not None:
+            values.append(value)
     runner = getattr(call, "runner", None)
     if runner is not None:
         runner.close()

@@ -13,3 +13,8 @@ def bad_reward(sample, **kwargs):
 
 def no_args():
     return 1.0
+
+
+def misspelled_attribute(sample, **kwargs):
+    # `respones` for `response`: 0.0 on every input, which check-reward must flag
+    return 1.0 if "13" in getattr(sample, "respones", "") else 0.0

@@ -134,3 +134,15 @@ def test_check_reward_reports_violations(capsys):
     assert main(["check-reward", "tests.rewards.plugins:no_args"]) == 1
     assert "cannot be called as fn(sample, **kwargs)" in capsys.readouterr().out
     assert main(["check-reward", "tests.rewards.plugins:async_reward"]) == 0
+
+
+def test_check_reward_warns_when_the_value_never_varies(capsys):
+    # keeps the contract (exit 0, as before) but scores every input 0.0: a misspelled attribute
+    assert main(["check-reward", "tests.rewards.plugins:misspelled_attribute"]) == 0
+    out = capsys.readouterr().out
+    assert "WARN  the reward returned 0.0 on all 8 inputs" in out
+    assert "misspelled attribute of `sample`" in out
+    assert "prompt, response, label, metadata, finish_reason" in out and "truncated" in out
+    # a reward whose value varies gets no warning
+    assert main(["check-reward", "tests.rewards.plugins:async_reward"]) == 0
+    assert "WARN" not in capsys.readouterr().out
