@@ -17,6 +17,9 @@ from rlkit.config.schema import TrackingConfig
 from rollout.timeline import TIMELINE_FILE
 
 GROUPS_FILE = "groups.jsonl"
+# Into a log that is not a terminal, a progress line at most this often (the live line is
+# redrawn on every poll, about every 0.5 s: one line each would flood the log).
+PLAIN_PROGRESS_EVERY_S = 10.0
 
 
 def rewind(run_dir: Path, step: int) -> None:
@@ -62,11 +65,13 @@ class Tracker:
             from rich.console import Console
 
             self._console = Console(stderr=True)
-        self._t0 = time.monotonic()
+        self._clock = time.monotonic
+        self._t0 = self._clock()
+        self._progress_last: tuple[int, int, float] | None = None  # step, done, when (plain log)
 
     # -- per step ---------------------------------------------------------------------
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        row = {"step": step, "time_s": round(time.monotonic() - self._t0, 3), **_plain(metrics)}
+        row = {"step": step, "time_s": round(self._clock() - self._t0, 3), **_plain(metrics)}
         if self._metrics is not None:
             self._metrics.write(json.dumps(row) + "\n")
             self._metrics.flush()
@@ -93,13 +98,22 @@ class Tracker:
         self._groups.flush()
 
     def progress(self, step: int, done: int, target: int, tokens: int, elapsed: float) -> None:
-        """A transient progress line while a rollout step runs."""
-        if self._console is not None:
-            rate = tokens / elapsed if elapsed > 0 else 0.0
-            self._console.print(
-                f"  step {step}: {done}/{target} groups, {tokens} tokens, {rate:,.0f} tok/s",
-                end="\r", highlight=False,
-            )
+        """A progress line while a rollout step runs: on a terminal one live line redrawn on
+        every call; into a log (stderr not a TTY) a line at most every PLAIN_PROGRESS_EVERY_S
+        seconds, plus the step's first and its final one (all groups done)."""
+        if self._console is None:
+            return
+        rate = tokens / elapsed if elapsed > 0 else 0.0
+        line = f"  step {step}: {done}/{target} groups, {tokens} tokens, {rate:,.0f} tok/s"
+        if self._console.is_terminal:
+            self._console.print(line, end="\r", highlight=False)
+            return
+        now = self._clock()
+        last = self._progress_last
+        if (last is None or last[0] != step or now - last[2] >= PLAIN_PROGRESS_EVERY_S
+                or (done >= target and last[1] < target)):
+            self._console.print(line, highlight=False, soft_wrap=True)
+            self._progress_last = (step, done, now)
 
     def close(self) -> None:
         for f in (self._metrics, self._timeline, self._groups):
