@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
     except TimelineError as e:
         print(f"rlkit: {e}")
         return 1
+    fill_policy(steps, Path(args.run))
     if not steps:
         print(f"rlkit: {args.run}: the timeline has no steps")
         return 1
@@ -84,6 +85,25 @@ def run(args: argparse.Namespace) -> int:
 
 
 ROUND_COLOURS = {"short": "#5b7db8", "long": "#e08e0b"}
+
+
+def fill_policy(steps, run: Path) -> None:
+    """Name the policy of steps whose timeline has no step line (a real run's timeline before
+    the driver wrote one, or a line lost): the spans alone give the window and the workers, not
+    the policy, which the run folder's recipe.yaml (rollout.policy) does."""
+    missing = [tl for tl in steps if not tl.policy]
+    recipe = (run if run.is_dir() else run.parent) / "recipe.yaml"
+    if not missing or not recipe.is_file():
+        return
+    import yaml
+
+    try:
+        policy = (yaml.safe_load(recipe.read_text()) or {}).get("rollout", {}).get("policy")
+    except (yaml.YAMLError, AttributeError):
+        return
+    if isinstance(policy, str) and policy:
+        for tl in missing:
+            tl.policy = policy
 
 
 def plot_rounds(steps, out: Path) -> None:

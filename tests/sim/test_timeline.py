@@ -98,3 +98,27 @@ def test_tail_batching_rounds_are_recorded_and_drawn_apart(tmp_path):
     assert main(["plot", "metrics", str(tmp_path), "--key", "rollout/long_queue",
                  "--out", str(out)]) == 0
     assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("header", [False, True])
+def test_a_real_runs_title_names_its_policy_and_round(tmp_path, monkeypatch, header):
+    """A real run's timeline, with the driver's step line (policy, round) or without one (the
+    driver before it wrote them): the title names the policy (recipe.yaml's rollout.policy when
+    the timeline does not), never 'policy ?'."""
+    from matplotlib.axes import Axes
+
+    titles = []
+    set_title = Axes.set_title
+    monkeypatch.setattr(Axes, "set_title", lambda ax, t, *a, **k: (titles.append(t), set_title(ax, t, *a, **k))[1])
+    (tmp_path / "recipe.yaml").write_text("rollout:\n  policy: tail_batching\n")
+    span = Span("http://a", 1, 10, 5.0, 9.0, 40, "stop")
+    lines = [json.dumps({"step": 2, **span.to_json()})]
+    if header:
+        lines.insert(0, json.dumps({"kind": "step", "step": 2, "policy": "tail_batching",
+                                    "round": "long", "start": 5.0, "end": 9.0,
+                                    "workers": ["http://a"], "source": "real"}))
+    (tmp_path / "timeline.jsonl").write_text("\n".join(lines) + "\n")
+    assert main(["plot", "timeline", str(tmp_path), "--out", str(tmp_path / "x.png")]) == 0
+    [title] = titles
+    assert title.startswith("step 2, policy tail_batching" + (", long round" if header else " (real)"))
+    assert "?" not in title
