@@ -140,7 +140,10 @@ def _format_errors(err: ValidationError, origins: Origins, path: str | Path | No
             msg = e["msg"]
             if msg.startswith("Value error, "):
                 msg = msg[len("Value error, ") :]
-            if "input" in e and e["type"] not in ("missing",) and loc:
+            # The bad value, not a whole section: a check across a section's keys (a model
+            # validator) gets the section as its input, and its message names the keys itself.
+            if ("input" in e and e["type"] not in ("missing",) and loc
+                    and not isinstance(e["input"], (dict, list))):
                 msg += f" (got {e['input']!r})"
         lines.append(f"{where}: {dotted}: {msg}" if dotted else f"{where}: {msg}")
     return "invalid recipe:\n  " + "\n  ".join(lines)

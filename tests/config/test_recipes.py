@@ -159,3 +159,19 @@ def test_a_check_across_a_section_names_every_file_that_set_its_keys(tmp_path):
         load_recipe(tmp_path / "base.yaml", ["rollout.sampling.max_new_tokens=4"])
     where = re.search(r"\n  (.*): rollout\.sampling: ", str(e.value))
     assert where and {Path(p).name for p in where[1].split(", ")} == {"base.yaml", "command line"}
+
+
+def test_a_bad_policy_names_the_key_the_value_and_the_choices_not_the_section():
+    with pytest.raises(RecipeError) as e:
+        load_recipe(None, ["rollout.policy=parital", "rollout.batch_size=8"])
+    msg = str(e.value)
+    assert "command line: rollout.policy: Input should be" in msg and "(got 'parital')" in msg
+    assert all(repr(name) in msg for name in POLICY_NAMES)
+    assert "batch_size" not in msg and "{" not in msg
+    # a check across the section's keys names them itself: the section is not printed back
+    with pytest.raises(RecipeError) as e:
+        load_recipe(None, ["rollout.policy=ranked_dispatch", "rollout.ranker.name=null",
+                            "rollout.batch_size=8"])
+    msg = str(e.value)
+    assert "rollout: rollout.policy=ranked_dispatch needs a length ranker" in msg
+    assert "batch_size" not in msg and "{" not in msg
