@@ -13,6 +13,48 @@ from rollout.policies.registry import POLICIES, POLICY_NAMES
 PolicyName = Literal[POLICY_NAMES]  # type: ignore[valid-type]  # the registry's, one source
 
 
+class PromptDataConfig(BaseModel):
+    """Where prompts come from and how rows are read: the loader options of the recipe's `data`
+    section and of each `eval` dataset (one definition for both)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(
+        "builtin:arithmetic",
+        min_length=1,
+        description="Prompts: a .jsonl or .parquet file, a folder saved by datasets' save_to_disk, "
+        "or a data set the project generates ('builtin:arithmetic').",
+    )
+    prompt_key: str = Field(
+        "prompt",
+        min_length=1,
+        description="Column with the prompt: a non-empty string, or a list of chat messages "
+        "({role, content}).",
+    )
+    label_key: str | None = Field(
+        "label", description="Column with the reference answer given to the reward; None for none."
+    )
+    metadata_keys: list[str] = Field(
+        default_factory=list,
+        description="Extra columns passed to the reward function as keyword arguments.",
+    )
+    apply_chat_template: bool = Field(
+        True, description="Wrap prompts in the tokenizer's chat template (if it has one)."
+    )
+    system_prompt: str | None = Field(
+        None, description="System message prepended when the chat template is applied."
+    )
+    max_prompt_tokens: int = Field(
+        1024, ge=1, description="Longer prompts are bad rows (see on_bad_row)."
+    )
+    on_bad_row: Literal["error", "skip"] = Field(
+        "error",
+        description="A malformed row (missing prompt or label key, empty or non-string prompt, "
+        "over-long prompt): 'error' stops at load time naming the file and row; 'skip' drops it "
+        "and counts it by reason.",
+    )
+
+
 class SamplingConfig(BaseModel):
     """Sampling parameters sent with every /generate request."""
 

@@ -1,9 +1,8 @@
 """The `eval` recipe section (not yet part of the Recipe schema): which held-out datasets to
 evaluate, when, and how to sample them (rollout.eval runs one pass).
 
-A dataset's loader options are those of the recipe's `data` section (rlkit.config.schema.
-DataConfig; `rollout` may not import `rlkit`, so they are repeated here and a test keeps the
-two field sets in step). Greedy decoding: rlkit's SamplingConfig requires temperature > 0, so
+A dataset's loader options are those of the recipe's `data` section (both derive from
+rollout.config.PromptDataConfig). Greedy decoding: rlkit's SamplingConfig requires temperature > 0, so
 greedy is expressed as top_k=1 (SGLang decodes a request with top_k=1 by argmax, whatever its
 temperature).
 """
@@ -15,50 +14,23 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rollout.config import RewardConfig, SamplingConfig
+from rollout.config import PromptDataConfig, RewardConfig, SamplingConfig
 
 
-class EvalDatasetConfig(BaseModel):
+class EvalDatasetConfig(PromptDataConfig):
     """One held-out dataset: a name for its metrics and the `data` section's loader options."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(
-        ...,
-        min_length=1,
-        pattern=r"^[A-Za-z0-9_.-]+$",
-        description="Name in the metrics (eval/<name>/pass@1); letters, digits, '_', '.', '-'.",
-    )
     path: str = Field(
         ...,
         min_length=1,
         description="Prompts: a .jsonl or .parquet file, a folder saved by datasets' "
         "save_to_disk, or a data set the project generates ('builtin:arithmetic').",
     )
-    prompt_key: str = Field(
-        "prompt", min_length=1,
-        description="Column with the prompt: a non-empty string, or a list of chat messages.",
-    )
-    label_key: str | None = Field(
-        "label", description="Column with the reference answer given to the reward; None for none."
-    )
-    metadata_keys: list[str] = Field(
-        default_factory=list,
-        description="Extra columns passed to the reward function as keyword arguments.",
-    )
-    apply_chat_template: bool = Field(
-        True, description="Wrap prompts in the tokenizer's chat template (if it has one)."
-    )
-    system_prompt: str | None = Field(
-        None, description="System message prepended when the chat template is applied."
-    )
-    max_prompt_tokens: int = Field(
-        1024, ge=1, description="Longer prompts are bad rows (see on_bad_row)."
-    )
-    on_bad_row: Literal["error", "skip"] = Field(
-        "error",
-        description="A malformed row: 'error' stops at load time naming the file and row; "
-        "'skip' drops it and counts it by reason (the metrics' prompt count shows what is left).",
+    name: str = Field(
+        ...,
+        min_length=1,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="Name in the metrics (eval/<name>/pass@1); letters, digits, '_', '.', '-'.",
     )
     limit: int | None = Field(
         None, ge=1,

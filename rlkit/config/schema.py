@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rollout.config import RolloutConfig
+from rollout.config import PromptDataConfig, RolloutConfig
 from train.config import TrainConfig
 
 from rlkit.driver.modes import MODES
@@ -48,43 +48,7 @@ class ModelConfig(BaseModel):
     tokenizer: str | None = Field(None, description="Tokenizer folder; None means model.path.")
 
 
-class DataConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    path: str = Field(
-        "builtin:arithmetic",
-        min_length=1,
-        description="Prompts: a .jsonl or .parquet file, a folder saved by datasets' save_to_disk, "
-        "or a data set the project generates ('builtin:arithmetic').",
-    )
-    prompt_key: str = Field(
-        "prompt",
-        min_length=1,
-        description="Column with the prompt: a non-empty string, or a list of chat messages "
-        "({role, content}).",
-    )
-    label_key: str | None = Field(
-        "label", description="Column with the reference answer given to the reward; None for none."
-    )
-    metadata_keys: list[str] = Field(
-        default_factory=list,
-        description="Extra columns passed to the reward function as keyword arguments.",
-    )
-    apply_chat_template: bool = Field(
-        True, description="Wrap prompts in the tokenizer's chat template (if it has one)."
-    )
-    system_prompt: str | None = Field(
-        None, description="System message prepended when the chat template is applied."
-    )
-    max_prompt_tokens: int = Field(
-        1024, ge=1, description="Longer prompts are bad rows (see on_bad_row)."
-    )
-    on_bad_row: Literal["error", "skip"] = Field(
-        "error",
-        description="A malformed row (missing prompt or label key, empty or non-string prompt, "
-        "over-long prompt): 'error' stops at load time naming the file and row; 'skip' drops it "
-        "and counts it by reason.",
-    )
+class DataConfig(PromptDataConfig):
     shuffle: bool = Field(True, description="Reshuffle the prompts every epoch (seeded).")
 
 
