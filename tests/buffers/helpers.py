@@ -11,6 +11,17 @@ def make_buffer(n: int = 2, rows: int = 7, **kw) -> RolloutBuffer:
     return RolloutBuffer(make_source(rows), n_samples_per_prompt=n, **kw)
 
 
+def buffer_with_a_partial(n: int = 2) -> RolloutBuffer:
+    """A buffer holding one parked group whose first sample has 3 tokens (what a checkpoint
+    must carry across)."""
+    buf = make_buffer(n=n)
+    (g,) = buf.acquire(1)
+    g.samples[0].start_request()
+    g.samples[0].append([1, 2, 3], [-0.1] * 3, 0)
+    buf.requeue(g)
+    return buf
+
+
 def finish(group, version: int, tokens: int = 2, reward: float = 1.0) -> None:
     """Generate every unfinished sample of the group to a stop, then reward it."""
     for s in group.to_generate():

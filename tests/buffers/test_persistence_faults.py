@@ -5,16 +5,12 @@ naming it."""
 import pytest
 
 from buffers import BufferStateError, Place, load_buffer, save_buffer
-from tests.buffers.helpers import make_buffer
+from tests.buffers.helpers import buffer_with_a_partial, make_buffer
 from tests.faults import make_read_only, run_with_file_size_limit
 
 
 def _saved(path):
-    buf = make_buffer(n=2)
-    (g,) = buf.acquire(1)
-    g.samples[0].start_request()
-    g.samples[0].append([1, 2, 3], [-0.1] * 3, 0)
-    buf.requeue(g)
+    buf = buffer_with_a_partial()
     return save_buffer(buf, path)
 
 

@@ -17,7 +17,7 @@ from rlkit.checkpoint import (
 )
 from rlkit.config.schema import TrackingConfig
 from rlkit.tracking import Tracker, rewind
-from tests.buffers.helpers import make_buffer
+from tests.buffers.helpers import buffer_with_a_partial, make_buffer
 from tests.faults import make_read_only, run_with_file_size_limit
 
 
@@ -26,11 +26,7 @@ def fake_trainer_save(path):
 
 
 def test_save_rotate_and_resume_the_newest_complete(tmp_path):
-    buf = make_buffer(n=2)
-    (g,) = buf.acquire(1)
-    g.samples[0].start_request()
-    g.samples[0].append([1, 2, 3], [-0.1] * 3, 0)
-    buf.requeue(g)
+    buf = buffer_with_a_partial()
     for step in (2, 4, 6):
         save_checkpoint(tmp_path, step, step, fake_trainer_save,
                         lambda path: save_buffer(buf, path), keep_last=2)
@@ -70,15 +66,6 @@ def test_tracker_wandb_offline_writes_a_local_run(tmp_path):
     assert list((tmp_path / "wandb").glob("offline-run-*"))
 
 
-def _parked_buffer():
-    buf = make_buffer(n=2)
-    (g,) = buf.acquire(1)
-    g.samples[0].start_request()
-    g.samples[0].append([1, 2, 3], [-0.1] * 3, 0)
-    buf.requeue(g)
-    return buf
-
-
 def _assert_step_1_intact(run_dir):
     ckpt = latest_checkpoint(run_dir)
     assert ckpt.step == 1 and (ckpt.trainer_dir / "weights.bin").read_bytes() == b"w"
@@ -90,7 +77,7 @@ def _assert_step_1_intact(run_dir):
 
 
 def test_a_full_disk_names_the_path_and_keeps_the_previous_checkpoint(tmp_path):
-    save_checkpoint(tmp_path, 1, 1, fake_trainer_save, lambda p: save_buffer(_parked_buffer(), p),
+    save_checkpoint(tmp_path, 1, 1, fake_trainer_save, lambda p: save_buffer(buffer_with_a_partial(), p),
                     keep_last=2)
     # step 2's trainer writes 1 MiB where files may not exceed 64 KiB (EFBIG, as a full disk)
     done = run_with_file_size_limit(f"""
@@ -113,7 +100,7 @@ def test_a_full_disk_names_the_path_and_keeps_the_previous_checkpoint(tmp_path):
 
 
 def test_a_full_disk_while_writing_the_buffer_names_the_buffer_file(tmp_path):
-    save_checkpoint(tmp_path, 1, 1, fake_trainer_save, lambda p: save_buffer(_parked_buffer(), p),
+    save_checkpoint(tmp_path, 1, 1, fake_trainer_save, lambda p: save_buffer(buffer_with_a_partial(), p),
                     keep_last=2)
     done = run_with_file_size_limit(f"""
         from pathlib import Path
@@ -141,7 +128,7 @@ def test_a_full_disk_while_writing_the_buffer_names_the_buffer_file(tmp_path):
 
 
 def test_an_unwritable_checkpoint_folder_names_it_and_keeps_the_previous_checkpoint(tmp_path):
-    save_checkpoint(tmp_path, 1, 1, fake_trainer_save, lambda p: save_buffer(_parked_buffer(), p),
+    save_checkpoint(tmp_path, 1, 1, fake_trainer_save, lambda p: save_buffer(buffer_with_a_partial(), p),
                     keep_last=2)
     make_read_only(tmp_path / "checkpoints")
     try:
