@@ -43,22 +43,18 @@ DEFAULT_POLICIES = ("sync", "partial@1.5")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from rlkit.bench.suite import add_cluster_arguments
     from rlkit.driver.simulate import DEFAULT_RESTART_S
     from rollout.config import HealthConfig
 
     h = HealthConfig()
-    w = parser.add_argument_group("workload and cluster (as `rlkit bench suite`)")
+    w = parser.add_argument_group("workload (as `rlkit bench suite`)")
     w.add_argument("--cap", type=int, default=8192, help="response length cap of the trace")
     w.add_argument("--trace", help="replay this trace file instead of generating one")
     w.add_argument("--batch-size", type=int, default=32, help="groups trained per step")
     w.add_argument("--group-size", type=int, default=8, help="responses per prompt")
     w.add_argument("--prompts", type=int, default=4096, help="prompts in the generated trace")
-    w.add_argument("--profile", default="h100-qwen3-4b-tp2-april", help="engine profile")
-    w.add_argument("--engines", type=int, default=4)
-    w.add_argument("--abort-latency", type=float, default=0.2)
-    w.add_argument("--train-params", type=float, default=4.02e9)
-    w.add_argument("--train-gpus", type=int, default=8)
-    w.add_argument("--train-mfu", type=float, default=0.35)
+    add_cluster_arguments(parser)
     r = parser.add_argument_group("faults")
     r.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help="policy specs")
     r.add_argument("--scenarios", default=",".join(SCENARIOS),
@@ -112,19 +108,15 @@ class FaultRow:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rlkit.bench.suite import rollout_base
+    from rlkit.bench.suite import cluster_of, rollout_base
     from rollout.config import HealthConfig
-    from rollout.sim.engine import SimConfig
-    from rollout.sim.profile import load_profile
     from rollout.sim.trace import Trace, TraceSpec, generate_trace
-    from rollout.sim.train_time import TrainTimeModel
 
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     if bad := [s for s in scenarios if s not in SCENARIOS]:
         raise SystemExit(f"--scenarios: unknown {', '.join(bad)} (of: {', '.join(SCENARIOS)})")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    profile = load_profile(args.profile)
-    cluster = SimConfig(args.engines, profile, abort_latency_s=args.abort_latency)
+    cluster, train = cluster_of(args)
     if args.trace:
         trace = Trace.load(args.trace)
     else:
@@ -132,10 +124,8 @@ def run(args: argparse.Namespace) -> int:
                                          cap=args.cap, seed=args.seed, batch_size=args.batch_size))
     health = HealthConfig(interval_s=args.interval, probe_timeout_s=args.probe_timeout,
                           hung_after_timeouts=args.hung_after)
-    bench = FaultBench(cluster, trace, TrainTimeModel(params=args.train_params,
-                                                      gpus=args.train_gpus, mfu=args.train_mfu),
-                       health, args.batch_size, args.steps, args.restart_s, args.seed,
-                       args.mixed, rollout_base(args.profile, cluster))
+    bench = FaultBench(cluster, trace, train, health, args.batch_size, args.steps, args.restart_s,
+                       args.seed, args.mixed, rollout_base(args.profile, cluster))
     t0 = time.perf_counter()
     rows = bench.run(policies, scenarios)
     wall = time.perf_counter() - t0

@@ -96,19 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--growth", type=float, default=0.0,
                    help="length growth per training step (generated traces)")
     w.add_argument("--seed", type=int, default=0)
-    c = parser.add_argument_group("cluster")
-    c.add_argument("--profile", default="h100-qwen3-4b-tp2-april",
-                   help="engine profile: a packaged name or a JSON file")
-    c.add_argument("--engines", type=int, default=4, help="engines (each of the profile's GPUs)")
-    c.add_argument("--router", default="round_robin", choices=["round_robin", "least_load"])
-    c.add_argument("--abort-latency", type=float, default=0.2,
-                   help="seconds abort_all takes once engines are idle (rlkit's client polls "
-                        "/v1/loads every 0.2 s)")
-    c.add_argument("--request-latency", type=float, default=0.0,
-                   help="seconds from sending a request to its arrival at the engine")
-    c.add_argument("--train-params", type=float, default=4.02e9, help="trained parameters")
-    c.add_argument("--train-gpus", type=int, default=8, help="trainer GPUs")
-    c.add_argument("--train-mfu", type=float, default=0.35)
+    add_cluster_arguments(parser)
     r = parser.add_argument_group("run")
     r.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                    help="policy specs, comma-separated; " + describe_specs())
@@ -123,19 +111,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--no-timelines", action="store_true", help="do not write timelines")
 
 
-def run(args: argparse.Namespace) -> int:
+def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    """The simulated cluster and trainer (`cluster_of`), shared by the simulator benches."""
+    c = parser.add_argument_group("cluster")
+    c.add_argument("--profile", default="h100-qwen3-4b-tp2-april",
+                   help="engine profile: a packaged name or a JSON file")
+    c.add_argument("--engines", type=int, default=4, help="engines (each of the profile's GPUs)")
+    c.add_argument("--router", default="round_robin", choices=["round_robin", "least_load"])
+    c.add_argument("--abort-latency", type=float, default=0.2,
+                   help="seconds abort_all takes once engines are idle (rlkit's client polls "
+                        "/v1/loads every 0.2 s)")
+    c.add_argument("--request-latency", type=float, default=0.0,
+                   help="seconds from sending a request to its arrival at the engine")
+    c.add_argument("--train-params", type=float, default=4.02e9, help="trained parameters")
+    c.add_argument("--train-gpus", type=int, default=8, help="trainer GPUs")
+    c.add_argument("--train-mfu", type=float, default=0.35)
+
+
+def cluster_of(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The SimConfig and TrainTimeModel that `add_cluster_arguments`' options describe."""
     from rollout.sim.engine import SimConfig
     from rollout.sim.profile import load_profile
-    from rollout.sim.trace import Trace, TraceSpec, generate_trace
     from rollout.sim.train_time import TrainTimeModel
+
+    cluster = SimConfig(args.engines, load_profile(args.profile), router=args.router,
+                        abort_latency_s=args.abort_latency,
+                        request_latency_s=args.request_latency)
+    return cluster, TrainTimeModel(params=args.train_params, gpus=args.train_gpus, mfu=args.train_mfu)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rollout.sim.trace import Trace, TraceSpec, generate_trace
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    profile = load_profile(args.profile)
-    cluster = SimConfig(args.engines, profile, router=args.router,
-                        abort_latency_s=args.abort_latency,
-                        request_latency_s=args.request_latency)
-    train = TrainTimeModel(params=args.train_params, gpus=args.train_gpus, mfu=args.train_mfu)
+    cluster, train = cluster_of(args)
+    profile = cluster.profile
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if bad := [m for m in modes if m not in MODES]:
