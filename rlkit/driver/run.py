@@ -15,6 +15,7 @@ from pathlib import Path
 
 import yaml
 
+from buffers.errors import find_user_error
 from rlkit.checkpoint import Checkpoint, latest_checkpoint, resume_point, save_checkpoint
 from rlkit.config.schema import Recipe
 from rlkit.driver.loop import LoopState, Run, finish_step
@@ -66,8 +67,8 @@ def train(recipe: Recipe) -> LoopState:
             try:
                 return await MODES[recipe.mode](run)
             except Exception as e:
-                down = _engines_down(e)
-                if down is None:
+                down = find_user_error(e)  # Ray wraps the rollout actor's error
+                if not isinstance(down, EnginesDown):
                     raise
                 # The step parked every group with its tokens; keep them, and the steps done.
                 await box.give_back_untrained()
@@ -101,12 +102,6 @@ def _died_message(what: str, step: int, recipe: Recipe, ckpt: Checkpoint | None)
     else:
         how = f"no checkpoint was written yet: {again} to start over from step 0"
     return f"{what}, in step {step} of {recipe.run.num_steps}. The run stopped (all its processes); {how}"
-
-
-def _engines_down(e: BaseException) -> EnginesDown | None:
-    """The EnginesDown behind a rollout step's failure (Ray wraps it), if that is what it is."""
-    cause = getattr(e, "cause", None) or e
-    return cause if isinstance(cause, EnginesDown) else None
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
