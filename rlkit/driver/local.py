@@ -57,11 +57,10 @@ class LocalTrainerBox:
     """A Trainer (protocol) in this process; groups are trained as `add` hands them over."""
 
     def __init__(self, trainer: "Trainer", cfg: "TrainConfig", rollout_samples: int, *,
-                 engine_urls: Sequence[str] = (), weights_folder: str | Path | None = None) -> None:
+                 weights_folder: str | Path | None = None) -> None:
         self.trainer = trainer
         self.cfg = cfg
         self.rollout_samples = rollout_samples
-        self.engine_urls = list(engine_urls)
         self.weights_folder = weights_folder
         self._batch: RolloutBatchStep | None = None
 
@@ -79,8 +78,8 @@ class LocalTrainerBox:
         return await asyncio.to_thread(batch.finish)  # generation goes on meanwhile (async mode)
 
     async def push_weights(self, version: int, urls: Sequence[str]) -> None:
-        """To `urls` (the engines serving now); with none known, to `engine_urls`."""
-        self.trainer.sync_weights(list(urls or self.engine_urls), version=version,
+        """To `urls` (the engines serving now; none when every engine is lost)."""
+        self.trainer.sync_weights(list(urls), version=version,
                                   method=self.cfg.weight_sync.method, folder=self.weights_folder)
 
     def save(self, path: str | Path) -> None:
@@ -88,12 +87,11 @@ class LocalTrainerBox:
 
 
 def run_local(recipe: "Recipe", service: RolloutService, trainer: "Trainer", on_step: OnStep,
-              state: LoopState | None = None, *, engine_urls: Sequence[str] = ()) -> LoopState:
+              state: LoopState | None = None) -> LoopState:
     """Run `recipe.mode`'s loop over an in-process rollout service and trainer."""
     from rlkit.driver.modes import MODES
 
-    trainer_box = LocalTrainerBox(trainer, recipe.train, recipe.rollout.samples_per_step,
-                                  engine_urls=engine_urls)
+    trainer_box = LocalTrainerBox(trainer, recipe.train, recipe.rollout.samples_per_step)
     run = Run(LocalRolloutBox(service), trainer_box,
               recipe.run.num_steps, recipe.rollout.batch_size, on_step, state or LoopState())
     return asyncio.run(MODES[recipe.mode](run))

@@ -119,8 +119,8 @@ class Run:
         the version its engines generate with."""
         for attempt in range(2):
             serving, restarted = await self.rollout.engine_set()
-            if not serving and not restarted:
-                break  # every engine lost: the next rollout step stops the run (EnginesDown)
+            # Every engine lost: the trainer still records the version (a checkpoint written
+            # now must agree with the step's), and the next rollout step stops the run.
             try:
                 await self.trainer.push_weights(version, [*serving, *restarted])
                 break

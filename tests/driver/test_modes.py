@@ -71,7 +71,7 @@ class LocalBox:
 def drive(r, box, trainer, tracker, run_dir, state=None):
     """Run recipe r's mode over the box's service and the trainer."""
     on_step = finish_step(r, tracker, box.s, trainer, run_dir)
-    return run_local(r, box.s, trainer, on_step, state, engine_urls=["http://e0", "http://e1"])
+    return run_local(r, box.s, trainer, on_step, state)
 
 
 def tail(sample):
@@ -304,3 +304,29 @@ def test_async_needs_an_off_policy_correction_only_past_bound_zero(tmp_path):
     r = load_recipe(None, ["mode=async", "rollout.max_staleness=0"])
     assert r.train.weight_sync.pause_mode == "retract"  # auto: in-flight requests continue
     assert load_recipe(None, []).train.weight_sync.pause_mode == "abort"
+
+
+def test_a_weight_sync_with_every_engine_lost_still_moves_the_trainer_s_version():
+    """With no engine serving, the sync still tells the trainer its weights' version: the
+    checkpoint written at that step (an outage stops the run there) would otherwise pair the
+    step's state with the previous version's number and be refused on resume."""
+    from rlkit.driver.loop import Run
+
+    class NoEngines:
+        version = None
+
+        async def engine_set(self):
+            return [], []
+
+        async def set_version(self, version):
+            self.version = version
+
+    class Trainer:
+        pushed = []
+
+        async def push_weights(self, version, urls):
+            self.pushed.append((version, list(urls)))
+
+    rollout, trainer = NoEngines(), Trainer()
+    asyncio.run(Run(rollout, trainer, 1, 1, on_step=None).push_weights(3))
+    assert trainer.pushed == [(3, [])] and rollout.version == 3

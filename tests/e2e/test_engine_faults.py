@@ -98,7 +98,9 @@ class Injector(threading.Thread):
                     busy = total_requests(_get(f"{url}/v1/loads"))
                 except Exception:  # noqa: BLE001
                     continue
-                if busy:
+                # more than a health probe (one one-token request at a time, also between
+                # rollouts): the engine serves the step's requests, which the fault must catch
+                if busy >= 2:
                     targets = self.engines() if self.fault == "kill_all" else {pid: url}
                     for p in targets:
                         os.kill(p, signal.SIGSTOP if self.fault == "hang" else signal.SIGKILL)

@@ -52,7 +52,12 @@ def test_grpo_with_partial_rollouts_end_to_end_and_resume(tmp_path, monkeypatch)
     assert all(r["rollout/tokens_discarded"] == 0 for r in metrics)
     assert metrics[0]["rollout/groups_carried_over"] > 0
     assert sum(r["rollout/groups_resumed"] for r in metrics[1:]) > 0
-    assert max(r["rollout/max_versions_per_sample"] for r in metrics) >= 2
+    # A response aborted with tokens and resumed next step spans two policy versions. The tiny
+    # model's responses mostly run to the cap together, so the batch fills as a wave ends and
+    # the abort may land before the next wave's first token (seen on CI): then nothing is split.
+    spans = [json.loads(x) for x in (run_dir / "timeline.jsonl").read_text().splitlines()]
+    if any(x.get("outcome") == "abort" and x["tokens"] > 0 and x["step"] < 3 for x in spans):
+        assert max(r["rollout/max_versions_per_sample"] for r in metrics) >= 2
     assert all(r["batch/groups"] == recipe.rollout.batch_size for r in metrics)
     assert (run_dir / "timeline.jsonl").stat().st_size > 0
 

@@ -201,6 +201,10 @@ def test_sync_weights_sends_the_trained_weights_with_a_new_version(tiny_qwen2_di
     assert [c[0] for c in log][:3] == (["init_group", "pause", "flush"] if method == "distributed" else ["pause", "flush", "disk"])
     with pytest.raises(ValueError, match="is older"):
         trainer.sync_weights(["http://x"], version=1)
+    # every engine lost (rollout.health): nothing is sent, but the weights are version 3 and a
+    # checkpoint written now must say so (it said 2 while the run's state said 3)
+    assert trainer.sync_weights([], method=method, folder=tmp_path) is None
+    assert trainer.version == 3
 
 
 def weights(trainer):

@@ -402,7 +402,9 @@ class MegatronTrainer:
     ):
         """Push the current weights to `engines` (URLs of engine workers, not the router) and set
         the policy version (default: current + 1; the current version itself re-publishes the
-        same weights, e.g. to fresh engines after a resume). Collective: call it on every rank.
+        same weights, e.g. to fresh engines after a resume). With no engine (every one lost, see
+        rollout.health) only the version moves: the weights are that version's all the same, and
+        a checkpoint must say so. Collective: call it on every rank.
         Returns the SyncReport on the rank that sent (global rank 0), None elsewhere."""
         from train.weight_sync.sender import WeightSender
 
@@ -411,13 +413,14 @@ class MegatronTrainer:
         version = self.version + 1 if version is None else int(version)
         if version < self.version:
             raise ValueError(f"sync_weights: version {version} is older than {self.version}")
-        if not engines:
-            raise ValueError("sync_weights: no engine URLs given")
         if method not in ("disk", "distributed"):
             raise ValueError(f"sync_weights: unknown method {method!r}")
         if method == "disk" and folder is None and not ws.disk_dir:
             raise ValueError("sync_weights(method='disk') needs a folder or train.weight_sync.disk_dir")
         report = None
+        if not engines:
+            self.version = version
+            return None
         weights = self._sender_hf_weights()
         if weights is not None:
             if self._sender is None:
