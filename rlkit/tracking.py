@@ -17,6 +17,7 @@ from rlkit.config.schema import TrackingConfig
 from rollout.timeline import TIMELINE_FILE
 
 GROUPS_FILE = "groups.jsonl"
+EVAL_FILE = "eval.jsonl"  # one row per evaluation (recipe `eval`): step = the version evaluated
 # Into a log that is not a terminal, a progress line at most this often (the live line is
 # redrawn on every poll, about every 0.5 s: one line each would flood the log).
 PLAIN_PROGRESS_EVERY_S = 10.0
@@ -27,7 +28,7 @@ def rewind(run_dir: Path, step: int) -> None:
     trained groups): a run resumed from the checkpoint of `step` does those steps again, and
     each step must be recorded once (a crash can come after a step's rows, before its
     checkpoint). A line cut short by a crash goes too. Each file is rewritten atomically."""
-    for name in ("metrics.jsonl", TIMELINE_FILE, GROUPS_FILE):
+    for name in ("metrics.jsonl", TIMELINE_FILE, GROUPS_FILE, EVAL_FILE):
         path = run_dir / name
         if not path.is_file():
             continue
@@ -57,7 +58,9 @@ class Tracker:
         self._metrics = open(run_dir / "metrics.jsonl", "a") if cfg.jsonl else None
         self._timeline = open(run_dir / TIMELINE_FILE, "a")
         self._groups = open(run_dir / GROUPS_FILE, "a") if cfg.jsonl else None
+        self._eval = open(run_dir / EVAL_FILE, "a") if cfg.jsonl else None
         self._wandb = None
+        self._wandb_step = 0
         if cfg.wandb != "disabled":
             self._wandb = _start_wandb(cfg, run_dir, run_name, config)
         self._console = None
@@ -76,9 +79,25 @@ class Tracker:
             self._metrics.write(json.dumps(row) + "\n")
             self._metrics.flush()
         if self._wandb is not None:
+            self._wandb_step = max(self._wandb_step, step)
             self._wandb.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=step)
         if self._console is not None:
             self._console.print(_summary_line(step, metrics))
+
+    def log_eval(self, step: int, metrics: dict[str, Any]) -> None:
+        """One evaluation of the weights after `step` steps (RUN/eval.jsonl). In async mode it
+        ends during a later step: wandb gets it at its own `eval/step` (its x axis for eval/*),
+        since wandb's step only moves forward."""
+        row = {"step": step, "time_s": round(self._clock() - self._t0, 3), **_plain(metrics)}
+        if self._eval is not None:
+            self._eval.write(json.dumps(row) + "\n")
+            self._eval.flush()
+        if self._wandb is not None:
+            values = {k: v for k, v in row.items() if k.startswith("eval/") and isinstance(v, (int, float))}
+            self._wandb.log({**values, "eval/step": step}, step=max(self._wandb_step, step))
+        if self._console is not None:
+            for line in _eval_lines(step, metrics):
+                self._console.print(line, highlight=False)
 
     def log_timeline(self, step: int, spans: Iterable[dict[str, Any]],
                      header: dict[str, Any] | None = None) -> None:
@@ -116,7 +135,7 @@ class Tracker:
             self._progress_last = (step, done, now)
 
     def close(self) -> None:
-        for f in (self._metrics, self._timeline, self._groups):
+        for f in (self._metrics, self._timeline, self._groups, self._eval):
             if f is not None:
                 f.close()
         if self._wandb is not None:
@@ -129,10 +148,13 @@ def _start_wandb(cfg: TrackingConfig, run_dir: Path, run_name: str, config: dict
     import wandb
 
     # Offline needs no network and no key; `wandb sync <run_dir>/wandb/offline-run-*` uploads.
-    return wandb.init(
+    run = wandb.init(
         project=cfg.project, name=run_name, dir=str(run_dir), mode=cfg.wandb, config=config,
         resume="allow", id=_wandb_id(run_dir),
     )
+    run.define_metric("eval/step")
+    run.define_metric("eval/*", step_metric="eval/step")  # eval curves over the version evaluated
+    return run
 
 
 def _wandb_id(run_dir: Path) -> str:
@@ -170,3 +192,31 @@ def _summary_line(step: int, m: dict[str, Any]) -> str:
         f"resumed {f('rollout/resumed_token_share', '.0%')} | "
         f"train {f('train/seconds', '.1f')} s, loss {f('train/loss', '.4f')}"
     )
+
+
+def eval_passes(metrics: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """eval/<dataset>/<mode>/<metric> keys grouped by pass ('<dataset>/<mode>')."""
+    out: dict[str, dict[str, Any]] = {}
+    for key, v in metrics.items():
+        parts = key.split("/")
+        if len(parts) >= 4 and parts[0] == "eval":
+            out.setdefault("/".join(parts[1:3]), {})["/".join(parts[3:])] = v
+    return out
+
+
+def _eval_lines(step: int, metrics: dict[str, Any]) -> list[str]:
+    lines = []
+    for name, m in eval_passes(metrics).items():
+        def f(key: str, fmt: str) -> str:
+            v = m.get(key)
+            return format(v, fmt) if isinstance(v, (int, float)) and math.isfinite(v) else "-"
+
+        ks = sorted(k for k in m if k.startswith("pass@") and k != "pass@1")
+        at_k = f" | {ks[0]} {f(ks[0], '.3f')}" if ks else ""
+        lines.append(
+            f"eval after step {step:>4} | {name}: pass@1 {f('pass@1', '.3f')}{at_k} | reward "
+            f"{f('mean_reward', '.3f')} | length {f('mean_response_length', '.1f')} (max "
+            f"{f('max_response_length', '.0f')}, truncated {f('truncation_rate', '.0%')}) | "
+            f"{f('prompts', '.0f')} prompts, {f('seconds', '.1f')} s"
+        )
+    return lines

@@ -122,7 +122,7 @@ async def evaluate(
     max_new_tokens: int | None = None,
     max_concurrency: int = 0,
     reward_timeout_s: float = 30.0,
-    max_attempts: int = 3,
+    max_attempts: int = 5,
 ) -> EvalResult:
     """Generate `n` responses per prompt through `engines.generate`, score each with `score`
     as soon as it finishes, and compute the metrics.
@@ -131,8 +131,9 @@ async def evaluate(
     (the score function sees each sample with a throwaway `Group` holding its record).
     A sample is correct when its reward >= `success_threshold`. `max_new_tokens` defaults to
     `sampling.max_new_tokens`; `max_concurrency` bounds requests in flight (0: no bound).
-    A request interrupted without an answer (an engine lost or an abort) is regenerated from
-    scratch, so every response comes from one policy version, at most `max_attempts` times;
+    A request interrupted without an answer (an engine lost, or the abort that ends a partial
+    rollout step running beside it in async mode) is regenerated from scratch, so every
+    response comes from one policy version, at most `max_attempts` times;
     an EngineError fails the sample (counted in `engine_failures`)."""
     if not prompts:
         raise ValueError(f"evaluate {name!r}: no prompts")
@@ -226,3 +227,45 @@ async def evaluate(
 def _mean(values: Any) -> float:
     values = list(values)
     return math.fsum(values) / len(values)
+
+
+class Evaluator:
+    """One evaluation as the recipe's `eval` section asks for it: every dataset under each of
+    its passes (greedy, sampled), at one policy version, over the engines given. The datasets
+    are loaded before the run starts (a bad row fails it there), so an evaluation only
+    generates and scores."""
+
+    def __init__(self, cfg: Any, datasets: dict[str, Sequence[PromptRecord]], score: ScoreFn,
+                 base: SamplingConfig, reward_timeout_s: float = 30.0) -> None:
+        from rollout.eval_config import EvalConfig
+
+        assert isinstance(cfg, EvalConfig)
+        missing = [d.name for d in cfg.datasets if not datasets.get(d.name)]
+        if missing:
+            raise ValueError(f"Evaluator: no prompts loaded for eval dataset(s) {missing}")
+        self.cfg = cfg
+        self.datasets = datasets
+        self.score = score
+        self.passes = cfg.passes(base)
+        self.reward_timeout_s = reward_timeout_s
+
+    def due(self, step: int) -> bool:
+        return self.cfg.due(step)
+
+    async def run(self, engines: Engines, version: int) -> list[EvalResult]:
+        """The passes one after another (each already fills the engines), at `version`."""
+        results = []
+        for p in self.passes:
+            results.append(await evaluate(
+                p.name, self.datasets[p.dataset.name], engines, p.sampling, p.n, p.k, self.score,
+                version, self.cfg.success_threshold, max_concurrency=self.cfg.max_concurrency,
+                reward_timeout_s=self.reward_timeout_s))
+        return results
+
+
+def eval_metrics(results: Sequence[EvalResult]) -> dict[str, float]:
+    """One evaluation's results as one flat metrics row (eval/<dataset>/<mode>/...)."""
+    out: dict[str, float] = {}
+    for r in results:
+        out.update(r.metrics())
+    return out

@@ -1,5 +1,5 @@
-"""The `eval` recipe section (not yet part of the Recipe schema): which held-out datasets to
-evaluate, when, and how to sample them (rollout.eval runs one pass).
+"""The recipe's `eval` section: which held-out datasets to evaluate, when, and how to sample
+them (rollout.eval.Evaluator runs one evaluation; docs/evaluation.md).
 
 A dataset's loader options are those of the recipe's `data` section (both derive from
 rollout.config.PromptDataConfig). Greedy decoding: rlkit's SamplingConfig requires temperature > 0, so

@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rollout.config import PromptDataConfig, RolloutConfig
+from rollout.eval_config import EvalConfig
 from train.config import TrainConfig
 
 from rlkit.driver.modes import MODES
@@ -127,6 +128,11 @@ class Recipe(BaseModel):
     data: DataConfig = Field(default_factory=DataConfig, description="Prompt data.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Generation side.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Training side.")
+    eval: EvalConfig = Field(
+        default_factory=EvalConfig,
+        description="Held-out evaluation during training, on the same engines (docs/evaluation.md); "
+        "off until datasets are listed.",
+    )
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="Metrics and logs.")
     checkpoint: CheckpointConfig = Field(
         default_factory=CheckpointConfig, description="Checkpoints and resume."

@@ -22,6 +22,8 @@ from buffers.group import PromptRecord
 from buffers.source import EpochOrder
 from rlkit.config.schema import DataConfig
 from rlkit.data.errors import DataError
+from rollout.config import PromptDataConfig
+from rollout.eval_config import EvalConfig
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 TOKENIZE_CHUNK = 1024
@@ -98,16 +100,32 @@ class DatasetPromptSource:
 
 
 # -- loading ---------------------------------------------------------------------------------
+def load_eval_sets(cfg: EvalConfig, tokenizer: Tokenizer) -> dict[str, list[PromptRecord]]:
+    """Every held-out dataset of the `eval` section, read by the `data` section's rules: a bad
+    row fails here, before the run starts, naming the key, the file and the row. In file
+    order (eval never shuffles), cut to each dataset's `limit`."""
+    out = {}
+    for i, d in enumerate(cfg.datasets):
+        try:
+            ds = load_prompts(d, tokenizer, key=f"eval.datasets[{i}]")
+        except DataError as e:
+            raise DataError(f"eval.datasets[{i}] ({d.name}): {e}") from None
+        n = len(ds) if d.limit is None else min(d.limit, len(ds))
+        out[d.name] = [ds.record(j) for j in range(n)]
+    return out
+
+
 def load_prompt_source(cfg: DataConfig, tokenizer: Tokenizer, seed: int) -> DatasetPromptSource:
     return DatasetPromptSource(load_prompts(cfg, tokenizer), seed=seed, shuffle=cfg.shuffle)
 
 
-def load_prompts(cfg: DataConfig, tokenizer: Tokenizer) -> PromptDataset:
-    """Read, validate and tokenize the prompts named by `cfg.path`."""
+def load_prompts(cfg: PromptDataConfig, tokenizer: Tokenizer, key: str = "data") -> PromptDataset:
+    """Read, validate and tokenize the prompts named by `cfg.path` (the recipe section at
+    `key`, named in errors)."""
     import datasets
 
     name, rows = _read_rows(cfg.path)
-    bad = _BadRows(name, cfg.on_bad_row, rows.where if isinstance(rows, _JsonlRows) else None)
+    bad = _BadRows(name, cfg.on_bad_row, rows.where if isinstance(rows, _JsonlRows) else None, key)
     has_template = cfg.apply_chat_template and bool(getattr(tokenizer, "chat_template", None))
     kept: list[tuple[int, Any, Any, dict[str, Any]]] = []  # (row, prompt, label, metadata)
     for i, row in rows:
@@ -164,9 +182,10 @@ def load_prompts(cfg: DataConfig, tokenizer: Tokenizer) -> PromptDataset:
 
 class _BadRows:
     def __init__(
-        self, name: str, on_bad_row: str, where: Callable[[int], str] | None = None
+        self, name: str, on_bad_row: str, where: Callable[[int], str] | None = None,
+        key: str = "data",
     ) -> None:
-        self.name, self.on_bad_row = name, on_bad_row
+        self.name, self.on_bad_row, self.key = name, on_bad_row, key
         self.where = where or (lambda row: f"row {row}")  # how a row is named to the user
         self.counts: Counter[str] = Counter()
 
@@ -174,7 +193,7 @@ class _BadRows:
         if self.on_bad_row == "error":
             raise DataError(
                 f"{self.name}: {self.where(row)}: {message} "
-                "(set data.on_bad_row=skip to skip and count such rows)"
+                f"(set {self.key}.on_bad_row=skip to skip and count such rows)"
             )
         self.counts[reason] += 1
 

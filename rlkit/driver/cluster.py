@@ -98,6 +98,7 @@ class RolloutActor:
         self.score: Any = None
         self.group_filter: Any = None
         self.ranker: Any = None
+        self.evaluator: Any = None
         self.router = None
         self.client = None
         self.service: RolloutService | None = None
@@ -107,9 +108,10 @@ class RolloutActor:
         engines start and a bad data file or reward name fails the run at once."""
         from transformers import AutoTokenizer
 
-        from rlkit.data.prompts import load_prompt_source
+        from rlkit.data.prompts import load_eval_sets, load_prompt_source
         from rlkit.plugins import load_group_filter, load_ranker
         from rlkit.rewards.scoring import make_score_fn
+        from rollout.eval import Evaluator
 
         r = self.recipe
         tokenizer = AutoTokenizer.from_pretrained(self.model_path)
@@ -121,6 +123,12 @@ class RolloutActor:
         self.score = make_score_fn(r.rollout.reward, decode)
         self.group_filter = load_group_filter(r.rollout.filter)
         self.ranker = load_ranker(r.rollout.ranker)
+        if r.eval.enabled:  # held-out sets: a bad row fails the run here, before any step
+            reward = r.eval.reward or r.rollout.reward
+            self.evaluator = Evaluator(
+                r.eval, load_eval_sets(r.eval, tokenizer),
+                self.score if r.eval.reward is None else make_score_fn(reward, decode),
+                r.rollout.sampling, reward_timeout_s=reward.timeout_s)
 
     async def start(self, engine_urls: list[str], engine_actors: list[Any] = ()) -> None:
         """Start the router in front of the engines and the rollout service over them; a lost
@@ -136,13 +144,18 @@ class RolloutActor:
                                          router_admin=self.router).connect()
         restarter = ActorRestarter(dict(zip(engine_urls, engine_actors))) if engine_actors else None
         self.service = RolloutService.from_config(r.rollout, self.source, self.client, self.score,
-                                                  self.group_filter, self.ranker, restarter)
+                                                  self.group_filter, self.ranker, restarter,
+                                                  self.evaluator)
 
     async def run_step(self, version: int, for_version: int, final: bool) -> StepResult:
         assert self.service is not None
         result = await self.service.run_step(version, for_version=for_version, final=final)
         result.report = None  # the driver needs the plain data only
         return result
+
+    async def evaluate(self, version: int) -> dict[str, float]:
+        assert self.service is not None
+        return await self.service.evaluate(version)
 
     def progress(self) -> dict[str, Any] | None:
         return self.service.progress() if self.service is not None else None
@@ -255,6 +268,9 @@ class RayRolloutBox:
 
     async def set_version(self, version: int) -> None:
         await self.actor.set_version.remote(version)
+
+    async def evaluate(self, version: int) -> dict[str, float]:
+        return await self.actor.evaluate.remote(version)
 
     async def engine_set(self) -> tuple[list[str], list[str]]:
         return await self.actor.engine_set.remote()

@@ -37,6 +37,9 @@ class LocalRolloutBox:
     async def set_version(self, version: int) -> None:
         self.service.set_version(version)
 
+    async def evaluate(self, version: int) -> dict[str, float]:
+        return await self.service.evaluate(version)
+
     async def engine_set(self) -> tuple[list[str], list[str]]:
         return self.service.engine_set()
 

@@ -58,6 +58,10 @@ class RolloutBox(Protocol):
 
     async def set_version(self, version: int) -> None: ...  # weights now on the engines
 
+    async def evaluate(self, version: int) -> dict[str, float]:
+        """The recipe's held-out evaluation on the engines (at `version`): its metrics row."""
+        ...
+
     async def engine_set(self) -> tuple[list[str], list[str]]:
         """Engines serving, and engines restarted that wait for the current weights."""
         ...
@@ -84,6 +88,7 @@ class TrainerBox(Protocol):
 
 
 OnStep = Callable[[LoopState, StepResult, Handed, dict[str, float]], None]
+OnEval = Callable[[int, dict[str, float]], None]  # steps done (= version evaluated), metrics
 
 
 @dataclass
@@ -97,7 +102,12 @@ class Run:
     on_step: OnStep  # after each trained step (see `finish_step`)
     state: LoopState = field(default_factory=LoopState)
     final_step: bool = True  # the last step is the run's final one (benchmarks of the steady state: no)
+    # Held-out evaluation (recipe `eval`): whether one is due after k steps, and its report.
+    eval_due: Callable[[int], bool] = lambda step: False
+    on_eval: OnEval | None = None
     _last_end: float | None = None
+    _eval: asyncio.Task | None = None
+    _eval_skip: int | None = None  # a resumed run's checkpoint step: evaluated before the stop
     # Held while the trainer's weights differ from what `state.version` says (training, the
     # sync), so a restarted engine is given weights only at a version boundary.
     _weights: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -108,6 +118,37 @@ class Run:
     def start(self) -> None:
         """Start the step clock (the first step's seconds count from here)."""
         self._last_end = self.now()
+        self._eval_skip = self.state.step if self.state.step > 0 else None
+
+    def start_eval(self) -> None:
+        """Start the evaluation due after the steps done (before the first: the initial
+        policy), at the engines' current version; returns at once."""
+        step, version = self.state.step, self.state.version
+        if step == self._eval_skip or not self.eval_due(step):
+            return
+        assert self._eval is None or self._eval.done(), "one evaluation at a time"
+
+        async def evaluate() -> None:
+            metrics = await self.rollout.evaluate(version)
+            if self.on_eval is not None and metrics:
+                self.on_eval(step, metrics)
+
+        self._eval = asyncio.ensure_future(evaluate())
+
+    async def eval_done(self) -> float | None:
+        """Wait for the evaluation in flight (its error is raised here): seconds waited; None
+        when none was in flight."""
+        if self._eval is None:
+            return None
+        t0 = self.now()
+        task, self._eval = self._eval, None
+        await task
+        return self.now() - t0
+
+    async def evaluate(self) -> None:
+        """The evaluation due now, waited for (sync and stream: between steps)."""
+        self.start_eval()
+        await self.eval_done()
 
     def is_final(self, step: int) -> bool:
         """Whether 1-based `step` is the run's last (tail batching drains its long queue)."""
@@ -151,11 +192,15 @@ class Run:
             t1 = self.now()
             metrics = await self.trainer.finish()
             t2 = self.now()
+            # An evaluation still running (async mode) ends on the weights it began with.
+            waited = await self.eval_done()
             await self.push_weights(self.state.version + 1)
         now = self.now()
         self.state.step += 1
         self.state.version += 1
-        row = {**metrics, **row, "train/seconds": t2 - t1, "sync/seconds": now - t2,
+        if waited is not None:  # what the sync waited for the evaluation (async mode)
+            row = {**row, "eval/wait_seconds": waited}
+        row = {**metrics, **row, "train/seconds": t2 - t1, "sync/seconds": now - t2 - (waited or 0.0),
                "step/seconds": now - (self._last_end if self._last_end is not None else now)}
         self._last_end = now
         self.on_step(self.state, result, handed, row)

@@ -12,6 +12,10 @@ they wait:
             them. The buffer bounds the lag (rollout.max_staleness); a bound of 0 admits no
             overlap, and the loop is then sync's, step for step.
 
+Held-out evaluation (recipe `eval`) runs on the same engines when due: between steps in sync
+and stream (the loop waits for it), beside the next rollout in async (the next weight sync
+waits for it, so every eval response comes from the version it began with).
+
 The simulator (rlkit/driver/simulate.py) runs these same loops in virtual time.
 """
 
@@ -26,6 +30,7 @@ from rlkit.driver.loop import Handed, LoopState, Run
 async def run_sync(run: Run) -> LoopState:
     s = run.state
     run.start()
+    await run.evaluate()  # the initial policy, when eval.before_first_step
     while s.step < run.num_steps:
         result = await run.rollout.start_step(s.version, for_version=s.version,
                                               final=run.is_final(s.step + 1))
@@ -33,24 +38,28 @@ async def run_sync(run: Run) -> LoopState:
         run.trainer.begin(s.version)
         run.trainer.add(handed)
         await run.finish_step(result, handed)  # train, push weights, report
+        await run.evaluate()  # held-out sets on the new weights, when due
     return s
 
 
 async def run_stream(run: Run) -> LoopState:
     s = run.state
     run.start()
+    await run.evaluate()
     while s.step < run.num_steps:
         handle = run.rollout.start_step(s.version, for_version=s.version,
                                         final=run.is_final(s.step + 1))
         run.trainer.begin(s.version)
         handed = await _stream_into(run, handle)  # each group to the trainer as it completes
         await run.finish_step(await handle, handed)  # only what streaming could not hide is left
+        await run.evaluate()
     return s
 
 
 async def run_async(run: Run) -> LoopState:
     s = run.state
     run.start()
+    run.start_eval()  # beside the first rollout
     pending = None
     while s.step < run.num_steps:
         if pending is None:  # the first step, or a bound that admitted no overlap
@@ -68,6 +77,8 @@ async def run_async(run: Run) -> LoopState:
         run.trainer.add(handed)
         # the weight sync lands mid-generation: in-flight requests go on with the new weights
         await run.finish_step(result, handed, **{"async/overlapped": float(pending is not None)})
+        run.start_eval()  # beside the next rollout; the next weight sync waits for it
+    await run.eval_done()
     return s
 
 

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 from buffers import Group, PromptSource, RolloutBuffer, load_buffer, save_buffer
 from rollout.config import RolloutConfig
 from rollout.engine_api import Engines
+from rollout.eval import Evaluator, eval_metrics
 from rollout.filters import GroupFilter
 from rollout.health import EngineMonitor, Restarter
 from rollout.manager import RolloutManager, StepReport, batch_target
@@ -38,11 +39,13 @@ class StepResult:
 class RolloutService:
     """The buffer and the manager over it, with what the driver's modes call."""
 
-    def __init__(self, buffer: RolloutBuffer, manager: RolloutManager, batch_size: int) -> None:
+    def __init__(self, buffer: RolloutBuffer, manager: RolloutManager, batch_size: int,
+                 evaluator: Evaluator | None = None) -> None:
         self.buffer = buffer
         self.manager = manager
         self.engines = manager.engines
         self.batch_size = batch_size
+        self.evaluator = evaluator
         self._current: asyncio.Task | None = None
         self._untrained: list[Group] = []  # handed to the trainer since the last weight sync
 
@@ -56,9 +59,11 @@ class RolloutService:
         group_filter: GroupFilter | None = None,
         ranker: LengthRanker | None = None,
         restarter: Restarter | None = None,
+        evaluator: Evaluator | None = None,
     ) -> "RolloutService":
         """`restarter`: how a lost engine is started again (none: the run goes on without it).
-        A restarted engine serves once the driver has pushed it the weights (`admit_engines`)."""
+        A restarted engine serves once the driver has pushed it the weights (`admit_engines`).
+        `evaluator`: the recipe's held-out evaluation, over the same engines."""
         buffer = RolloutBuffer(
             source,
             n_samples_per_prompt=cfg.n_samples_per_prompt,
@@ -70,7 +75,7 @@ class RolloutService:
         manager = RolloutManager(buffer, engines, make_policy(cfg), cfg.sampling, rewards,
                                  group_filter=group_filter, ranker=ranker, health=health,
                                  relaunches_per_sample=cfg.health.relaunches_per_sample)
-        return cls(buffer, manager, cfg.batch_size)
+        return cls(buffer, manager, cfg.batch_size, evaluator)
 
     async def run_step(self, version: int, *, for_version: int | None = None,
                        final: bool = False) -> StepResult:
@@ -101,6 +106,13 @@ class RolloutService:
                     "source": "real"},
             report=report,
         )
+
+    async def evaluate(self, version: int) -> dict[str, float]:
+        """The recipe's evaluation with the engines at `version` (its metrics row; {} when the
+        recipe has none). Its samples are its own: the buffer and its accounting never see them."""
+        if self.evaluator is None:
+            return {}
+        return eval_metrics(await self.evaluator.run(self.engines, version))
 
     def progress(self) -> dict[str, Any] | None:
         step = self.manager.current

@@ -58,7 +58,8 @@ def train(recipe: Recipe) -> LoopState:
             if ckpt.buffer_file.is_file():
                 box.load(str(ckpt.buffer_file))
         run = Run(box, trainer, recipe.run.num_steps, recipe.rollout.batch_size,
-                  finish_step(recipe, tracker, box, trainer, run_dir), state)
+                  finish_step(recipe, tracker, box, trainer, run_dir), state,
+                  eval_due=recipe.eval.due, on_eval=tracker.log_eval)
         box.on_engines_back = run.restore_engines  # restarted engines get the weights mid-step
 
         async def main() -> LoopState:

@@ -134,6 +134,9 @@ def test_an_engine_lost_mid_step_is_survived_and_restarted(tmp_path, monkeypatch
         "rollout.policy=sync", "rollout.sampling.max_new_tokens=48",
         "rollout.health.interval_s=1", "rollout.health.probe_timeout_s=4",
         "rollout.health.hung_after_timeouts=2", "rollout.health.restart_backoff_s=0.5",
+        # the router would itself retry, from scratch, a killed request that had streamed
+        # nothing yet (most of them, early in a step), and rlkit would never see it lost
+        "rollout.router.max_retries=0",
     ])
     run_dir = out / r.run.name
     model_dir = str(Path(os.environ["RLKIT_CACHE"]) / "models" / "tiny")
