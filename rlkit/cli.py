@@ -18,6 +18,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("prepare-model",), "rlkit.commands.prepare_model", "build a demo model (tiny, tiny-llama, smollm2) into the cache"),
     (("check-reward",), "rlkit.commands.check_reward", "check a reward plugin against the contract"),
     (("export",), "rlkit.commands.export", "write a trainer checkpoint as an HF model folder"),
+    (("eval",), "rlkit.commands.eval", "evaluate a model or checkpoint on held-out prompts (pass@k)"),
     (("plot", "metrics"), "rlkit.commands.plot_metrics", "per-step metric curves of a run as a PNG"),
     (("plot", "timeline"), "rlkit.commands.plot_timeline", "per-engine Gantt chart of a step"),
     (("plan",), "rlkit.commands.plan", "split GPUs between generation and training (StreamRL Alg. 1)"),
