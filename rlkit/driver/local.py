@@ -7,7 +7,7 @@ import asyncio
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from rlkit.driver.loop import Handed, LoopState, OnStep, Run, handed_of
+from rlkit.driver.loop import Handed, LoopState, OnEval, OnStep, Run, handed_of
 from rlkit.driver.rollout_service import RolloutService, StepResult
 from train.stream import RolloutBatchStep
 
@@ -90,11 +90,13 @@ class LocalTrainerBox:
 
 
 def run_local(recipe: "Recipe", service: RolloutService, trainer: "Trainer", on_step: OnStep,
-              state: LoopState | None = None) -> LoopState:
-    """Run `recipe.mode`'s loop over an in-process rollout service and trainer."""
+              state: LoopState | None = None, on_eval: OnEval | None = None) -> LoopState:
+    """Run `recipe.mode`'s loop over an in-process rollout service and trainer; the service's
+    evaluator (if any) runs when `recipe.eval` says, reporting to `on_eval`."""
     from rlkit.driver.modes import MODES
 
     trainer_box = LocalTrainerBox(trainer, recipe.train, recipe.rollout.samples_per_step)
     run = Run(LocalRolloutBox(service), trainer_box,
-              recipe.run.num_steps, recipe.rollout.batch_size, on_step, state or LoopState())
+              recipe.run.num_steps, recipe.rollout.batch_size, on_step, state or LoopState(),
+              eval_due=recipe.eval.due, on_eval=on_eval)
     return asyncio.run(MODES[recipe.mode](run))

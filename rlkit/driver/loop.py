@@ -146,9 +146,12 @@ class Run:
         return self.now() - t0
 
     async def evaluate(self) -> None:
-        """The evaluation due now, waited for (sync and stream: between steps)."""
+        """The evaluation due now, waited for (sync and stream: between steps). Its time is
+        its own (RUN/eval.jsonl): the next step's step/seconds starts after it."""
         self.start_eval()
-        await self.eval_done()
+        waited = await self.eval_done()
+        if waited is not None and self._last_end is not None:
+            self._last_end += waited
 
     def is_final(self, step: int) -> bool:
         """Whether 1-based `step` is the run's last (tail batching drains its long queue)."""

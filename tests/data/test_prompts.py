@@ -143,3 +143,46 @@ def test_source_order_is_seeded_and_resumable(tmp_path):
     b.load_state_dict(state)
     assert [b.next_prompt().source_index for _ in range(6)] == rest
     assert a.fingerprint() == b.fingerprint()
+
+
+def test_the_arithmetic_split_holds_out_problems_never_trained_on():
+    from rlkit.data.builtin import builtin_rows
+
+    train = [r["prompt"] for r in builtin_rows("arithmetic?split=train&rows=3000")]
+    test = [r["prompt"] for r in builtin_rows("arithmetic?split=test&rows=1000")]
+    assert len(train) == 3000 and len(set(test)) == len(test) > 20  # distinct held-out problems
+    assert not set(train) & set(test)
+    # the held-out part depends on the problem only: any seed or size trains around it
+    other = {r["prompt"] for r in builtin_rows("arithmetic?split=train&rows=500&seed=7")}
+    assert not other & set(test)
+    assert [r["prompt"] for r in builtin_rows("arithmetic?split=test&rows=5")] == test[:5]
+    # 'all' (the default) is the data set it always was: training and held-out problems alike
+    every = {r["prompt"] for r in builtin_rows("arithmetic?rows=3000")}
+    assert every & set(test) and every & set(train)
+    for bad, words in (("split=dev", "split must be"), ("rows=x", "'rows' needs an integer"),
+                       ("holdout=0", "holdout is a percent")):
+        with pytest.raises(DataError, match=words):
+            builtin_rows(f"arithmetic?{bad}")
+
+
+def test_eval_sets_load_by_the_data_rules_and_a_bad_row_names_the_eval_key(tmp_path):
+    from rlkit.data.prompts import load_eval_sets
+    from rollout.eval_config import EvalConfig
+
+    good = write_jsonl(tmp_path / "good.jsonl", [{"q": f"{i}+1?", "a": str(i + 1)} for i in range(5)])
+    cfg = EvalConfig(every_steps=1, datasets=[
+        {"name": "a", "path": str(good), "prompt_key": "q", "label_key": "a",
+         "apply_chat_template": False, "limit": 3},
+        {"name": "b", "path": "builtin:arithmetic?split=test&rows=4", "apply_chat_template": False},
+    ])
+    sets = load_eval_sets(cfg, CharTokenizer())
+    assert [r.label for r in sets["a"]] == ["1", "2", "3"]  # file order, cut to the limit
+    assert len(sets["b"]) == 4
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "1?", "label": "1"}, {"prompt": ""}])
+    cfg = EvalConfig(every_steps=1, datasets=[
+        {"name": "a", "path": str(good), "prompt_key": "q", "label_key": "a"},
+        {"name": "broken", "path": str(bad), "apply_chat_template": False},
+    ])
+    with pytest.raises(DataError, match=r"eval\.datasets\[1\] \(broken\): .*bad\.jsonl: line 2: .*"
+                                        r"eval\.datasets\[1\]\.on_bad_row=skip"):
+        load_eval_sets(cfg, CharTokenizer())

@@ -32,14 +32,17 @@ def processes_with(text: str) -> list[int]:
     return pids
 
 
-def rows(run_dir: Path) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def rows(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
+    return [json.loads(x) for x in (run_dir / name).read_text().splitlines()]
 
 
 def test_grpo_with_partial_rollouts_end_to_end_and_resume(tmp_path, monkeypatch):
     monkeypatch.setenv("RLKIT_CACHE", str(tmp_path / "cache"))  # a model path unique to this test
     out = tmp_path / "runs"
-    overrides = [f"run.output_dir={out}", "tracking.progress=false", "checkpoint.every_steps=1"]
+    overrides = [f"run.output_dir={out}", "tracking.progress=false", "checkpoint.every_steps=1",
+                 # held-out evaluation of the initial policy and every 2 steps, on the same engines
+                 "eval.datasets=[{name: arith, path: 'builtin:arithmetic?split=test&rows=4'}]",
+                 "eval.every_steps=2", "eval.before_first_step=true", "eval.n_samples=3", "eval.k=2"]
     recipe = load_recipe(ROOT / "recipes" / "grpo_tiny_ci.yaml", overrides + ["run.num_steps=3"])
     state = train(recipe)
     run_dir = out / recipe.run.name
@@ -60,6 +63,15 @@ def test_grpo_with_partial_rollouts_end_to_end_and_resume(tmp_path, monkeypatch)
         assert max(r["rollout/max_versions_per_sample"] for r in metrics) >= 2
     assert all(r["batch/groups"] == recipe.rollout.batch_size for r in metrics)
     assert (run_dir / "timeline.jsonl").stat().st_size > 0
+    evals = rows(run_dir, "eval.jsonl")
+    assert [e["step"] for e in evals] == [0, 2]  # before the first step, after step 2
+    for e in evals:
+        assert e["eval/arith/greedy/version"] == e["eval/arith/sampled/version"] == e["step"]
+        assert e["eval/arith/greedy/prompts"] == 4 and e["eval/arith/sampled/samples"] == 12
+        assert 0 <= e["eval/arith/sampled/pass@1"] <= e["eval/arith/sampled/pass@2"] <= 1
+        assert 1 <= e["eval/arith/greedy/mean_response_length"] <= 24
+        assert e["eval/arith/greedy/failures/engine"] == e["eval/arith/sampled/failures/reward"] == 0
+    assert not any(k.startswith("eval/") for r in metrics for k in r)  # the buffer's rows: its own
 
     # parameters changed: the trained weights differ from the initial model's
     model_dir = Path(os.environ["RLKIT_CACHE"]) / "models" / "tiny"
@@ -80,6 +92,7 @@ def test_grpo_with_partial_rollouts_end_to_end_and_resume(tmp_path, monkeypatch)
     assert (state.step, state.version) == (4, 4)
     last = rows(run_dir)[-1]
     assert last["step"] == 4 and last["buffer/balanced"]
+    assert [e["step"] for e in rows(run_dir, "eval.jsonl")] == [0, 2, 4]  # not step 3's again
     # The parked groups go out first: each is trained in step 4 or parked again with at least
     # the tokens it had (one aborted before its first token has none, so is not "resumed").
     with_tokens = {g["group_id"]: sum(len(s["response_ids"]) for s in g["samples"])
