@@ -221,20 +221,11 @@ def evaluate_model(model_path: str, p: Plan) -> list[Any]:
 
     from transformers import AutoTokenizer
 
-    from rlkit.data.prompts import load_eval_sets
-    from rlkit.rewards.scoring import make_score_fn
+    from rlkit.evaluation import make_evaluator
     from rollout.engines.fleet import EngineFleet
-    from rollout.eval import Evaluator
 
     r = p.recipe
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-
-    def decode(ids: Any) -> str:
-        return tokenizer.decode(list(ids), skip_special_tokens=True)
-
-    reward = p.eval.reward or r.rollout.reward
-    evaluator = Evaluator(p.eval, load_eval_sets(p.eval, tokenizer), make_score_fn(reward, decode),
-                          r.rollout.sampling, reward_timeout_s=reward.timeout_s)
+    evaluator = make_evaluator(p.eval, r.rollout, AutoTokenizer.from_pretrained(model_path))
     engine_cfg = r.rollout.engine.model_copy(update={"num_engines": p.num_engines})
     print(f"rlkit eval: {p.model} (version {p.version}), {len(evaluator.passes)} pass(es), "
           f"starting {p.num_engines} {engine_cfg.kind} engine(s)")

@@ -108,10 +108,10 @@ class RolloutActor:
         engines start and a bad data file or reward name fails the run at once."""
         from transformers import AutoTokenizer
 
-        from rlkit.data.prompts import load_eval_sets, load_prompt_source
+        from rlkit.data.prompts import load_prompt_source
+        from rlkit.evaluation import make_evaluator
         from rlkit.plugins import load_group_filter, load_ranker
         from rlkit.rewards.scoring import make_score_fn
-        from rollout.eval import Evaluator
 
         r = self.recipe
         tokenizer = AutoTokenizer.from_pretrained(self.model_path)
@@ -124,11 +124,7 @@ class RolloutActor:
         self.group_filter = load_group_filter(r.rollout.filter)
         self.ranker = load_ranker(r.rollout.ranker)
         if r.eval.enabled:  # held-out sets: a bad row fails the run here, before any step
-            reward = r.eval.reward or r.rollout.reward
-            self.evaluator = Evaluator(
-                r.eval, load_eval_sets(r.eval, tokenizer),
-                self.score if r.eval.reward is None else make_score_fn(reward, decode),
-                r.rollout.sampling, reward_timeout_s=reward.timeout_s)
+            self.evaluator = make_evaluator(r.eval, r.rollout, tokenizer, self.score)
 
     async def start(self, engine_urls: list[str], engine_actors: list[Any] = ()) -> None:
         """Start the router in front of the engines and the rollout service over them; a lost
