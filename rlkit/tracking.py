@@ -97,7 +97,7 @@ class Tracker:
             self._wandb.log({**values, "eval/step": step}, step=max(self._wandb_step, step))
         if self._console is not None:
             for line in _eval_lines(step, metrics):
-                self._console.print(line, highlight=False)
+                self._console.print(line, highlight=False, soft_wrap=True)
 
     def log_timeline(self, step: int, spans: Iterable[dict[str, Any]],
                      header: dict[str, Any] | None = None) -> None:
