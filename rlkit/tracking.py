@@ -82,7 +82,7 @@ class Tracker:
             self._wandb_step = max(self._wandb_step, step)
             self._wandb.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=step)
         if self._console is not None:
-            self._console.print(_summary_line(step, metrics))
+            self._console.print(_summary_line(step, metrics), soft_wrap=True)  # a log's lines whole
 
     def log_eval(self, step: int, metrics: dict[str, Any]) -> None:
         """One evaluation of the weights after `step` steps (RUN/eval.jsonl). In async mode it

@@ -62,6 +62,8 @@ def test_tracker_writes_jsonl_without_nan(tmp_path):
 def test_tracker_wandb_offline_writes_a_local_run(tmp_path):
     t = Tracker(TrackingConfig(wandb="offline", progress=False), tmp_path, "r", {"a": 1})
     t.log(0, {"train/loss": 1.0})
+    t.log(2, {"train/loss": 0.5})
+    t.log_eval(1, {"eval/held/greedy/pass@1": 0.5})  # async: step 1's eval ends during step 2
     t.close()
     assert list((tmp_path / "wandb").glob("offline-run-*"))
 
