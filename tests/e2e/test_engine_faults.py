@@ -92,15 +92,22 @@ class Injector(threading.Thread):
                 break
             time.sleep(0.05)
         self.version_at_fault = self.at_step - 1
+        used_before: dict[str, int] = {}
         while time.monotonic() < deadline and self.victim is None:
             for pid, url in self.engines().items():
                 try:
-                    busy = total_requests(_get(f"{url}/v1/loads"))
+                    loads = _get(f"{url}/v1/loads")
                 except Exception:  # noqa: BLE001
                     continue
-                # more than a health probe (one one-token request at a time, also between
-                # rollouts): the engine serves the step's requests, which the fault must catch
-                if busy >= 2:
+                busy = total_requests(loads)
+                used = sum(e.get("num_used_tokens", 0) for e in loads.get("loads", []))
+                # More than a health probe (one one-token request at a time, also between
+                # rollouts): the step's requests, which the fault must catch; and decoding
+                # since the last look (its KV grew), so the running ones have streamed tokens:
+                # a request killed before its first token is retried by the client unseen.
+                decoding = used > used_before.get(url, used)
+                used_before[url] = used
+                if busy >= 2 and (decoding or self.fault == "kill_all"):
                     targets = self.engines() if self.fault == "kill_all" else {pid: url}
                     for p in targets:
                         os.kill(p, signal.SIGSTOP if self.fault == "hang" else signal.SIGKILL)
@@ -136,7 +143,7 @@ def test_an_engine_lost_mid_step_is_survived_and_restarted(tmp_path, monkeypatch
         "rollout.health.hung_after_timeouts=2", "rollout.health.restart_backoff_s=0.5",
         # the router would itself retry, from scratch, a killed request that had streamed
         # nothing yet (most of them, early in a step), and rlkit would never see it lost
-        "rollout.router.max_retries=0",
+        "rollout.router.max_retries=0", "rollout.engine.stream_interval=1",
     ])
     run_dir = out / r.run.name
     model_dir = str(Path(os.environ["RLKIT_CACHE"]) / "models" / "tiny")
