@@ -74,7 +74,7 @@ class Tracker:
 
     # -- per step ---------------------------------------------------------------------
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        row = {"step": step, "time_s": round(self._clock() - self._t0, 3), **_plain(metrics)}
+        row = self._row(step, metrics)
         if self._metrics is not None:
             self._metrics.write(json.dumps(row) + "\n")
             self._metrics.flush()
@@ -88,7 +88,7 @@ class Tracker:
         """One evaluation of the weights after `step` steps (RUN/eval.jsonl). In async mode it
         ends during a later step: wandb gets it at its own `eval/step` (its x axis for eval/*),
         since wandb's step only moves forward."""
-        row = {"step": step, "time_s": round(self._clock() - self._t0, 3), **_plain(metrics)}
+        row = self._row(step, metrics)
         if self._eval is not None:
             self._eval.write(json.dumps(row) + "\n")
             self._eval.flush()
@@ -98,6 +98,9 @@ class Tracker:
         if self._console is not None:
             for line in _eval_lines(step, metrics):
                 self._console.print(line, highlight=False, soft_wrap=True)
+
+    def _row(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
+        return {"step": step, "time_s": round(self._clock() - self._t0, 3), **json_safe(metrics)}
 
     def log_timeline(self, step: int, spans: Iterable[dict[str, Any]],
                      header: dict[str, Any] | None = None) -> None:
@@ -169,19 +172,26 @@ def _wandb_id(run_dir: Path) -> str:
     return rid
 
 
-def _plain(metrics: dict[str, Any]) -> dict[str, Any]:
-    out = {}
-    for k, v in metrics.items():
-        if isinstance(v, float) and not math.isfinite(v):
-            v = None  # JSON has no NaN
-        out[k] = v
-    return out
+def json_safe(x: Any) -> Any:
+    """NaN and infinities (in dicts and lists too) as None: JSON has no NaN."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [json_safe(v) for v in x]
+    return x
+
+
+def _fmt(m: dict[str, Any], key: str, fmt: str) -> str:
+    """m[key] formatted, or '-' when missing or not finite."""
+    v = m.get(key)
+    return format(v, fmt) if isinstance(v, (int, float)) and math.isfinite(v) else "-"
 
 
 def _summary_line(step: int, m: dict[str, Any]) -> str:
     def f(key: str, fmt: str) -> str:
-        v = m.get(key)
-        return format(v, fmt) if isinstance(v, (int, float)) and math.isfinite(v) else "-"
+        return _fmt(m, key, fmt)
 
     round_ = ""
     if m.get("rollout/round"):  # tail batching: which round, and what waits for a long one
@@ -207,9 +217,8 @@ def eval_passes(metrics: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def _eval_lines(step: int, metrics: dict[str, Any]) -> list[str]:
     lines = []
     for name, m in eval_passes(metrics).items():
-        def f(key: str, fmt: str) -> str:
-            v = m.get(key)
-            return format(v, fmt) if isinstance(v, (int, float)) and math.isfinite(v) else "-"
+        def f(key: str, fmt: str, m: dict[str, Any] = m) -> str:
+            return _fmt(m, key, fmt)
 
         ks = sorted(k for k in m if k.startswith("pass@") and k != "pass@1")
         at_k = f" | {ks[0]} {f(ks[0], '.3f')}" if ks else ""

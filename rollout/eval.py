@@ -24,6 +24,7 @@ from buffers.group import Group, PromptRecord
 from buffers.sample import Sample, SampleStatus
 from rollout.config import SamplingConfig
 from rollout.engine_api import EngineError, Engines, WorkerLost
+from rollout.eval_config import EvalConfig
 from rollout.rewards import RewardScheduler, ScoreFn
 
 
@@ -235,11 +236,8 @@ class Evaluator:
     are loaded before the run starts (a bad row fails it there), so an evaluation only
     generates and scores."""
 
-    def __init__(self, cfg: Any, datasets: dict[str, Sequence[PromptRecord]], score: ScoreFn,
+    def __init__(self, cfg: EvalConfig, datasets: dict[str, Sequence[PromptRecord]], score: ScoreFn,
                  base: SamplingConfig, reward_timeout_s: float = 30.0) -> None:
-        from rollout.eval_config import EvalConfig
-
-        assert isinstance(cfg, EvalConfig)
         missing = [d.name for d in cfg.datasets if not datasets.get(d.name)]
         if missing:
             raise ValueError(f"Evaluator: no prompts loaded for eval dataset(s) {missing}")
@@ -248,9 +246,6 @@ class Evaluator:
         self.score = score
         self.passes = cfg.passes(base)
         self.reward_timeout_s = reward_timeout_s
-
-    def due(self, step: int) -> bool:
-        return self.cfg.due(step)
 
     async def run(self, engines: Engines, version: int) -> list[EvalResult]:
         """The passes one after another (each already fills the engines), at `version`."""

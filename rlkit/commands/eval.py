@@ -239,18 +239,10 @@ def evaluate_model(model_path: str, p: Plan) -> list[Any]:
 
 
 # -- reporting ------------------------------------------------------------------------------------
-def _finite(x: Any) -> Any:
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_finite(v) for v in x]
-    return x
-
-
 def result_row(r: Any) -> dict[str, Any]:
     """One EvalResult as JSON (NaN, e.g. no length when every sample failed, as null)."""
+    from rlkit.tracking import json_safe
+
     row = {
         "name": r.name, "version": r.version, "prompts": r.prompts, "n": r.n, "k": r.k,
         "samples": r.samples, "scored": r.scored, "generated": r.generated,
@@ -262,17 +254,18 @@ def result_row(r: Any) -> dict[str, Any]:
         "reward_failures_by_kind": dict(r.reward_failures_by_kind),
         "seconds": r.seconds, "correct": list(r.correct), "errors": list(r.errors),
     }
-    return _finite(row)
+    return json_safe(row)
 
 
 def build_report(model: str, version: int, results: Sequence[Any]) -> dict[str, Any]:
+    from rlkit.tracking import json_safe
     from rollout.eval import eval_metrics
 
     return {
         "model": model,
         "version": version,
         "results": [result_row(r) for r in results],
-        "metrics": _finite(eval_metrics(results)),
+        "metrics": json_safe(eval_metrics(results)),
     }
 
 
