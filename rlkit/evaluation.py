@@ -17,12 +17,13 @@ def make_evaluator(cfg: EvalConfig, rollout: RolloutConfig, tokenizer: Any,
                    train_score: ScoreFn | None = None) -> Evaluator:
     """A bad row or an unknown reward fails here, before any engine serves."""
     from rlkit.data.prompts import load_eval_sets
-    from rlkit.rewards.scoring import make_score_fn
+    from rlkit.rewards.scoring import make_score_fn, tokenizer_decode
 
-    def decode(ids: Any) -> str:
-        return tokenizer.decode(list(ids), skip_special_tokens=True)
-
-    reward = cfg.reward or rollout.reward
-    score = train_score if cfg.reward is None and train_score is not None else make_score_fn(reward, decode)
+    if cfg.reward is None:
+        reward = rollout.reward
+        score = train_score or make_score_fn(reward, tokenizer_decode(tokenizer))
+    else:
+        reward = cfg.reward
+        score = make_score_fn(reward, tokenizer_decode(tokenizer), key="eval.reward")
     return Evaluator(cfg, load_eval_sets(cfg, tokenizer), score, rollout.sampling,
                      reward_timeout_s=reward.timeout_s)

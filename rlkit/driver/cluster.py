@@ -111,16 +111,12 @@ class RolloutActor:
         from rlkit.data.prompts import load_prompt_source
         from rlkit.evaluation import make_evaluator
         from rlkit.plugins import load_group_filter, load_ranker
-        from rlkit.rewards.scoring import make_score_fn
+        from rlkit.rewards.scoring import make_score_fn, tokenizer_decode
 
         r = self.recipe
         tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.source = load_prompt_source(r.data, tokenizer, seed=r.run.seed)
-
-        def decode(ids: Any) -> str:
-            return tokenizer.decode(list(ids), skip_special_tokens=True)
-
-        self.score = make_score_fn(r.rollout.reward, decode)
+        self.score = make_score_fn(r.rollout.reward, tokenizer_decode(tokenizer))
         self.group_filter = load_group_filter(r.rollout.filter)
         self.ranker = load_ranker(r.rollout.ranker)
         if r.eval.enabled:  # held-out sets: a bad row fails the run here, before any step

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from buffers.group import Group
 from buffers.sample import Sample
@@ -36,12 +36,24 @@ def reward_input(sample: Sample, group: Group, decode: Decode) -> RewardInput:
     )
 
 
-def make_score_fn(cfg: RewardConfig, decode: Decode) -> ScoreFn:
-    fn = load_reward(cfg.name)
+def tokenizer_decode(tokenizer: Any) -> Decode:
+    """What a reward reads as the response: the tokens as text, special tokens left out."""
+    def decode(ids: Sequence[int]) -> str:
+        return tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    return decode
+
+
+def make_score_fn(cfg: RewardConfig, decode: Decode, key: str = "rollout.reward") -> ScoreFn:
+    """`key`: the recipe section `cfg` came from, named in errors (eval.reward for evaluation)."""
+    try:
+        fn = load_reward(cfg.name)
+    except RewardNotFound as e:
+        raise RewardNotFound(f"{key}.name: {e}") from None
     try:
         call = call_reward(fn, make_runner(cfg.isolation, cfg.workers, cfg.max_stuck))
     except ValueError as e:  # a sync function process isolation cannot import by name
-        raise RewardNotFound(f"rollout.reward.name={cfg.name!r}: {e}") from None
+        raise RewardNotFound(f"{key}.name={cfg.name!r}: {e}") from None
 
     async def score(sample: Sample, group: Group) -> float:
         kwargs = {**group.prompt.metadata, **cfg.kwargs}

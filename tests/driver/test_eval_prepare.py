@@ -40,3 +40,12 @@ def test_the_eval_sets_are_loaded_with_the_prompts(tmp_path, tiny):
     assert [len(v) for v in ev.datasets.values()] == [5]
     assert [(p.name, p.n, p.k) for p in ev.passes] == [("h/greedy", 1, 1), ("h/sampled", 4, 2)]
     assert prepared(tmp_path, tiny).evaluator is None  # no eval section: nothing loaded
+
+
+@pytest.mark.parametrize("section", ["rollout.reward", "eval.reward"])
+def test_an_unknown_reward_names_the_recipe_key_it_came_from(tmp_path, tiny, section):
+    from rlkit.plugins import PluginNotFound
+
+    with pytest.raises(PluginNotFound, match=rf"^{section}\.name: reward 'no_such' not found"):
+        prepared(tmp_path, tiny, "eval.datasets=[{name: h, path: 'builtin:arithmetic?split=test&rows=2'}]",
+                 "eval.every_steps=1", f"{section}.name=no_such")
