@@ -3,14 +3,14 @@
 Pure Python: nothing here imports torch, Ray or an HTTP library.
 """
 
-from buffers.buffer import (
+from rlkit.buffers.buffer import (
     BufferClosed, BufferError, BufferStateError, Place, RolloutBuffer, StalenessBoundError,
 )
-from buffers.group import Group, Lane, PromptRecord
-from buffers.persistence import load_buffer, save_buffer
-from buffers.sample import FINISH_REASON_STATUS, Sample, SampleError, SampleStatus
-from buffers.source import EpochOrder, ListPromptSource, PromptSource
-from buffers.staleness import StalenessPolicy, staleness
+from rlkit.buffers.group import Group, Lane, PromptRecord
+from rlkit.buffers.persistence import load_buffer, save_buffer
+from rlkit.buffers.sample import FINISH_REASON_STATUS, Sample, SampleError, SampleStatus
+from rlkit.buffers.source import EpochOrder, ListPromptSource, PromptSource
+from rlkit.buffers.staleness import StalenessPolicy, staleness
 
 __all__ = [
     "FINISH_REASON_STATUS",

@@ -37,11 +37,11 @@ import warnings
 from collections import Counter, deque
 from typing import Any, AsyncIterator, Collection, Iterator, NamedTuple, Sequence
 
-from buffers.errors import UserError
-from buffers.group import Group, Lane, PromptRecord
-from buffers.sample import Sample, SampleStatus
-from buffers.source import PromptSource
-from buffers.staleness import StalenessPolicy, staleness
+from rlkit.buffers.errors import UserError
+from rlkit.buffers.group import Group, Lane, PromptRecord
+from rlkit.buffers.sample import Sample, SampleStatus
+from rlkit.buffers.source import PromptSource
+from rlkit.buffers.staleness import StalenessPolicy, staleness
 
 STATE_FORMAT = "rlkit.buffer"
 STATE_VERSION = 1

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from buffers.sample import Sample, SampleStatus
+from rlkit.buffers.sample import Sample, SampleStatus
 
 
 class Lane(str, enum.Enum):

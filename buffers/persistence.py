@@ -13,7 +13,7 @@ import tempfile
 import zlib
 from pathlib import Path
 
-from buffers.buffer import BufferStateError, RolloutBuffer
+from rlkit.buffers.buffer import BufferStateError, RolloutBuffer
 
 
 def save_buffer(buffer: RolloutBuffer, path: str | os.PathLike) -> Path:

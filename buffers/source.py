@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
-from buffers.group import PromptRecord
+from rlkit.buffers.group import PromptRecord
 
 
 @runtime_checkable

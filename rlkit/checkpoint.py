@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from buffers import BufferStateError, RolloutBuffer, load_buffer
-from buffers.errors import CheckpointError, find_user_error
+from rlkit.buffers import BufferStateError, RolloutBuffer, load_buffer
+from rlkit.buffers.errors import CheckpointError, find_user_error
 
 STATE = "state.json"
 TRAINER_DIR = "trainer"

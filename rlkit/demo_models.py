@@ -2,4 +2,4 @@
 code outside the CLI layer must import instead (`rollout`, `train` and `buffers` never import
 `rlkit`). Kept so scripts that import `rlkit.demo_models` keep working."""
 
-from rollout.demo_models import *  # noqa: F401,F403
+from rlkit.rollout.demo_models import *  # noqa: F401,F403

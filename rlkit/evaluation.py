@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollout.config import RolloutConfig
-from rollout.eval import Evaluator
-from rollout.eval_config import EvalConfig
-from rollout.rewards import ScoreFn
+from rlkit.rollout.config import RolloutConfig
+from rlkit.rollout.eval import Evaluator
+from rlkit.rollout.eval_config import EvalConfig
+from rlkit.rollout.rewards import ScoreFn
 
 
 def make_evaluator(cfg: EvalConfig, rollout: RolloutConfig, tokenizer: Any,

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, Callable
 
-from buffers.errors import UserError
+from rlkit.buffers.errors import UserError
 
 if TYPE_CHECKING:
-    from rollout.config import FilterConfig, RankerConfig
-    from rollout.filters import GroupFilter
-    from rollout.rankers import LengthRanker
+    from rlkit.rollout.config import FilterConfig, RankerConfig
+    from rlkit.rollout.filters import GroupFilter
+    from rlkit.rollout.rankers import LengthRanker
 
 
 class PluginNotFound(UserError, LookupError):
@@ -38,13 +38,13 @@ def _reward_builtins() -> dict[str, Any]:
 
 
 def _filter_builtins() -> dict[str, Any]:
-    from rollout.filters import builtin_filters
+    from rlkit.rollout.filters import builtin_filters
 
     return builtin_filters()
 
 
 def _ranker_builtins() -> dict[str, Any]:
-    from rollout.rankers import builtin_rankers
+    from rlkit.rollout.rankers import builtin_rankers
 
     return builtin_rankers()
 
@@ -115,7 +115,7 @@ def signature_problem(fn: Callable[..., Any]) -> str | None:
 
 def load_group_filter(cfg: "FilterConfig") -> "GroupFilter | None":
     """The recipe's group filter (rollout.filter), resolved and checked, or None."""
-    from rollout.filters import GroupFilter
+    from rlkit.rollout.filters import GroupFilter
 
     if cfg.name is None:
         return None
@@ -129,7 +129,7 @@ def load_group_filter(cfg: "FilterConfig") -> "GroupFilter | None":
 def load_ranker(cfg: "RankerConfig", **extra: Any) -> "LengthRanker | None":
     """The recipe's length ranker (rollout.ranker): its factory called with the recipe's
     kwargs (and `extra`, e.g. a benchmark's trace for the oracle), or None when off."""
-    from rollout.rankers import LengthRanker
+    from rlkit.rollout.rankers import LengthRanker
 
     if cfg.name is None:
         return None

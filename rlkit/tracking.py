@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from rlkit.config.schema import TrackingConfig
-from rollout.timeline import TIMELINE_FILE
+from rlkit.rollout.timeline import TIMELINE_FILE
 
 GROUPS_FILE = "groups.jsonl"
 EVAL_FILE = "eval.jsonl"  # one row per evaluation (recipe `eval`): step = the version evaluated

@@ -3,7 +3,7 @@ trainer side needs it too); this adds which endpoints of the built-in engine ser
 
 from __future__ import annotations
 
-from buffers.control_token import (  # noqa: F401 - re-exported: the rollout side's one import
+from rlkit.buffers.control_token import (  # noqa: F401 - re-exported: the rollout side's one import
     CONTROL_TOKEN_ENV,
     ControlTokenMissing,
     auth_headers,

@@ -27,11 +27,11 @@ from typing import Any, Iterable, Sequence
 
 import aiohttp
 
-from buffers.sample import Sample, SampleError, SampleStatus
-from rollout.auth import auth_headers, control_token_from_env
-from rollout.config import SamplingConfig
-from rollout.engine_api import EngineError, WorkerLost
-from rollout.protocol import (
+from rlkit.buffers.sample import Sample, SampleError, SampleStatus
+from rlkit.rollout.auth import auth_headers, control_token_from_env
+from rlkit.rollout.config import SamplingConfig
+from rlkit.rollout.engine_api import EngineError, WorkerLost
+from rlkit.rollout.protocol import (
     ENGINE_URL_HEADER,
     LOADS_PATHS,
     MODEL_INFO_PATHS,

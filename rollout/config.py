@@ -6,9 +6,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from buffers.staleness import StalenessPolicy
-from rollout.engines.config import EngineConfig, RouterConfig
-from rollout.policies.registry import POLICIES, POLICY_NAMES
+from rlkit.buffers.staleness import StalenessPolicy
+from rlkit.rollout.engines.config import EngineConfig, RouterConfig
+from rlkit.rollout.policies.registry import POLICIES, POLICY_NAMES
 
 PolicyName = Literal[POLICY_NAMES]  # type: ignore[valid-type]  # the registry's, one source
 

@@ -45,8 +45,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Literal, Mapping, Sequence
 
-from buffers.group import Group
-from rollout.rankers import mean_length
+from rlkit.buffers.group import Group
+from rlkit.rollout.rankers import mean_length
 
 Objective = Literal["max", "sum"]
 CostModel = Literal["fluid", "streamrl"]
@@ -170,7 +170,7 @@ class Dispatcher:
         longest; None until a few groups are seen."""
         if len(self._seen) < 20:
             return None
-        from rollout.rankers.recall import recall_at
+        from rlkit.rollout.rankers.recall import recall_at
 
         return recall_at([a for _, a in self._seen], [p for p, _ in self._seen], self.alpha)
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from buffers.sample import Sample
-from rollout.config import SamplingConfig
+from rlkit.buffers.sample import Sample
+from rlkit.rollout.config import SamplingConfig
 
 
 class EngineError(RuntimeError):

@@ -20,12 +20,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from buffers.group import Group, PromptRecord
-from buffers.sample import Sample, SampleStatus
-from rollout.config import SamplingConfig
-from rollout.engine_api import EngineError, Engines, WorkerLost
-from rollout.eval_config import EvalConfig
-from rollout.rewards import RewardScheduler, ScoreFn
+from rlkit.buffers.group import Group, PromptRecord
+from rlkit.buffers.sample import Sample, SampleStatus
+from rlkit.rollout.config import SamplingConfig
+from rlkit.rollout.engine_api import EngineError, Engines, WorkerLost
+from rlkit.rollout.eval_config import EvalConfig
+from rlkit.rollout.rewards import RewardScheduler, ScoreFn
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

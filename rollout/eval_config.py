@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rollout.config import PromptDataConfig, RewardConfig, SamplingConfig
+from rlkit.rollout.config import PromptDataConfig, RewardConfig, SamplingConfig
 
 
 class EvalDatasetConfig(PromptDataConfig):

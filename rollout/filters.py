@@ -17,8 +17,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from buffers.errors import UserError
-from buffers.group import Group
+from rlkit.buffers.errors import UserError
+from rlkit.buffers.group import Group
 
 
 class FilterFailure(UserError, RuntimeError):

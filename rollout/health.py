@@ -27,9 +27,9 @@ import logging
 from collections import Counter
 from typing import Any, Protocol
 
-from buffers.errors import UserError
-from rollout.config import HealthConfig
-from rollout.engine_api import EngineError, Engines
+from rlkit.buffers.errors import UserError
+from rlkit.rollout.config import HealthConfig
+from rlkit.rollout.engine_api import EngineError, Engines
 
 log = logging.getLogger(__name__)
 

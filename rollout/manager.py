@@ -35,18 +35,18 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Protocol, Union
 
-from buffers.buffer import Place, RolloutBuffer
-from buffers.group import Group
-from buffers.sample import Sample, SampleStatus
-from rollout.config import SamplingConfig
-from rollout.dispatch import AdmissionGate, Dispatcher, GateClosed, LengthWindow
-from rollout.engine_api import EngineError, Engines, WorkerLost
-from rollout.filters import FilterFailure, GroupFilter
-from rollout.health import EngineMonitor
-from rollout.rankers import LengthRanker, group_lengths, mean_length
-from rollout.rankers.recall import recalls
-from rollout.rewards import RewardFailure, RewardScheduler
-from rollout.timeline import Span
+from rlkit.buffers.buffer import Place, RolloutBuffer
+from rlkit.buffers.group import Group
+from rlkit.buffers.sample import Sample, SampleStatus
+from rlkit.rollout.config import SamplingConfig
+from rlkit.rollout.dispatch import AdmissionGate, Dispatcher, GateClosed, LengthWindow
+from rlkit.rollout.engine_api import EngineError, Engines, WorkerLost
+from rlkit.rollout.filters import FilterFailure, GroupFilter
+from rlkit.rollout.health import EngineMonitor
+from rlkit.rollout.rankers import LengthRanker, group_lengths, mean_length
+from rlkit.rollout.rankers.recall import recalls
+from rlkit.rollout.rewards import RewardFailure, RewardScheduler
+from rlkit.rollout.timeline import Span
 
 Park = Literal["partial", "long"]  # where stop() puts an unfinished group
 Parking = Union[Park, Callable[[Group], Park]]

@@ -14,8 +14,8 @@ import sys
 from collections import Counter
 from typing import Awaitable, Callable
 
-from buffers.group import Group
-from buffers.sample import Sample
+from rlkit.buffers.group import Group
+from rlkit.buffers.sample import Sample
 
 # (sample, group) -> reward. Sync user functions are wrapped into this by rlkit.rewards.
 ScoreFn = Callable[[Sample, Group], Awaitable[float]]

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from buffers.errors import UserError
-from rollout.auth import ControlTokenMissing, auth_headers, check_bind, control_token_from_env
-from rollout.engines.config import RouterConfig
-from rollout.engines.process import (
+from rlkit.buffers.errors import UserError
+from rlkit.rollout.auth import ControlTokenMissing, auth_headers, check_bind, control_token_from_env
+from rlkit.rollout.engines.config import RouterConfig
+from rlkit.rollout.engines.process import (
     ManagedProcess,
     ProcessStartError,
     free_port,
@@ -110,7 +110,7 @@ class Router:
             argv += ["--worker-urls", *worker_urls]
         argv += list(c.extra_args)
         if self.control_token is not None:  # the key joins the arguments inside the process
-            argv[1:3] = ["-m", "rollout.token_exec", "--control-plane-api-keys",
+            argv[1:3] = ["-m", "rlkit.rollout.token_exec", "--control-plane-api-keys",
                          "rlkit:rlkit:admin:{token}", "sglang_router.launch_router"]
         return argv
 

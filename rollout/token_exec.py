@@ -1,6 +1,6 @@
 """Run a Python module's command line with the control token added to its arguments.
 
-    python -m rollout.token_exec FLAG VALUE_TEMPLATE MODULE [ARGS...]
+    python -m rlkit.rollout.token_exec FLAG VALUE_TEMPLATE MODULE [ARGS...]
 
 runs MODULE as __main__ with `ARGS FLAG VALUE` where VALUE is VALUE_TEMPLATE with '{token}'
 replaced by $RLKIT_CONTROL_TOKEN. Why: sglang-router and SGLang take their keys only as
@@ -15,7 +15,7 @@ from __future__ import annotations
 import runpy
 import sys
 
-from rollout.auth import CONTROL_TOKEN_ENV, control_token_from_env
+from rlkit.rollout.auth import CONTROL_TOKEN_ENV, control_token_from_env
 
 
 def main() -> None:
@@ -24,7 +24,7 @@ def main() -> None:
     flag, template, module, *args = sys.argv[1:]
     token = control_token_from_env()
     if token is None:
-        raise SystemExit(f"rollout.token_exec: {CONTROL_TOKEN_ENV} is not set; nothing to pass "
+        raise SystemExit(f"rlkit.rollout.token_exec: {CONTROL_TOKEN_ENV} is not set; nothing to pass "
                          f"to {module} as {flag}")
     sys.argv = [module, *args, flag, template.replace("{token}", token)]
     runpy.run_module(module, run_name="__main__", alter_sys=True)

@@ -3,7 +3,7 @@ reported by the CLI in one place (message, no traceback, exit code 2); anything 
 
 import pytest
 
-from buffers.errors import CheckpointError, UserError, find_user_error
+from rlkit.buffers.errors import CheckpointError, UserError, find_user_error
 from rlkit.cli import main
 
 
@@ -27,18 +27,18 @@ def test_the_user_error_behind_wrappers_is_found():
 
 
 def test_every_listed_error_is_a_user_error():
-    from buffers import BufferStateError
+    from rlkit.buffers import BufferStateError
     from rlkit.checkpoint import CheckpointError as RunCheckpointError
     from rlkit.config import RecipeError
     from rlkit.data.prompts import DataError
     from rlkit.plugins import PluginNotFound
-    from rollout.demo_models import DemoModelError
-    from rollout.engines.process import ProcessStartError
-    from rollout.engines.sglang_launcher import SGLangNotInstalled
-    from rollout.filters import FilterFailure
-    from rollout.router import RouterError
-    from train.hf_arch import UnsupportedModelError
-    from train.megatron.checkpoint import CheckpointError as TrainerCheckpointError
+    from rlkit.rollout.demo_models import DemoModelError
+    from rlkit.rollout.engines.process import ProcessStartError
+    from rlkit.rollout.engines.sglang_launcher import SGLangNotInstalled
+    from rlkit.rollout.filters import FilterFailure
+    from rlkit.rollout.router import RouterError
+    from rlkit.train.hf_arch import UnsupportedModelError
+    from rlkit.train.megatron.checkpoint import CheckpointError as TrainerCheckpointError
 
     for cls in (BufferStateError, RunCheckpointError, RecipeError, DataError, PluginNotFound,
                 DemoModelError, ProcessStartError, SGLangNotInstalled, FilterFailure, RouterError,

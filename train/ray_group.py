@@ -20,9 +20,9 @@ from typing import Any, Sequence
 
 import torch
 
-from buffers.control_token import CONTROL_TOKEN_ENV
-from train.batch import TrainBatch
-from train.config import TrainConfig
+from rlkit.buffers.control_token import CONTROL_TOKEN_ENV
+from rlkit.train.batch import TrainBatch
+from rlkit.train.config import TrainConfig
 
 
 def split_for_data_parallel(batch: TrainBatch, dp: int) -> list[list[int]]:
@@ -53,14 +53,14 @@ class TrainWorker:
     def master_address(self) -> tuple[str, int]:
         import ray
 
-        from train.megatron.parallel import free_port
+        from rlkit.train.megatron.parallel import free_port
 
         ip = ray.util.get_node_ip_address()
         return ip, free_port(ip)
 
     def setup(self, master: tuple[str, int], model_path: str, config: dict, temperature: float) -> dict:
-        from train.megatron.parallel import init_parallel, resolve_device
-        from train.megatron.trainer import MegatronTrainer
+        from rlkit.train.megatron.parallel import init_parallel, resolve_device
+        from rlkit.train.megatron.trainer import MegatronTrainer
 
         cfg = TrainConfig.model_validate(config)
         device = resolve_device(cfg.device)
@@ -91,7 +91,7 @@ class TrainWorker:
 
     # -- a rollout batch fed group by group (every driver mode) ----------------------------
     def begin_batch(self, version: int, rollout_samples: int) -> None:
-        from train.stream import RolloutBatchStep
+        from rlkit.train.stream import RolloutBatchStep
 
         self.batch = RolloutBatchStep.for_config(
             self.trainer, self.config, policy_version=version, rollout_samples=rollout_samples,
@@ -127,7 +127,7 @@ class TrainWorker:
         return self.trainer.finalize_grads_for_test()
 
     def shutdown(self) -> None:
-        from train.megatron.parallel import shutdown_parallel
+        from rlkit.train.megatron.parallel import shutdown_parallel
 
         if self.trainer is not None:
             self.trainer.close()

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from buffers.group import Group
-from train.batch import TrainBatch, build_batch_from_config
-from train.protocol import Trainer
+from rlkit.buffers.group import Group
+from rlkit.train.batch import TrainBatch, build_batch_from_config
+from rlkit.train.protocol import Trainer
 
 
 def logprobs_needed(algorithm, optimizer_steps: int) -> tuple[bool, bool]:

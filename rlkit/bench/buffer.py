@@ -40,8 +40,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def bench_buffer(groups: int, samples: int, tokens: int, rounds: int) -> dict:
-    from buffers import ListPromptSource, RolloutBuffer, SampleStatus
-    from buffers.source import records_from_token_lists
+    from rlkit.buffers import ListPromptSource, RolloutBuffer, SampleStatus
+    from rlkit.buffers.source import records_from_token_lists
 
     # One set of full-size per-token lists, shared by every sample (the buffer never copies
     # them; sharing keeps the bench's memory at a few MB instead of gigabytes).

@@ -71,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile-dir", default="runs/bench-engine",
                         help="where PTL profiles are written ('' to skip the profile pass). Not "
                         "docs/profiles by default: the committed profiles also carry prefill and "
-                        "serving costs measured by `python -m rollout.sim.measure_hf` "
+                        "serving costs measured by `python -m rlkit.rollout.sim.measure_hf` "
                         "(docs/simulation.md), which this pass would drop")
     parser.add_argument("--out", default=None, help="also write all measurements as JSON here")
 
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         if profile_path:
             profiles.append(profile_path)
         print(render_table([r for r in rows]), flush=True)
-    from rollout.engines.config import EngineConfig
+    from rlkit.rollout.engines.config import EngineConfig
 
     conditions = load_conditions(args.threads) | device_conditions(resolve_device(args.device)) | {
         "stream": not args.no_stream,
@@ -186,9 +186,9 @@ def bench_model(model_name: str, levels: list[int], n: int, args: argparse.Names
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rollout.demo_models import resolve_model_path
-    from rollout.engines.config import EngineConfig, RouterConfig
-    from rollout.engines.fleet import EngineFleet
+    from rlkit.rollout.demo_models import resolve_model_path
+    from rlkit.rollout.engines.config import EngineConfig, RouterConfig
+    from rlkit.rollout.engines.fleet import EngineFleet
 
     device = resolve_device(getattr(args, "device", "auto"))
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the engine's auto dtype
@@ -245,8 +245,8 @@ def plain_generate(model: Any, prompts: Any, n: int) -> float:
 
 async def engine_generate(fleet: Any, prompts: list[list[int]], n: int, stream: bool) -> float:
     """Seconds for the engine, through the router, to generate exactly n tokens per prompt."""
-    from buffers.sample import Sample
-    from rollout.config import SamplingConfig
+    from rlkit.buffers.sample import Sample
+    from rlkit.rollout.config import SamplingConfig
 
     sampling = SamplingConfig(max_new_tokens=n, ignore_eos=True, temperature=1.0)
     async with fleet.client(stream=stream) as client:
@@ -291,7 +291,7 @@ def measure_ptl(fleet: Any, prompts: list[list[int]], sizes: list[int], n: int) 
 
 def write_profile(fleet: Any, model_name: str, prompts: list[list[int]], n: int,
                   args: argparse.Namespace) -> str:
-    from rollout.sim.profile import EngineProfile, save_profile
+    from rlkit.rollout.sim.profile import EngineProfile, save_profile
 
     sizes = [int(x) for x in args.profile_batch_sizes.split(",") if x]
     ptl, ctx, prefill = measure_ptl(fleet, prompts, sizes, n)

@@ -45,7 +45,7 @@ DEFAULT_POLICIES = ("sync", "partial@1.5")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from rlkit.bench.suite import add_cluster_arguments
     from rlkit.driver.simulate import DEFAULT_RESTART_S
-    from rollout.config import HealthConfig
+    from rlkit.rollout.config import HealthConfig
 
     h = HealthConfig()
     w = parser.add_argument_group("workload (as `rlkit bench suite`)")
@@ -109,8 +109,8 @@ class FaultRow:
 
 def run(args: argparse.Namespace) -> int:
     from rlkit.bench.suite import cluster_of, rollout_base
-    from rollout.config import HealthConfig
-    from rollout.sim.trace import Trace, TraceSpec, generate_trace
+    from rlkit.rollout.config import HealthConfig
+    from rlkit.rollout.sim.trace import Trace, TraceSpec, generate_trace
 
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     if bad := [s for s in scenarios if s not in SCENARIOS]:
@@ -164,7 +164,7 @@ class FaultBench:
         return rows
 
     def schedule(self, scenario: str, horizon_s: float) -> list[Any]:
-        from rollout.sim.faults import Fault, random_faults
+        from rlkit.rollout.sim.faults import Fault, random_faults
 
         n = self.cluster.engines
         # one seed per scenario, so adding one does not move the others' faults
@@ -181,11 +181,11 @@ class FaultBench:
         return []
 
     def run_one(self, spec: str, scenario: str, faults: list[Any]) -> FaultRow:
-        from buffers.buffer import Place, RolloutBuffer
+        from rlkit.buffers.buffer import Place, RolloutBuffer
         from rlkit.bench.suite import make_policy, make_ranker
         from rlkit.driver.simulate import run_simulation
-        from rollout.health import EnginesDown
-        from rollout.sim.harness import trace_source
+        from rlkit.rollout.health import EnginesDown
+        from rlkit.rollout.sim.harness import trace_source
 
         buffer = RolloutBuffer(trace_source(self.trace), n_samples_per_prompt=self.trace.group_size,
                                max_staleness=1000)
@@ -193,7 +193,7 @@ class FaultBench:
         got: dict[str, Any] = {}
         row = FaultRow(spec, scenario, self.steps, [asdict(f) for f in faults])
         # the monitor logs every loss as a warning: the table says it all
-        quiet = logging.getLogger("rollout.health")
+        quiet = logging.getLogger("rlkit.rollout.health")
         level, quiet.level = quiet.level, logging.ERROR
         try:
             run_simulation(

@@ -228,10 +228,10 @@ async def _score(sample: Any, group: Any) -> float:
 
 def build_service(samples: int, batch_size: int, seed: int) -> Any:
     """The real RolloutService over InstantEngines: sync policy, prompts of 64..512 tokens."""
-    from buffers import ListPromptSource
-    from buffers.source import records_from_token_lists
+    from rlkit.buffers import ListPromptSource
+    from rlkit.buffers.source import records_from_token_lists
     from rlkit.driver.rollout_service import RolloutService
-    from rollout.config import RolloutConfig, SamplingConfig
+    from rlkit.rollout.config import RolloutConfig, SamplingConfig
 
     rng = random.Random(seed)
     prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(64, 512))]
@@ -437,7 +437,7 @@ def counting_client_class(base: type | None = None) -> type:
     """An EngineClient subclass (of `base`, itself one, or of EngineClient) that records every
     /generate POST it sends in `posts` (the only place that sends one is `_generate_once`) and
     what the engine said about each request."""
-    from rollout.client import EngineClient
+    from rlkit.rollout.client import EngineClient
 
     class CountingClient(base or EngineClient):  # type: ignore[misc,valid-type]
         def __post_init__(self) -> None:
@@ -509,8 +509,8 @@ def bench_router(model_path: str, *, concurrency: int = 256, engines: int = 2,
                  max_resumes: int = 8, hang_timeout_s: float = 600.0, settle_s: float = 30.0,
                  seed: int = 0, log_dir: Path | None = None) -> RouterLoad:
     """Start the fleet, run the load (see the module doc), stop the fleet."""
-    from rollout.engines.config import EngineConfig, RouterConfig
-    from rollout.engines.fleet import EngineFleet
+    from rlkit.rollout.engines.config import EngineConfig, RouterConfig
+    from rlkit.rollout.engines.fleet import EngineFleet
 
     engine = EngineConfig(num_engines=engines, cpu_threads=1,
                           max_running_requests=max(16, -(-concurrency // engines)),
@@ -543,8 +543,8 @@ async def router_load(fleet: Any, *, concurrency: int = 256, max_new_tokens: int
                       client_class: type | None = None) -> RouterLoad:
     """The load on a running EngineFleet (see the module doc). `client_class`: the client,
     a `counting_client_class()` (tests pass a faulty one to see the checks catch it)."""
-    from buffers.sample import Sample, SampleStatus
-    from rollout.config import SamplingConfig
+    from rlkit.buffers.sample import Sample, SampleStatus
+    from rlkit.rollout.config import SamplingConfig
 
     if not 0 <= cancel_fraction < 1:
         raise LoadBenchError(f"cancel_fraction must be in [0, 1), got {cancel_fraction}")

@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def load_or_generate(args: argparse.Namespace) -> Any:
-    from rollout.sim.trace import Trace, TraceSpec, generate_trace
+    from rlkit.rollout.sim.trace import Trace, TraceSpec, generate_trace
 
     if args.trace:
         return Trace.load(args.trace)
@@ -98,9 +98,9 @@ def ranker_for_trace(cfg: Any, trace: Any) -> Any:
 def bench_rankers(steps: list[StepGroups], names: Iterable[str], *, trace: Any = None,
                   warmup: int = 0) -> dict[str, Any]:
     """Mean recall@20/10/5 per ranker over first-pass steps (after `warmup`) and later ones."""
-    from rollout.config import RankerConfig
-    from rollout.rankers import mean_length
-    from rollout.rankers.recall import recalls
+    from rlkit.rollout.config import RankerConfig
+    from rlkit.rollout.rankers import mean_length
+    from rlkit.rollout.rankers.recall import recalls
 
     out: dict[str, Any] = {"rankers": {}, "steps": len(steps)}
     for name in names:
@@ -165,7 +165,7 @@ def run_steps(run_dir: Path) -> list[StepGroups]:
 def _run_prompts(run_dir: Path) -> Callable[[int, int], Any]:
     """source_index -> PromptRecord with the run's own prompt tokens (from its recipe's data and
     tokenizer); a placeholder of the recorded length where the data cannot be loaded."""
-    from buffers.group import PromptRecord
+    from rlkit.buffers.group import PromptRecord
 
     known: dict[int, tuple[int, ...]] = {}
     recipe_file = run_dir / "recipe.yaml"
@@ -176,7 +176,7 @@ def _run_prompts(run_dir: Path) -> Callable[[int, int], Any]:
 
             from rlkit.config.schema import Recipe
             from rlkit.data.prompts import load_prompts
-            from rollout.demo_models import resolve_model_path
+            from rlkit.rollout.demo_models import resolve_model_path
 
             recipe = Recipe.model_validate(yaml.safe_load(recipe_file.read_text()))
             tok = AutoTokenizer.from_pretrained(
@@ -197,7 +197,7 @@ def _run_prompts(run_dir: Path) -> Callable[[int, int], Any]:
 
 
 def _finished_group(group_id: int, prompt: Any, epoch: int, lengths: list[int]) -> Any:
-    from buffers.group import Group, PromptRecord
+    from rlkit.buffers.group import Group, PromptRecord
 
     p = PromptRecord(prompt.ids, prompt.text, prompt.label, prompt.metadata,
                      source_index=prompt.source_index, epoch=epoch)

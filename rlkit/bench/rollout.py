@@ -28,7 +28,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from rollout.policies.registry import describe_specs
+from rlkit.rollout.policies.registry import describe_specs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     specs = policy_specs(args)  # a bad spec or trace fails before any engine starts
     if args.trace:
-        from rollout.sim.trace import Trace
+        from rlkit.rollout.sim.trace import Trace
 
         trace = Trace.load(args.trace)
         args.cap, args.n = trace.cap, trace.group_size
@@ -87,9 +87,9 @@ def run(args: argparse.Namespace) -> int:
 
 def policy_specs(args: argparse.Namespace) -> dict[str, Any]:
     """spec -> RolloutConfig for each --policy entry (partial's default from --over-provision)."""
-    from rollout.config import DispatchConfig, RolloutConfig
-    from rollout.policies import PolicySpecError
-    from rollout.policies.specs import policy_config
+    from rlkit.rollout.config import DispatchConfig, RolloutConfig
+    from rlkit.rollout.policies import PolicySpecError
+    from rlkit.rollout.policies.specs import policy_config
 
     profile = _profile_path(args.model)
     base = RolloutConfig(over_provision=args.over_provision, batch_size=args.batch_size,
@@ -117,7 +117,7 @@ def check_trace_slots(trace: Any, specs: dict[str, Any]) -> None:
 def make_trace(args: argparse.Namespace) -> Any:
     """The bench's trace (`--trace`, or generated with prompts to spare for every policy's
     steps); the real and the simulated runs replay the same one."""
-    from rollout.sim.trace import Trace, TraceSpec, generate_trace
+    from rlkit.rollout.sim.trace import Trace, TraceSpec, generate_trace
 
     if getattr(args, "trace", None):
         return Trace.load(args.trace)
@@ -134,16 +134,16 @@ def make_trace(args: argparse.Namespace) -> Any:
 
 
 async def bench_rollout(args: argparse.Namespace) -> dict[str, Any]:
-    from buffers import ListPromptSource, PromptRecord, RolloutBuffer
+    from rlkit.buffers import ListPromptSource, PromptRecord, RolloutBuffer
     from rlkit.bench.ranker import ranker_for_trace
-    from rollout.demo_models import resolve_model_path
-    from rollout.config import SamplingConfig
-    from rollout.engines.config import EngineConfig, RouterConfig
-    from rollout.engines.fleet import EngineFleet
-    from rollout.manager import RolloutManager, batch_target
-    from rollout.policies import make_policy
-    from rollout.rewards import RewardScheduler
-    from rollout.sim.replay import BufferPrompts, TraceReplayEngines
+    from rlkit.rollout.demo_models import resolve_model_path
+    from rlkit.rollout.config import SamplingConfig
+    from rlkit.rollout.engines.config import EngineConfig, RouterConfig
+    from rlkit.rollout.engines.fleet import EngineFleet
+    from rlkit.rollout.manager import RolloutManager, batch_target
+    from rlkit.rollout.policies import make_policy
+    from rlkit.rollout.rewards import RewardScheduler
+    from rlkit.rollout.sim.replay import BufferPrompts, TraceReplayEngines
 
     specs = policy_specs(args)
     model_path = resolve_model_path(args.model)
@@ -200,10 +200,10 @@ def step_row(report: Any) -> dict[str, Any]:
 def simulate_same(args: argparse.Namespace, real: dict[str, Any]) -> dict[str, Any]:
     """The same trace, policies and step counts on simulated engines (virtual time)."""
     from rlkit.bench.ranker import ranker_for_trace
-    from rollout.policies import make_policy
-    from rollout.sim.engine import SimConfig
+    from rlkit.rollout.policies import make_policy
+    from rlkit.rollout.sim.engine import SimConfig
     from rlkit.driver.simulate import run_simulation
-    from rollout.sim.profile import load_profile
+    from rlkit.rollout.sim.profile import load_profile
 
     profile_path = args.simulate
     if profile_path == "auto":
@@ -211,7 +211,7 @@ def simulate_same(args: argparse.Namespace, real: dict[str, Any]) -> dict[str, A
     trace = make_trace(args)
     # The hf engine keeps a left-padded KV cache (every row reads the longest row's context)
     # and pads its prefill forwards; the profile's "serving" object adds what
-    # `python -m rollout.sim.measure_hf` measured around the engines: the cores they share
+    # `python -m rlkit.rollout.sim.measure_hf` measured around the engines: the cores they share
     # with the HTTP processes, router and client, CPU per streamed chunk, request and control
     # round trips, the client's abort poll (docs/simulation.md, "Validation").
     cluster = SimConfig.from_profile(args.engines, load_profile(profile_path), kv_layout="padded",

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from rlkit.driver.modes import MODES
-from rollout.policies.registry import describe_specs
+from rlkit.rollout.policies.registry import describe_specs
 
 DEFAULT_POLICIES = ("sync", "partial@1.25", "partial@1.5", "partial@2.0", "tail_batching",
                     "tail_batching+resume")
@@ -56,8 +56,8 @@ DEFAULT_CAPS = (8192, 16384, 32768)
 
 def make_policy(spec: str, base: Any = None) -> Any:
     """A registry spec ('sync', 'partial@1.5', 'tail_batching+resume', ...) -> a policy."""
-    from rollout.policies import make_policy as from_config
-    from rollout.policies.specs import policy_config
+    from rlkit.rollout.policies import make_policy as from_config
+    from rlkit.rollout.policies.specs import policy_config
 
     return from_config(policy_config(spec, base))
 
@@ -65,7 +65,7 @@ def make_policy(spec: str, base: Any = None) -> Any:
 def make_ranker(spec: str, trace: Any, base: Any = None) -> Any:
     """The length ranker a spec's recipe names (the oracle reads this trace's lengths)."""
     from rlkit.bench.ranker import ranker_for_trace
-    from rollout.policies.specs import policy_config
+    from rlkit.rollout.policies.specs import policy_config
 
     return ranker_for_trace(policy_config(spec, base).ranker, trace)
 
@@ -73,7 +73,7 @@ def make_ranker(spec: str, trace: Any, base: Any = None) -> Any:
 def rollout_base(profile: str, cluster: Any) -> Any:
     """The rollout config every spec starts from: dispatch plans with the cluster's profile
     and batch limit (the engines' real batch)."""
-    from rollout.config import DispatchConfig, RolloutConfig
+    from rlkit.rollout.config import DispatchConfig, RolloutConfig
 
     return RolloutConfig(dispatch=DispatchConfig(profile=profile,
                                                  slots_per_engine=cluster.batch_limit))
@@ -130,9 +130,9 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
 
 def cluster_of(args: argparse.Namespace) -> tuple[Any, Any]:
     """The SimConfig and TrainTimeModel that `add_cluster_arguments`' options describe."""
-    from rollout.sim.engine import SimConfig
-    from rollout.sim.profile import load_profile
-    from rollout.sim.train_time import TrainTimeModel
+    from rlkit.rollout.sim.engine import SimConfig
+    from rlkit.rollout.sim.profile import load_profile
+    from rlkit.rollout.sim.train_time import TrainTimeModel
 
     cluster = SimConfig(args.engines, load_profile(args.profile), router=args.router,
                         abort_latency_s=args.abort_latency,
@@ -141,7 +141,7 @@ def cluster_of(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rollout.sim.trace import Trace, TraceSpec, generate_trace
+    from rlkit.rollout.sim.trace import Trace, TraceSpec, generate_trace
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
 
 # -- models and batches ----------------------------------------------------------------------
 def model_path(name: str, workdir: Path) -> str:
-    from rollout.demo_models import prepare_model
+    from rlkit.rollout.demo_models import prepare_model
 
     if name in ("tiny", "smollm2"):
         return str(prepare_model(name))
@@ -91,7 +91,7 @@ def build_smollm2_shaped(path: Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from train.hf_io import read_config
+    from rlkit.train.hf_io import read_config
 
     if (path / "config.json").is_file():
         return path
@@ -110,7 +110,7 @@ def synthetic_batch(vocab: int, n: int, prompt: int, median: int, cap: int, *, s
     clamped to [min_len, cap]), advantages +-1: a fixed batch for timing the trainer."""
     import torch
 
-    from train.batch import TrainBatch, TrainSample
+    from rlkit.train.batch import TrainBatch, TrainSample
 
     g = torch.Generator().manual_seed(seed)
     lengths = torch.exp(torch.randn(n, generator=g) * sigma + torch.log(torch.tensor(float(median))))
@@ -130,9 +130,9 @@ def synthetic_batch(vocab: int, n: int, prompt: int, median: int, cap: int, *, s
 
 # -- measurements ------------------------------------------------------------------------------
 def time_training(path: str, name: str, tp: int, steps: int, cpus: int) -> dict:
-    from train.config import TrainConfig
-    from train.hf_io import read_config
-    from train.ray_group import TrainerGroup
+    from rlkit.train.config import TrainConfig
+    from rlkit.train.hf_io import read_config
+    from rlkit.train.ray_group import TrainerGroup
 
     cfg = TrainConfig.model_validate(
         {"device": "cpu", "parallelism": {"tensor": tp}, "micro_batch_size": 8, "optimizer": {"lr": 1e-6}}
@@ -175,10 +175,10 @@ PACKING_LAYOUTS = {  # name -> (packing, pack_row_tokens)
 
 def compare_packing(path: str, name: str, rounds: int) -> dict:
     """Median fwd+bwd seconds of the batch in each layout, alternated in one trainer."""
-    from train.config import TrainConfig
-    from train.hf_io import read_config
-    from train.megatron.trainer import MegatronTrainer
-    from train.packing import pack_samples
+    from rlkit.train.config import TrainConfig
+    from rlkit.train.hf_io import read_config
+    from rlkit.train.megatron.trainer import MegatronTrainer
+    from rlkit.train.packing import pack_samples
 
     batch = synthetic_batch(int(read_config(path)["vocab_size"]), *SHAPES[name])
     trainer = MegatronTrainer.single_process(path, TrainConfig(device="cpu", micro_batch_size=8))
@@ -212,10 +212,10 @@ def compare_packing(path: str, name: str, rounds: int) -> dict:
 def time_weight_sync(path: str, rounds: int, receivers: str, workdir: Path) -> list[dict]:
     """Seconds per update and per GB, both methods, to `receivers`: 'loopback', 'engine' (one
     built-in engine server started here on the same model) or a comma list of engine URLs."""
-    from train.config import TrainConfig
-    from train.megatron.trainer import MegatronTrainer
-    from train.weight_sync.loopback import LoopbackEngines
-    from train.weight_sync.sender import WeightSender
+    from rlkit.train.config import TrainConfig
+    from rlkit.train.megatron.trainer import MegatronTrainer
+    from rlkit.train.weight_sync.loopback import LoopbackEngines
+    from rlkit.train.weight_sync.sender import WeightSender
 
     trainer = MegatronTrainer.single_process(path, TrainConfig(device="cpu"))
     loopback, engine_proc = None, None
@@ -224,8 +224,8 @@ def time_weight_sync(path: str, rounds: int, receivers: str, workdir: Path) -> l
         urls = loopback.urls
         trainer.attach_sender(WeightSender(bucket_mb=trainer.config.weight_sync.bucket_mb, control_factory=loopback.control))
     elif receivers == "engine":
-        from rollout.engines.config import EngineConfig
-        from rollout.engines.process import start_hf_server
+        from rlkit.rollout.engines.config import EngineConfig
+        from rlkit.rollout.engines.process import start_hf_server
 
         engine_proc = start_hf_server(path, EngineConfig(num_engines=1, cpu_threads=1, startup_timeout_s=300))
         urls = [engine_proc.url]

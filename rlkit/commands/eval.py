@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from buffers.errors import UserError
+from rlkit.buffers.errors import UserError
 
 DATA_SUFFIXES = (".jsonl", ".parquet")
 RECIPE_SUFFIXES = (".yaml", ".yml")
@@ -87,7 +87,7 @@ def plan(args: argparse.Namespace) -> Plan:
 def resolve_model(arg: str) -> tuple[str, Path | None, int]:
     """(kind, path, version) of MODEL_OR_CHECKPOINT: a run folder becomes its latest checkpoint."""
     from rlkit.checkpoint import STATE, latest_checkpoint
-    from rollout.demo_models import DEMO_MODELS
+    from rlkit.rollout.demo_models import DEMO_MODELS
 
     path = Path(arg).expanduser()
     if not path.exists():
@@ -143,7 +143,7 @@ def resolve_source(arg: str, overrides: Sequence[str], limit: int | None = None)
 
     from rlkit.config import RecipeError, load_recipe
     from rlkit.config.loader import resolve_raw
-    from rollout.eval_config import EvalConfig, EvalDatasetConfig
+    from rlkit.rollout.eval_config import EvalConfig, EvalDatasetConfig
 
     if arg.endswith(RECIPE_SUFFIXES):
         if not Path(arg).is_file():
@@ -193,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
     p = plan(args)
     with tempfile.TemporaryDirectory(prefix="rlkit-eval-") as tmp:
         if p.kind == "demo":
-            from rollout.demo_models import resolve_model_path
+            from rlkit.rollout.demo_models import resolve_model_path
 
             model_path = resolve_model_path(p.model)
         elif p.kind == "checkpoint":
@@ -222,7 +222,7 @@ def evaluate_model(model_path: str, p: Plan) -> list[Any]:
     from transformers import AutoTokenizer
 
     from rlkit.evaluation import make_evaluator
-    from rollout.engines.fleet import EngineFleet
+    from rlkit.rollout.engines.fleet import EngineFleet
 
     r = p.recipe
     evaluator = make_evaluator(p.eval, r.rollout, AutoTokenizer.from_pretrained(model_path))
@@ -259,7 +259,7 @@ def result_row(r: Any) -> dict[str, Any]:
 
 def build_report(model: str, version: int, results: Sequence[Any]) -> dict[str, Any]:
     from rlkit.tracking import json_safe
-    from rollout.eval import eval_metrics
+    from rlkit.rollout.eval import eval_metrics
 
     return {
         "model": model,

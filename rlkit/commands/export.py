@@ -36,10 +36,10 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "keep") -> Path:
 
     import torch
 
-    from train.convert import iter_megatron_to_hf
-    from train.hf_arch import ModelArch
-    from train.hf_io import save_hf_folder
-    from train.megatron.checkpoint import CheckpointError, checkpoint_hf_shards
+    from rlkit.train.convert import iter_megatron_to_hf
+    from rlkit.train.hf_arch import ModelArch
+    from rlkit.train.hf_io import save_hf_folder
+    from rlkit.train.megatron.checkpoint import CheckpointError, checkpoint_hf_shards
 
     ckpt = trainer_checkpoint_dir(checkpoint)
     meta, shards = checkpoint_hf_shards(ckpt)

@@ -81,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rollout.sim.plan import PlanError
+    from rlkit.rollout.sim.plan import PlanError
 
     try:
         return _run(args)
@@ -91,9 +91,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from rlkit.bench.suite import make_policy
-    from rollout.sim import plan as P
-    from rollout.sim.profile import ProfileError, load_profile
-    from rollout.sim.train_time import TrainTimeModel
+    from rlkit.rollout.sim import plan as P
+    from rlkit.rollout.sim.profile import ProfileError, load_profile
+    from rlkit.rollout.sim.train_time import TrainTimeModel
 
     cross = args.gen_budget is not None or args.train_budget is not None
     if cross and (args.gen_budget is None or args.train_budget is None):
@@ -221,7 +221,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _trace(args: argparse.Namespace) -> Any:
-    from rollout.sim.trace import Trace, TraceError, TraceSpec, generate_trace
+    from rlkit.rollout.sim.trace import Trace, TraceError, TraceSpec, generate_trace
 
     if args.trace:
         try:
@@ -243,7 +243,7 @@ def _simulate(engines: int, profile: Any, args: argparse.Namespace, trace: Any,
     ranker built as `rlkit bench suite` builds them), under `mode`'s loop with `train`'s
     trainer (None: training takes no time)."""
     from rlkit.bench.suite import make_policy, make_ranker, rollout_base
-    from rollout.sim.engine import SimConfig
+    from rlkit.rollout.sim.engine import SimConfig
     from rlkit.driver.simulate import run_simulation
 
     cluster = SimConfig(engines, profile, router=args.router, abort_latency_s=args.abort_latency)

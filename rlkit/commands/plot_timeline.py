@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rollout.timeline import TimelineError, read_timeline
+    from rlkit.rollout.timeline import TimelineError, read_timeline
 
     if args.step not in ("all", "last") and not args.step.isdecimal():
         print(f"rlkit: --step {args.step!r}: expected a step number, 'last' or 'all'")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from rollout.demo_models import DEMO_MODELS
+from rlkit.rollout.demo_models import DEMO_MODELS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -13,7 +13,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rollout.demo_models import prepare_model
+    from rlkit.rollout.demo_models import prepare_model
 
     print(prepare_model(args.name, force=args.force))
     return 0

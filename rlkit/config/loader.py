@@ -14,7 +14,7 @@ from typing import Any, Iterable, Sequence
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from buffers.errors import UserError
+from rlkit.buffers.errors import UserError
 from rlkit.config.schema import Recipe
 
 CMDLINE = "command line"

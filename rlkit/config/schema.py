@@ -12,9 +12,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rollout.config import PromptDataConfig, RolloutConfig
-from rollout.eval_config import EvalConfig
-from train.config import TrainConfig
+from rlkit.rollout.config import PromptDataConfig, RolloutConfig
+from rlkit.rollout.eval_config import EvalConfig
+from rlkit.train.config import TrainConfig
 
 from rlkit.driver.modes import MODES
 

@@ -3,7 +3,7 @@ importing each other."""
 
 from __future__ import annotations
 
-from buffers.errors import UserError
+from rlkit.buffers.errors import UserError
 
 
 class DataError(UserError, ValueError):

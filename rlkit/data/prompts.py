@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
-from buffers.group import PromptRecord
-from buffers.source import EpochOrder
+from rlkit.buffers.group import PromptRecord
+from rlkit.buffers.source import EpochOrder
 from rlkit.config.schema import DataConfig
 from rlkit.data.errors import DataError
-from rollout.config import PromptDataConfig
-from rollout.eval_config import EvalConfig
+from rlkit.rollout.config import PromptDataConfig
+from rlkit.rollout.eval_config import EvalConfig
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 TOKENIZE_CHUNK = 1024

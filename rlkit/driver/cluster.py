@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from buffers.control_token import CONTROL_TOKEN_ENV, is_loopback
-from buffers.errors import UserError
+from rlkit.buffers.control_token import CONTROL_TOKEN_ENV, is_loopback
+from rlkit.buffers.errors import UserError
 from rlkit.config.schema import Recipe
 from rlkit.driver.loop import Handed
 from rlkit.driver.placement import (
@@ -37,7 +37,7 @@ from rlkit.driver.placement import (
     resolve_address,
 )
 from rlkit.driver.rollout_service import RolloutService, StepResult, group_record
-from rollout.engines.config import EngineConfig
+from rlkit.rollout.engines.config import EngineConfig
 
 DEFAULT_HOST = EngineConfig.model_fields["host"].default  # loopback: one node needs no more
 
@@ -55,8 +55,8 @@ class EngineActor:
 
     def __init__(self, model_path: str, engine: dict[str, Any], index: int, log_dir: str,
                  bind_node_address: bool = False, control_token: str | None = None) -> None:
-        from rollout.engines.config import EngineConfig
-        from rollout.engines.fleet import start_engine
+        from rlkit.rollout.engines.config import EngineConfig
+        from rlkit.rollout.engines.fleet import start_engine
 
         use_control_token(control_token)
         if bind_node_address:  # a cluster of several nodes: reachable from the other nodes
@@ -72,7 +72,7 @@ class EngineActor:
     def restart(self) -> str:
         """Kill what is left of the engine (a hung, stopped process too: SIGKILL to its process
         group) and start it again, in this actor's bundle; its new URL once healthy."""
-        from rollout.engines.fleet import start_engine
+        from rlkit.rollout.engines.fleet import start_engine
 
         self.proc.kill()
         self.proc = start_engine(*self.args)
@@ -125,8 +125,8 @@ class RolloutActor:
     async def start(self, engine_urls: list[str], engine_actors: list[Any] = ()) -> None:
         """Start the router in front of the engines and the rollout service over them; a lost
         engine is restarted by its EngineActor (`engine_actors`, in the order of the URLs)."""
-        from rollout.client import EngineClient
-        from rollout.router import Router
+        from rlkit.rollout.client import EngineClient
+        from rlkit.rollout.router import Router
 
         assert self.source is not None, "prepare() first"
         r = self.recipe
@@ -409,7 +409,7 @@ class Cluster:
     def start(self) -> "Cluster":
         import ray
 
-        from train.ray_group import TrainerGroup
+        from rlkit.train.ray_group import TrainerGroup
 
         self.log_dir.mkdir(parents=True, exist_ok=True)
         r = self.recipe

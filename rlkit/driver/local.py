@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING, Sequence
 
 from rlkit.driver.loop import Handed, LoopState, OnEval, OnStep, Run, handed_of
 from rlkit.driver.rollout_service import RolloutService, StepResult
-from train.stream import RolloutBatchStep
+from rlkit.train.stream import RolloutBatchStep
 
 if TYPE_CHECKING:
     from rlkit.config.schema import Recipe
-    from train.config import TrainConfig
-    from train.protocol import Trainer
+    from rlkit.train.config import TrainConfig
+    from rlkit.train.protocol import Trainer
 
 
 class LocalRolloutBox:

@@ -23,7 +23,7 @@ import socket
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from buffers.errors import UserError
+from rlkit.buffers.errors import UserError
 
 Bundle = dict[str, float]
 

@@ -12,16 +12,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from buffers import Group, PromptSource, RolloutBuffer, load_buffer, save_buffer
-from rollout.config import RolloutConfig
-from rollout.engine_api import Engines
-from rollout.eval import Evaluator, eval_metrics
-from rollout.filters import GroupFilter
-from rollout.health import EngineMonitor, Restarter
-from rollout.manager import RolloutManager, StepReport, batch_target
-from rollout.policies import make_policy
-from rollout.rankers import LengthRanker
-from rollout.rewards import REWARD_FAILURE_KINDS, RewardScheduler, ScoreFn
+from rlkit.buffers import Group, PromptSource, RolloutBuffer, load_buffer, save_buffer
+from rlkit.rollout.config import RolloutConfig
+from rlkit.rollout.engine_api import Engines
+from rlkit.rollout.eval import Evaluator, eval_metrics
+from rlkit.rollout.filters import GroupFilter
+from rlkit.rollout.health import EngineMonitor, Restarter
+from rlkit.rollout.manager import RolloutManager, StepReport, batch_target
+from rlkit.rollout.policies import make_policy
+from rlkit.rollout.rankers import LengthRanker
+from rlkit.rollout.rewards import REWARD_FAILURE_KINDS, RewardScheduler, ScoreFn
 
 
 @dataclass

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import yaml
 
-from buffers.errors import find_user_error
+from rlkit.buffers.errors import find_user_error
 from rlkit.checkpoint import Checkpoint, latest_checkpoint, resume_point, save_checkpoint
 from rlkit.config.schema import Recipe
 from rlkit.driver.loop import LoopState, Run, finish_step
 from rlkit.driver.modes import MODES
 from rlkit.tracking import Tracker, rewind
-from rollout.health import EnginesDown
+from rlkit.rollout.health import EnginesDown
 
 
 def run_dir_of(recipe: Recipe) -> Path:
@@ -29,7 +29,7 @@ def run_dir_of(recipe: Recipe) -> Path:
 
 
 def train(recipe: Recipe) -> LoopState:
-    from rollout.demo_models import resolve_model_path
+    from rlkit.rollout.demo_models import resolve_model_path
     from rlkit.driver.cluster import Cluster, RayRolloutBox, RayTrainerBox, TrainerDied
 
     run_dir = run_dir_of(recipe)

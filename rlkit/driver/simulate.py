@@ -28,26 +28,26 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from buffers.buffer import RolloutBuffer
-from buffers.group import Group
+from rlkit.buffers.buffer import RolloutBuffer
+from rlkit.buffers.group import Group
 from rlkit.driver.local import LocalRolloutBox
 from rlkit.driver.loop import Handed, LoopState, Run
 from rlkit.driver.modes import MODES
 from rlkit.driver.rollout_service import RolloutService, StepResult as ServiceStep
-from rollout.config import HealthConfig, SamplingConfig
-from rollout.filters import GroupFilter
-from rollout.manager import RolloutManager, RolloutPolicy
-from rollout.health import EngineMonitor
-from rollout.rankers import LengthRanker
-from rollout.rewards import RewardScheduler
-from rollout.sim.clock import run_virtual
-from rollout.sim.engine import SimConfig, SimEngines, SimRestarter, SimWorker
-from rollout.sim.faults import Fault, FaultedRun, FaultInjector
-from rollout.sim.harness import StepResult, measure, span, trace_reward, trace_source
-from rollout.sim.replay import BufferPrompts, TraceReplayEngines
-from rollout.sim.trace import Trace
-from rollout.sim.train_time import TrainTimeModel
-from rollout.timeline import StepTimeline, append_step
+from rlkit.rollout.config import HealthConfig, SamplingConfig
+from rlkit.rollout.filters import GroupFilter
+from rlkit.rollout.manager import RolloutManager, RolloutPolicy
+from rlkit.rollout.health import EngineMonitor
+from rlkit.rollout.rankers import LengthRanker
+from rlkit.rollout.rewards import RewardScheduler
+from rlkit.rollout.sim.clock import run_virtual
+from rlkit.rollout.sim.engine import SimConfig, SimEngines, SimRestarter, SimWorker
+from rlkit.rollout.sim.faults import Fault, FaultedRun, FaultInjector
+from rlkit.rollout.sim.harness import StepResult, measure, span, trace_reward, trace_source
+from rlkit.rollout.sim.replay import BufferPrompts, TraceReplayEngines
+from rlkit.rollout.sim.trace import Trace
+from rlkit.rollout.sim.train_time import TrainTimeModel
+from rlkit.rollout.timeline import StepTimeline, append_step
 
 
 DEFAULT_RESTART_S = 60.0  # a lost engine's restart: process start + loading a 4B model on GPU

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from buffers.group import Group
-from buffers.sample import Sample
+from rlkit.buffers.group import Group
+from rlkit.buffers.sample import Sample
 from rlkit.rewards import (RewardInput, RewardNotFound, call_reward, make_runner, resolve_reward,
                           signature_problem)
-from rollout.config import RewardConfig
-from rollout.rewards import ScoreFn
+from rlkit.rollout.config import RewardConfig
+from rlkit.rollout.rewards import ScoreFn
 
 Decode = Callable[[Sequence[int]], str]
 

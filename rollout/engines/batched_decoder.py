@@ -32,10 +32,10 @@ from typing import Any, Callable
 
 import torch
 
-from rollout.engines.kv_cache import SlotKVCache, prefill_mask
-from rollout.engines.requests import DecodeParams, DecodeRequest
-from rollout.engines.sampler import RowSampling, sample
-from rollout.protocol import FinishReason, PauseMode
+from rlkit.rollout.engines.kv_cache import SlotKVCache, prefill_mask
+from rlkit.rollout.engines.requests import DecodeParams, DecodeRequest
+from rlkit.rollout.engines.sampler import RowSampling, sample
+from rlkit.rollout.protocol import FinishReason, PauseMode
 
 log = logging.getLogger(__name__)
 

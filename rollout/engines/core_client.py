@@ -16,9 +16,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout.engines.requests import DecodeParams, DecodeRequest
-from rollout.engines.engine_core import CoreConfig, run_engine_core
-from rollout.protocol import FinishReason
+from rlkit.rollout.engines.requests import DecodeParams, DecodeRequest
+from rlkit.rollout.engines.engine_core import CoreConfig, run_engine_core
+from rlkit.rollout.protocol import FinishReason
 
 
 class CoreError(RuntimeError):

@@ -146,6 +146,7 @@ class SlotKVCache(Cache):
         value_states: torch.Tensor,
         layer_idx: int,
         cache_kwargs: dict | None = None,
+        **_: object,  # transformers >= 5.24 also passes the layer's `kwargs`; none matter here
     ) -> tuple[torch.Tensor, torch.Tensor]:
         b, _, q, _ = key_states.shape
         k, v = self.keys[layer_idx], self.values[layer_idx]

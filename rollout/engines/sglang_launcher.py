@@ -17,10 +17,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from buffers.errors import UserError
-from rollout.auth import ControlTokenMissing, check_bind, control_token_from_env
-from rollout.engines.config import EngineConfig
-from rollout.engines.process import ManagedProcess, ProcessStartError, free_port, spawn
+from rlkit.buffers.errors import UserError
+from rlkit.rollout.auth import ControlTokenMissing, check_bind, control_token_from_env
+from rlkit.rollout.engines.config import EngineConfig
+from rlkit.rollout.engines.process import ManagedProcess, ProcessStartError, free_port, spawn
 
 
 class SGLangNotInstalled(UserError, RuntimeError):
@@ -82,7 +82,7 @@ def sglang_server_argv(model_path: str, config: EngineConfig, *, index: int, por
                          "other engine fields; set those fields instead")
     argv += passthrough_args(config.sglang_args)
     if control_token_from_env() is not None:  # the key joins the arguments inside the process
-        argv[1:3] = ["-m", "rollout.token_exec", sglang_auth_flag(), "{token}",
+        argv[1:3] = ["-m", "rlkit.rollout.token_exec", sglang_auth_flag(), "{token}",
                      "sglang.launch_server"]
     return argv
 

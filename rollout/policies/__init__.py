@@ -10,15 +10,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rollout.policies.partial import PartialPolicy
-from rollout.policies.ranked_dispatch import RankedDispatchPolicy
-from rollout.policies.registry import POLICIES, POLICY_NAMES, PolicySpecError
-from rollout.policies.sync import SyncPolicy
-from rollout.policies.tail_batching import TailBatchingPolicy
+from rlkit.rollout.policies.partial import PartialPolicy
+from rlkit.rollout.policies.ranked_dispatch import RankedDispatchPolicy
+from rlkit.rollout.policies.registry import POLICIES, POLICY_NAMES, PolicySpecError
+from rlkit.rollout.policies.sync import SyncPolicy
+from rlkit.rollout.policies.tail_batching import TailBatchingPolicy
 
 if TYPE_CHECKING:
-    from rollout.config import RolloutConfig
-    from rollout.manager import RolloutPolicy
+    from rlkit.rollout.config import RolloutConfig
+    from rlkit.rollout.manager import RolloutPolicy
 
 
 def make_policy(cfg: "RolloutConfig") -> "RolloutPolicy":

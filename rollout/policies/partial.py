@@ -17,10 +17,10 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from rollout.dispatch import InFlightSizer
+from rlkit.rollout.dispatch import InFlightSizer
 
 if TYPE_CHECKING:
-    from rollout.manager import Step
+    from rlkit.rollout.manager import Step
 
 
 @dataclass

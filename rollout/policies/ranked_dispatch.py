@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from rollout.dispatch import Dispatcher
+from rlkit.rollout.dispatch import Dispatcher
 
 if TYPE_CHECKING:
-    from rollout.manager import RolloutPolicy, Step
+    from rlkit.rollout.manager import RolloutPolicy, Step
 
 
 @dataclass

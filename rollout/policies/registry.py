@@ -17,15 +17,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from rollout.policies.partial import PartialPolicy
-from rollout.policies.ranked_dispatch import RankedDispatchPolicy
-from rollout.policies.sync import SyncPolicy
-from rollout.policies.tail_batching import TailBatchingPolicy
+from rlkit.rollout.policies.partial import PartialPolicy
+from rlkit.rollout.policies.ranked_dispatch import RankedDispatchPolicy
+from rlkit.rollout.policies.sync import SyncPolicy
+from rlkit.rollout.policies.tail_batching import TailBatchingPolicy
 
 if TYPE_CHECKING:
-    from rollout.config import RolloutConfig
-    from rollout.dispatch import EngineModel
-    from rollout.manager import RolloutPolicy
+    from rlkit.rollout.config import RolloutConfig
+    from rlkit.rollout.dispatch import EngineModel
+    from rlkit.rollout.manager import RolloutPolicy
 
 
 @dataclass(frozen=True)
@@ -49,12 +49,12 @@ RANKER_OPTIONS = {name: {"ranker.name": name}
 def engine_model(cfg: "RolloutConfig") -> "EngineModel":
     """The capacity and latency model dispatch and adaptive sizing plan with: slots per engine,
     KV capacity, and the per-token latency of rollout.dispatch.profile (if set)."""
-    from rollout.dispatch import EngineModel
+    from rlkit.rollout.dispatch import EngineModel
 
     slots = cfg.dispatch.slots_per_engine or cfg.engine.max_running_requests
     kv, ptl = cfg.engine.max_total_tokens, None
     if cfg.dispatch.profile is not None:
-        from rollout.sim.profile import load_profile
+        from rlkit.rollout.sim.profile import load_profile
 
         profile = load_profile(cfg.dispatch.profile)
         ptl = profile.ptl
@@ -66,7 +66,7 @@ def _partial(cfg: "RolloutConfig") -> PartialPolicy:
     a = cfg.adaptive_over_provision
     if not a.enabled:
         return PartialPolicy(over_provision=cfg.over_provision)
-    from rollout.dispatch import InFlightSizer
+    from rlkit.rollout.dispatch import InFlightSizer
 
     return PartialPolicy(over_provision=cfg.over_provision,
                          sizer=InFlightSizer(engine_model(cfg), a.utilization),
@@ -74,7 +74,7 @@ def _partial(cfg: "RolloutConfig") -> PartialPolicy:
 
 
 def _ranked(cfg: "RolloutConfig") -> RankedDispatchPolicy:
-    from rollout.dispatch import Dispatcher
+    from rlkit.rollout.dispatch import Dispatcher
 
     partial = cfg.ranked_dispatch.base == "partial"
     d = cfg.dispatch

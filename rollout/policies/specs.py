@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollout.config import RolloutConfig
-from rollout.policies.registry import POLICIES, PolicySpecError, describe_specs
+from rlkit.rollout.config import RolloutConfig
+from rlkit.rollout.policies.registry import POLICIES, PolicySpecError, describe_specs
 
 
 def policy_config(spec: str, base: "RolloutConfig | None" = None) -> "RolloutConfig":

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from rollout.manager import Step
+    from rlkit.rollout.manager import Step
 
 
 class SyncPolicy:

@@ -31,12 +31,12 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from buffers.buffer import Place
+from rlkit.buffers.buffer import Place
 
 if TYPE_CHECKING:
-    from buffers.group import Group
-    from rollout.config import RolloutConfig
-    from rollout.manager import Step
+    from rlkit.buffers.group import Group
+    from rlkit.rollout.config import RolloutConfig
+    from rlkit.rollout.manager import Step
 
 
 @dataclass

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol, Sequence, runtime_checkable
 
-from buffers.group import Group
-from rollout.rankers.lengths import group_lengths, mean_length, prompt_key
+from rlkit.buffers.group import Group
+from rlkit.rollout.rankers.lengths import group_lengths, mean_length, prompt_key
 
 
 @runtime_checkable
@@ -40,8 +40,8 @@ class LengthRanker(Protocol):
 
 
 def builtin_rankers() -> dict[str, Any]:
-    from rollout.rankers.basic import HistoryRanker, OracleRanker, PromptLengthRanker
-    from rollout.rankers.learned import LearnedRanker
+    from rlkit.rollout.rankers.basic import HistoryRanker, OracleRanker, PromptLengthRanker
+    from rlkit.rollout.rankers.learned import LearnedRanker
 
     return {"prompt_length": PromptLengthRanker, "history": HistoryRanker,
             "learned": LearnedRanker, "oracle": OracleRanker}

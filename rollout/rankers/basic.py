@@ -7,8 +7,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from buffers.group import Group
-from rollout.rankers.lengths import group_lengths, prompt_key
+from rlkit.buffers.group import Group
+from rlkit.rollout.rankers.lengths import group_lengths, prompt_key
 
 
 class PromptLengthRanker:
@@ -92,7 +92,7 @@ class OracleRanker:
 
     def __init__(self, trace: Any) -> None:
         if isinstance(trace, str):
-            from rollout.sim.trace import Trace
+            from rlkit.rollout.sim.trace import Trace
 
             trace = Trace.load(trace)
         self.trace = trace

@@ -14,8 +14,8 @@ import math
 from collections import deque
 from typing import Any, Sequence
 
-from buffers.group import Group
-from rollout.rankers.lengths import group_lengths
+from rlkit.buffers.group import Group
+from rlkit.rollout.rankers.lengths import group_lengths
 
 
 class LearnedRanker:

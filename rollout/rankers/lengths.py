@@ -3,7 +3,7 @@ package so the built-in rankers import it without importing the package that lis
 
 from __future__ import annotations
 
-from buffers.group import Group
+from rlkit.buffers.group import Group
 
 
 def group_lengths(group: Group) -> tuple[list[int], bool]:

@@ -69,10 +69,10 @@ from collections import deque
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Literal
 
-from buffers.sample import Sample
-from rollout.config import SamplingConfig
-from rollout.engine_api import EngineError, WorkerLost
-from rollout.sim.profile import EngineProfile
+from rlkit.buffers.sample import Sample
+from rlkit.rollout.config import SamplingConfig
+from rlkit.rollout.engine_api import EngineError, WorkerLost
+from rlkit.rollout.sim.profile import EngineProfile
 
 Router = Literal["round_robin", "least_load"]
 HUNG_CONTROL_TIMEOUT_S = 10.0  # a control call to a hung worker fails after this (client timeout)

@@ -23,11 +23,11 @@ import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Sequence
 
-from rollout.sim.engine import SimEngines
+from rlkit.rollout.sim.engine import SimEngines
 
 if TYPE_CHECKING:
-    from rollout.health import EngineMonitor
-    from rollout.sim.harness import StepResult
+    from rlkit.rollout.health import EngineMonitor
+    from rlkit.rollout.sim.harness import StepResult
 
 FaultKind = Literal["kill", "hang"]
 FAULT_KINDS: tuple[FaultKind, ...] = ("kill", "hang")

@@ -10,12 +10,12 @@ import random
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from buffers.group import Group
-from buffers.sample import Sample
-from buffers.source import ListPromptSource
-from rollout.sim.engine import Segment, SimConfig, WorkerStats
-from rollout.timeline import Span
-from rollout.sim.trace import Trace
+from rlkit.buffers.group import Group
+from rlkit.buffers.sample import Sample
+from rlkit.buffers.source import ListPromptSource
+from rlkit.rollout.sim.engine import Segment, SimConfig, WorkerStats
+from rlkit.rollout.timeline import Span
+from rlkit.rollout.sim.trace import Trace
 
 
 _ZERO = WorkerStats()

@@ -1,6 +1,6 @@
 """Measure what the simulator needs to model rlkit's built-in hf engine on a CPU machine.
 
-    python -m rollout.sim.measure_hf --model tiny --profile docs/profiles/cpu-tiny-t1.json
+    python -m rlkit.rollout.sim.measure_hf --model tiny --profile docs/profiles/cpu-tiny-t1.json
 
 Writes (merges into) the profile JSON, keeping its other keys. What it measures, and how:
 
@@ -77,8 +77,8 @@ async def _batch(client: Any, prompts: list[list[int]], n: int,
                  workers: list[str] | None = None) -> float:
     """Generate n tokens (ignoring EOS) for each prompt at once, through the router or pinned
     to `workers` (one per prompt); the wall seconds it took."""
-    from buffers.sample import Sample
-    from rollout.config import SamplingConfig
+    from rlkit.buffers.sample import Sample
+    from rlkit.rollout.config import SamplingConfig
 
     sampling = SamplingConfig(max_new_tokens=n, ignore_eos=True, temperature=1.0)
     samples = [Sample(index=i, group_id=i, prompt_ids=p) for i, p in enumerate(prompts)]
@@ -95,8 +95,8 @@ def measure_decode(model_path: str, batches=DECODE_BATCHES, widths=DECODE_WIDTHS
     client, alone (engine 1 idle) and beside engine 1 running the same load."""
     import psutil
 
-    from rollout.engines.config import EngineConfig, RouterConfig
-    from rollout.engines.fleet import EngineFleet
+    from rlkit.rollout.engines.config import EngineConfig, RouterConfig
+    from rlkit.rollout.engines.fleet import EngineFleet
 
     cfg = EngineConfig(num_engines=2, cpu_threads=1, max_running_requests=256)
     grid = [(b, w) for b in batches for w in widths if b * w <= 65536]
@@ -149,8 +149,8 @@ def measure_prefill(model_path: str, rows_list=PREFILL_ROWS, widths=PREFILL_WIDT
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rollout.engines.batched_decoder import BatchedDecoder
-    from rollout.engines.requests import DecodeParams, DecodeRequest
+    from rlkit.rollout.engines.batched_decoder import BatchedDecoder
+    from rlkit.rollout.engines.requests import DecodeParams, DecodeRequest
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
                                                  attn_implementation="sdpa").eval()
@@ -212,7 +212,7 @@ def fit_ptl(rows: list[dict[str, Any]], batches: Sequence[int], key: str) -> tup
 async def measure_control(client: Any, url: str, running_s: float) -> dict[str, Any]:
     """What the client's control calls cost on one engine: a control round trip (each abort
     poll is one) and abort_all on 32 requests that have run for `running_s`."""
-    from rollout.client import ABORT_POLL_FIRST_S, EngineClient
+    from rlkit.rollout.client import ABORT_POLL_FIRST_S, EngineClient
 
     ctl = []
     for _ in range(40):
@@ -236,8 +236,8 @@ def measure_serving(model_path: str, stream_interval: int = 8) -> dict[str, Any]
 
     import psutil
 
-    from rollout.engines.config import EngineConfig, RouterConfig
-    from rollout.engines.fleet import EngineFleet
+    from rlkit.rollout.engines.config import EngineConfig, RouterConfig
+    from rlkit.rollout.engines.fleet import EngineFleet
 
     cfg = EngineConfig(num_engines=1, cpu_threads=1, max_running_requests=256,
                        stream_interval=stream_interval)
@@ -339,7 +339,7 @@ def update_profile(path: Path, decode: dict[str, Any] | None, prefill: dict[str,
         "hf engine on this CPU: decode-loop CPU per step in a fleet of two engines behind "
         "sglang-router and EngineClient, prefill forwards of BatchedDecoder in thread CPU time, "
         "serving-stack CPU and round trips through the real server: `python -m "
-        "rollout.sim.measure_hf` (see its docstring); names and batch sizes as `rlkit bench "
+        "rlkit.rollout.sim.measure_hf` (see its docstring); names and batch sizes as `rlkit bench "
         "engine` writes them")
     data.setdefault("name", path.stem)
     data.setdefault("device", f"cpu ({platform.machine()}, {os.cpu_count()} cores)")
@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import torch
 
-    from rollout.demo_models import resolve_model_path
+    from rlkit.rollout.demo_models import resolve_model_path
 
     torch.set_num_threads(1)
     path = resolve_model_path(args.model)
@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     serving = measure_serving(path) if "serving" in parts else None
     if serving is not None:
         print(json.dumps(serving, indent=1))
-    command = "python -m rollout.sim.measure_hf " + " ".join(argv or [])
+    command = "python -m rlkit.rollout.sim.measure_hf " + " ".join(argv or [])
     update_profile(Path(args.profile), decode, prefill, serving, command.strip())
     print(f"updated {args.profile}")
     return 0

@@ -19,7 +19,7 @@ Optional keys, written by the GPU-like profiles derived from published figures (
     "kv_capacity_tokens": int KV-cache capacity of one engine, prompt + generated tokens
     "max_running_requests": int  the engine's batch limit (default: the largest batch size)
 
-Optional prefill keys (measured on rlkit's hf CPU engine by `python -m rollout.sim.measure_hf`):
+Optional prefill keys (measured on rlkit's hf CPU engine by `python -m rlkit.rollout.sim.measure_hf`):
 
     "prefill_s_per_forward": float   fixed seconds of one prefill forward
     "prefill_s_per_token_sq": float  seconds per squared context token (attention over the
@@ -62,7 +62,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-PROFILE_PACKAGE = "rollout.sim.profiles"
+PROFILE_PACKAGE = "rlkit.rollout.sim.profiles"
 
 
 class ProfileError(ValueError):

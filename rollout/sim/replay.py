@@ -19,12 +19,12 @@ from __future__ import annotations
 
 from typing import Callable
 
-from buffers.buffer import Place, RolloutBuffer
-from buffers.group import PromptRecord
-from buffers.sample import Sample, SampleStatus
-from rollout.config import SamplingConfig
-from rollout.engine_api import Engines
-from rollout.sim.trace import Trace, TraceError
+from rlkit.buffers.buffer import Place, RolloutBuffer
+from rlkit.buffers.group import PromptRecord
+from rlkit.buffers.sample import Sample, SampleStatus
+from rlkit.rollout.config import SamplingConfig
+from rlkit.rollout.engine_api import Engines
+from rlkit.rollout.sim.trace import Trace, TraceError
 
 
 class BufferPrompts:

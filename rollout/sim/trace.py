@@ -40,8 +40,8 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from buffers.group import PromptRecord
-from buffers.source import EpochOrder
+from rlkit.buffers.group import PromptRecord
+from rlkit.buffers.source import EpochOrder
 
 TRACE_FORMAT = "rlkit.trace"
 TRACE_VERSION = 1

@@ -15,15 +15,15 @@ from rlkit.bench.faults import FaultBench, invariants
 from rlkit.bench.suite import make_policy
 from rlkit.cli import main
 from rlkit.driver.simulate import run_simulation
-from rollout.config import HealthConfig
-from rollout.manager import batch_target
-from rollout.policies import PartialPolicy, SyncPolicy
-from rollout.sim.clock import run_virtual
-from rollout.sim.engine import SimConfig
-from rollout.sim.faults import Fault, random_faults
-from rollout.sim.profile import load_profile
-from rollout.sim.trace import TraceSpec, generate_trace
-from rollout.sim.train_time import TrainTimeModel
+from rlkit.rollout.config import HealthConfig
+from rlkit.rollout.manager import batch_target
+from rlkit.rollout.policies import PartialPolicy, SyncPolicy
+from rlkit.rollout.sim.clock import run_virtual
+from rlkit.rollout.sim.engine import SimConfig
+from rlkit.rollout.sim.faults import Fault, random_faults
+from rlkit.rollout.sim.profile import load_profile
+from rlkit.rollout.sim.trace import TraceSpec, generate_trace
+from rlkit.rollout.sim.train_time import TrainTimeModel
 from tests.manager.test_engine_faults import make
 
 PROFILE = "h100-qwen3-4b-tp1"
@@ -31,9 +31,9 @@ PROFILE = "h100-qwen3-4b-tp1"
 
 @pytest.fixture(autouse=True)
 def _quiet_monitor():
-    logging.getLogger("rollout.health").setLevel(logging.ERROR)
+    logging.getLogger("rlkit.rollout.health").setLevel(logging.ERROR)
     yield
-    logging.getLogger("rollout.health").setLevel(logging.NOTSET)
+    logging.getLogger("rlkit.rollout.health").setLevel(logging.NOTSET)
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +191,7 @@ def test_a_step_started_with_every_engine_down_parks_and_stops():
             await mgr.close()
             await sim.aclose()
 
-    from rollout.health import EnginesDown
+    from rlkit.rollout.health import EnginesDown
     with pytest.raises(EnginesDown):
         run_virtual(main)
     assert buf.stats()["dropped"] == 0

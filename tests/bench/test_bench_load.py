@@ -35,8 +35,8 @@ def test_unknown_driver_loop_is_refused():
 
 
 def test_instant_engines_are_deterministic_per_sample():
-    from buffers.sample import Sample, SampleStatus
-    from rollout.config import SamplingConfig
+    from rlkit.buffers.sample import Sample, SampleStatus
+    from rlkit.rollout.config import SamplingConfig
 
     def one(seed: int) -> Sample:
         s = Sample(index=3, group_id=0, prompt_ids=[1, 2])
@@ -66,8 +66,8 @@ def test_groups_through_the_ray_actor_are_taken_exactly_once():
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     from rlkit.demo_models import build_tiny
-    from rollout.engines.config import EngineConfig, RouterConfig
-    from rollout.engines.fleet import EngineFleet
+    from rlkit.rollout.engines.config import EngineConfig, RouterConfig
+    from rlkit.rollout.engines.fleet import EngineFleet
 
     path = tmp_path_factory.mktemp("tiny-model")
     build_tiny(path, arch="qwen2")

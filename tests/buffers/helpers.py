@@ -1,5 +1,5 @@
-from buffers import ListPromptSource, RolloutBuffer
-from buffers.source import records_from_token_lists
+from rlkit.buffers import ListPromptSource, RolloutBuffer
+from rlkit.buffers.source import records_from_token_lists
 
 
 def make_source(rows: int = 7, seed: int = 0) -> ListPromptSource:

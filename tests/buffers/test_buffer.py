@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from buffers import (
+from rlkit.buffers import (
     BufferClosed,
     BufferError,
     BufferStateError,

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from buffers import Place, RolloutBuffer, SampleStatus, StalenessPolicy, staleness
+from rlkit.buffers import Place, RolloutBuffer, SampleStatus, StalenessPolicy, staleness
 from tests.buffers.helpers import make_source
 
 

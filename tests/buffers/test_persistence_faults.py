@@ -4,7 +4,7 @@ naming it."""
 
 import pytest
 
-from buffers import BufferStateError, Place, load_buffer, save_buffer
+from rlkit.buffers import BufferStateError, Place, load_buffer, save_buffer
 from tests.buffers.helpers import buffer_with_a_partial, make_buffer
 from tests.faults import make_read_only, run_with_file_size_limit
 
@@ -26,7 +26,7 @@ def test_a_full_disk_names_the_file_and_keeps_the_old_one(tmp_path):
     path = _saved(tmp_path / "b.json.gz")
     done = run_with_file_size_limit(f"""
         import random
-        from buffers import BufferStateError, save_buffer
+        from rlkit.buffers import BufferStateError, save_buffer
         from tests.buffers.helpers import make_buffer
         buf = make_buffer(n=2, rows=20)
         rng = random.Random(0)

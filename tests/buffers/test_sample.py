@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from buffers import FINISH_REASON_STATUS, Sample, SampleError, SampleStatus
+from rlkit.buffers import FINISH_REASON_STATUS, Sample, SampleError, SampleStatus
 
 span = st.integers(min_value=0, max_value=5)
 op = st.one_of(

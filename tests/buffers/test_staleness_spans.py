@@ -2,7 +2,7 @@
 
 import pytest
 
-from buffers import StalenessPolicy
+from rlkit.buffers import StalenessPolicy
 from tests.buffers.helpers import make_buffer
 
 

@@ -11,7 +11,7 @@ from rlkit.cli import main
 from rlkit.config import Recipe, RecipeError, load_recipe
 from rlkit.config.loader import iter_fields
 from rlkit.config.reference import render_reference
-from rollout.policies import POLICY_NAMES
+from rlkit.rollout.policies import POLICY_NAMES
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -167,7 +167,7 @@ def test_the_arithmetic_split_holds_out_problems_never_trained_on():
 
 def test_eval_sets_load_by_the_data_rules_and_a_bad_row_names_the_eval_key(tmp_path):
     from rlkit.data.prompts import load_eval_sets
-    from rollout.eval_config import EvalConfig
+    from rlkit.rollout.eval_config import EvalConfig
 
     good = write_jsonl(tmp_path / "good.jsonl", [{"q": f"{i}+1?", "a": str(i + 1)} for i in range(5)])
     cfg = EvalConfig(every_steps=1, datasets=[

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from buffers import Place, save_buffer
+from rlkit.buffers import Place, save_buffer
 from rlkit.checkpoint import (
     CheckpointError,
     latest_checkpoint,
@@ -106,7 +106,7 @@ def test_a_full_disk_while_writing_the_buffer_names_the_buffer_file(tmp_path):
                     keep_last=2)
     done = run_with_file_size_limit(f"""
         from pathlib import Path
-        from buffers import save_buffer
+        from rlkit.buffers import save_buffer
         from rlkit.checkpoint import CheckpointError, save_checkpoint
         from tests.buffers.helpers import make_buffer
         import random

@@ -7,15 +7,15 @@ import json
 
 import pytest
 
-from buffers import ListPromptSource, PromptRecord
-from buffers.source import records_from_token_lists
+from rlkit.buffers import ListPromptSource, PromptRecord
+from rlkit.buffers.source import records_from_token_lists
 from rlkit.config import load_recipe
 from rlkit.driver.local import run_local
 from rlkit.driver.loop import finish_step
 from rlkit.driver.rollout_service import RolloutService
 from rlkit.tracking import EVAL_FILE, Tracker
-from rollout.eval import Evaluator
-from rollout.eval_config import EvalConfig
+from rlkit.rollout.eval import Evaluator
+from rlkit.rollout.eval_config import EvalConfig
 from tests.driver.test_modes import RecordingTrainer, mode_recipe, slow_tail
 from tests.manager.fakes import FakeEngines
 

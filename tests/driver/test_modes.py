@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from buffers import ListPromptSource, Place, StalenessBoundError
-from buffers.source import records_from_token_lists
+from rlkit.buffers import ListPromptSource, Place, StalenessBoundError
+from rlkit.buffers.source import records_from_token_lists
 from rlkit.checkpoint import latest_checkpoint, list_checkpoints, restore_buffer
 from rlkit.config import load_recipe
 from rlkit.config.schema import TrackingConfig
@@ -283,7 +283,7 @@ def test_async_with_bound_one_overlaps_and_no_token_is_more_than_one_version_old
 
 
 def test_the_buffer_refuses_a_producer_past_the_bound():
-    from buffers import RolloutBuffer
+    from rlkit.buffers import RolloutBuffer
 
     buf = RolloutBuffer(ListPromptSource(records_from_token_lists([[1]]), shuffle=False),
                         n_samples_per_prompt=1, max_staleness=1)

@@ -20,7 +20,7 @@ import pytest
 
 from rlkit.config import load_recipe
 from rlkit.driver.run import train
-from rollout.protocol import total_requests
+from rlkit.rollout.protocol import total_requests
 from tests.e2e.test_train_tiny import processes_with, rows
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,7 +60,7 @@ class Injector(threading.Thread):
         out = {}
         for pid in processes_with(self.model_dir):
             argv = _cmdline(pid)
-            if "rollout.engines.hf_server" not in argv:
+            if "rlkit.rollout.engines.hf_server" not in argv:
                 continue
             try:  # it binds a free port (--port 0): the one it listens on
                 ports = [c.laddr.port for c in psutil.Process(pid).net_connections("tcp")
@@ -139,8 +139,8 @@ def test_an_engine_lost_mid_step_is_survived_and_restarted(tmp_path, monkeypatch
         # take ~1.5 s here and a restart ~10-30 s (model load on two busy cores): 30 steps
         f"run.output_dir={out}", "tracking.progress=false", f"run.num_steps={STEPS}",
         "rollout.policy=sync", "rollout.sampling.max_new_tokens=48",
-        "rollout.health.interval_s=1", "rollout.health.probe_timeout_s=4",
-        "rollout.health.hung_after_timeouts=2", "rollout.health.restart_backoff_s=0.5",
+        "rlkit.rollout.health.interval_s=1", "rlkit.rollout.health.probe_timeout_s=4",
+        "rlkit.rollout.health.hung_after_timeouts=2", "rlkit.rollout.health.restart_backoff_s=0.5",
         # the router would itself retry, from scratch, a killed request that had streamed
         # nothing yet (most of them, early in a step), and rlkit would never see it lost
         "rollout.router.max_retries=0", "rollout.engine.stream_interval=1",
@@ -189,13 +189,13 @@ def test_every_engine_down_parks_everything_and_resume_continues(tmp_path, monke
     """Both engines killed in step 2 with no restart allowed: the run stops with a message
     naming the checkpoint it wrote (every unfinished group parked with its tokens); resumed
     with resume=auto it finishes, and no group is trained twice or lost."""
-    from rollout.health import EnginesDown
+    from rlkit.rollout.health import EnginesDown
 
     monkeypatch.setenv("RLKIT_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "runs"
     base = [f"run.output_dir={out}", "tracking.progress=false", "run.num_steps=4",
-            "checkpoint.every_steps=1", "rollout.health.interval_s=1"]
-    r = load_recipe(ROOT / "recipes" / "grpo_tiny_ci.yaml", [*base, "rollout.health.max_restarts=0"])
+            "checkpoint.every_steps=1", "rlkit.rollout.health.interval_s=1"]
+    r = load_recipe(ROOT / "recipes" / "grpo_tiny_ci.yaml", [*base, "rlkit.rollout.health.max_restarts=0"])
     run_dir = out / r.run.name
     model_dir = str(Path(os.environ["RLKIT_CACHE"]) / "models" / "tiny")
     injector = Injector(model_dir, run_dir, "kill_all")

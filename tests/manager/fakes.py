@@ -7,8 +7,8 @@ import asyncio
 import itertools
 from typing import Callable
 
-from buffers import Sample
-from rollout.engine_api import EngineError
+from rlkit.buffers import Sample
+from rlkit.rollout.engine_api import EngineError
 
 
 class FakeEngines:

@@ -9,15 +9,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from buffers import ListPromptSource, RolloutBuffer, SampleStatus
-from buffers.source import records_from_token_lists
-from rollout.config import HealthConfig, SamplingConfig
-from rollout.health import EngineMonitor, EnginesDown
-from rollout.manager import RolloutManager, batch_target
-from rollout.policies import PartialPolicy, SyncPolicy
-from rollout.rewards import RewardScheduler
-from rollout.sim.clock import run_virtual
-from rollout.sim.engine import SimEngines, SimRestarter
+from rlkit.buffers import ListPromptSource, RolloutBuffer, SampleStatus
+from rlkit.buffers.source import records_from_token_lists
+from rlkit.rollout.config import HealthConfig, SamplingConfig
+from rlkit.rollout.health import EngineMonitor, EnginesDown
+from rlkit.rollout.manager import RolloutManager, batch_target
+from rlkit.rollout.policies import PartialPolicy, SyncPolicy
+from rlkit.rollout.rewards import RewardScheduler
+from rlkit.rollout.sim.clock import run_virtual
+from rlkit.rollout.sim.engine import SimEngines, SimRestarter
 from tests.manager.fakes import constant_reward
 from tests.sim.helpers import cluster
 
@@ -154,7 +154,7 @@ def test_a_failing_request_on_healthy_engines_still_fails_its_sample():
         if calls["n"] == 1:
             sample.start_request()
             sample.interrupt()
-            from rollout.engine_api import EngineError
+            from rlkit.rollout.engine_api import EngineError
             raise EngineError("HTTP 400: bad request")
         return await real(sample, sampling, **kw)
 

@@ -5,14 +5,14 @@ import asyncio
 
 import pytest
 
-from buffers import ListPromptSource, Place, RolloutBuffer
-from buffers.source import records_from_token_lists
-from rollout.config import SamplingConfig
-from rollout.filters import FilterFailure, GroupFilter, zero_variance
-from rollout.manager import EventKind, RolloutManager
-from rollout.policies import POLICY_NAMES, make_policy
-from rollout.policies.specs import policy_config
-from rollout.rewards import RewardScheduler
+from rlkit.buffers import ListPromptSource, Place, RolloutBuffer
+from rlkit.buffers.source import records_from_token_lists
+from rlkit.rollout.config import SamplingConfig
+from rlkit.rollout.filters import FilterFailure, GroupFilter, zero_variance
+from rlkit.rollout.manager import EventKind, RolloutManager
+from rlkit.rollout.policies import POLICY_NAMES, make_policy
+from rlkit.rollout.policies.specs import policy_config
+from rlkit.rollout.rewards import RewardScheduler
 from tests.manager.fakes import FakeEngines
 
 
@@ -129,7 +129,7 @@ async def test_a_filter_that_rejects_everything_stands_down_instead_of_sampling_
 
 
 async def test_groups_ready_from_the_last_step_count_toward_the_next_target():
-    from rollout.manager import batch_target
+    from rlkit.rollout.manager import batch_target
 
     buf, engines, mgr = make(make_policy(policy_config("partial@3.0")))
     await mgr.run_step(target=2, version=0)

@@ -6,13 +6,13 @@ import asyncio
 
 import pytest
 
-from buffers import ListPromptSource, Place, RolloutBuffer, SampleStatus
-from buffers.source import records_from_token_lists
-from rollout.config import SamplingConfig
-from rollout.engine_api import EngineError
-from rollout.manager import EnginesFailing, RolloutManager
-from rollout.policies import PartialPolicy, SyncPolicy
-from rollout.rewards import RewardFailure, RewardScheduler
+from rlkit.buffers import ListPromptSource, Place, RolloutBuffer, SampleStatus
+from rlkit.buffers.source import records_from_token_lists
+from rlkit.rollout.config import SamplingConfig
+from rlkit.rollout.engine_api import EngineError
+from rlkit.rollout.manager import EnginesFailing, RolloutManager
+from rlkit.rollout.policies import PartialPolicy, SyncPolicy
+from rlkit.rollout.rewards import RewardFailure, RewardScheduler
 from tests.manager.fakes import FakeEngines, constant_reward
 
 

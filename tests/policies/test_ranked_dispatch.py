@@ -12,16 +12,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from buffers import Place
-from buffers.group import Group, PromptRecord
-from rollout.dispatch import AdmissionGate, Dispatcher, EngineModel, InFlightSizer, LengthWindow
-from rollout.policies import PartialPolicy, RankedDispatchPolicy, SyncPolicy, TailBatchingPolicy
-from rollout.rankers.basic import OracleRanker, PromptLengthRanker
-from rollout.sim.clock import run_virtual
-from rollout.sim.engine import SimConfig
+from rlkit.buffers import Place
+from rlkit.buffers.group import Group, PromptRecord
+from rlkit.rollout.dispatch import AdmissionGate, Dispatcher, EngineModel, InFlightSizer, LengthWindow
+from rlkit.rollout.policies import PartialPolicy, RankedDispatchPolicy, SyncPolicy, TailBatchingPolicy
+from rlkit.rollout.rankers.basic import OracleRanker, PromptLengthRanker
+from rlkit.rollout.sim.clock import run_virtual
+from rlkit.rollout.sim.engine import SimConfig
 from rlkit.driver.simulate import run_simulation
-from rollout.sim.profile import constant_profile
-from rollout.sim.trace import TraceSpec, generate_trace
+from rlkit.rollout.sim.profile import constant_profile
+from rlkit.rollout.sim.trace import TraceSpec, generate_trace
 
 TRACE = generate_trace(TraceSpec(rows=256, epochs=2, cap=2048, group_size=4, batch_size=8))
 PROFILE = constant_profile([0.004, 0.006, 0.012], [1, 16, 64], kv_s_per_token=2e-8,

@@ -7,9 +7,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from buffers import Place
-from buffers.buffer import STATE_FORMAT
-from rollout.policies import TailBatchingPolicy
+from rlkit.buffers import Place
+from rlkit.buffers.buffer import STATE_FORMAT
+from rlkit.rollout.policies import TailBatchingPolicy
 from tests.policies.helpers import in_order_buffer, make_trace, rows_of, simulate
 
 LONG = 600

@@ -7,16 +7,16 @@ import math
 
 import pytest
 
-from buffers import RolloutBuffer
-from buffers.group import Group
+from rlkit.buffers import RolloutBuffer
+from rlkit.buffers.group import Group
 from rlkit.plugins import PluginNotFound, load_ranker, resolve_plugin
-from rollout.config import RankerConfig
-from rollout.rankers import LengthRanker
-from rollout.rankers.basic import HistoryRanker, OracleRanker, PromptLengthRanker
-from rollout.rankers.learned import LearnedRanker
-from rollout.rankers.recall import recall_at, recalls
-from rollout.sim.harness import trace_source
-from rollout.sim.trace import TraceSpec, generate_trace
+from rlkit.rollout.config import RankerConfig
+from rlkit.rollout.rankers import LengthRanker
+from rlkit.rollout.rankers.basic import HistoryRanker, OracleRanker, PromptLengthRanker
+from rlkit.rollout.rankers.learned import LearnedRanker
+from rlkit.rollout.rankers.recall import recall_at, recalls
+from rlkit.rollout.sim.harness import trace_source
+from rlkit.rollout.sim.trace import TraceSpec, generate_trace
 
 
 def groups_of(trace, epoch: int, rows=None, n=None) -> list[Group]:

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from buffers import Group, ListPromptSource, PromptRecord, SampleStatus
+from rlkit.buffers import Group, ListPromptSource, PromptRecord, SampleStatus
 from rlkit.driver.rollout_service import RolloutService
 from rlkit.rewards import RewardNotFound, call_reward
 from rlkit.rewards.scoring import make_score_fn
 from rlkit.rewards.worker import ProcessRewardRunner, ThreadRewardRunner
-from rollout.config import RewardConfig, RolloutConfig
-from rollout.rewards import RewardScheduler, check_reward_value
+from rlkit.rollout.config import RewardConfig, RolloutConfig
+from rlkit.rollout.rewards import RewardScheduler, check_reward_value
 from tests.manager.fakes import FakeEngines
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -160,10 +160,10 @@ async def test_thread_isolation_frees_the_slot_at_the_timeout_and_counts_the_stu
 
 EXIT_SCRIPT = textwrap.dedent("""
     import asyncio, sys, time
-    from buffers import Group, PromptRecord
+    from rlkit.buffers import Group, PromptRecord
     from rlkit.rewards.scoring import make_score_fn
-    from rollout.config import RewardConfig
-    from rollout.rewards import RewardScheduler
+    from rlkit.rollout.config import RewardConfig
+    from rlkit.rollout.rewards import RewardScheduler
 
     async def main(isolation):
         cfg = RewardConfig(name="tests.rewards.misbehaving:by_label", timeout_s=1.0,

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from buffers import Group, PromptRecord
+from rlkit.buffers import Group, PromptRecord
 from rlkit.cli import main
 from rlkit.config import load_recipe
 from rlkit.rewards import RewardInput, RewardNotFound, resolve_reward
 from rlkit.rewards.scoring import make_score_fn
-from rollout.config import RewardConfig
+from rlkit.rollout.config import RewardConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -95,7 +95,7 @@ def test_pip_installed_plugin_is_found_by_entry_point_and_used_from_a_recipe(ins
 
 def test_pip_installed_filter_is_found_by_entry_point_through_the_same_rule(installed_plugin):
     from rlkit.plugins import load_group_filter, resolve_plugin
-    from rollout.config import FilterConfig
+    from rlkit.rollout.config import FilterConfig
 
     assert resolve_plugin("filter", "min_spread").__module__ == "rlkit_example_reward"
     f = load_group_filter(FilterConfig(name="min_spread", kwargs={"spread": 0.5}))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollout.demo_models import build_tiny
+from rlkit.rollout.demo_models import build_tiny
 
 
 @pytest.fixture(scope="session")

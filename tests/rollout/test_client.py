@@ -8,11 +8,11 @@ import asyncio
 
 import pytest
 
-from buffers.sample import Sample, SampleStatus
-from rollout.client import DEFAULT_RETRY_POLICIES, EngineClient, RetryPolicy
-from rollout.config import SamplingConfig
-from rollout.engine_api import EngineError, Engines
-from rollout.engines.process import free_port
+from rlkit.buffers.sample import Sample, SampleStatus
+from rlkit.rollout.client import DEFAULT_RETRY_POLICIES, EngineClient, RetryPolicy
+from rlkit.rollout.config import SamplingConfig
+from rlkit.rollout.engine_api import EngineError, Engines
+from rlkit.rollout.engines.process import free_port
 from tests.rollout.fake_worker import FakeWorker, answer_json, answer_sse, tokens_chunk
 from tests.rollout.helpers import fixture_json, fixture_text
 
@@ -265,7 +265,7 @@ async def test_probe_tells_answered_refused_and_timed_out(worker):
 async def test_abort_worker_ends_its_requests_keeping_their_tokens(worker):
     """A hung engine: the stream stalls after two tokens. abort_worker ends the request at once
     with WorkerLost, the sample PARTIAL with both tokens; a request on another engine goes on."""
-    from rollout.engine_api import WorkerLost
+    from rlkit.rollout.engine_api import WorkerLost
 
     other = await FakeWorker().start()
     stream = "\n".join(tokens_chunk([11 + i], [-0.1], total=i + 1, finish=None) for i in range(3))

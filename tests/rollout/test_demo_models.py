@@ -7,8 +7,8 @@ import importlib.util
 
 import pytest
 
-from rollout import demo_models
-from rollout.demo_models import DemoModelError, prepare_model, resolve_model_path
+from rlkit.rollout import demo_models
+from rlkit.rollout.demo_models import DemoModelError, prepare_model, resolve_model_path
 
 
 def test_tiny_is_deterministic(tmp_path):

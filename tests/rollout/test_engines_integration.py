@@ -12,14 +12,14 @@ import aiohttp
 import pytest
 import torch
 
-from buffers.sample import Sample, SampleStatus
-from rollout.client import DEFAULT_RETRY_POLICIES, EngineClient, RetryPolicy
-from rollout.config import SamplingConfig
-from rollout.engine_api import EngineError
-from rollout.engines.config import EngineConfig, RouterConfig
-from rollout.engines.fleet import EngineFleet
-from rollout.engines.process import free_port
-from rollout.engines.weight_receiver import create_group, destroy_group
+from rlkit.buffers.sample import Sample, SampleStatus
+from rlkit.rollout.client import DEFAULT_RETRY_POLICIES, EngineClient, RetryPolicy
+from rlkit.rollout.config import SamplingConfig
+from rlkit.rollout.engine_api import EngineError
+from rlkit.rollout.engines.config import EngineConfig, RouterConfig
+from rlkit.rollout.engines.fleet import EngineFleet
+from rlkit.rollout.engines.process import free_port
+from rlkit.rollout.engines.weight_receiver import create_group, destroy_group
 from tests.rollout.helpers import LOGPROB_TOLERANCE, teacher_forced_logprobs
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -321,7 +321,7 @@ async def test_a_killed_worker_is_reported_and_the_router_retries_elsewhere(tiny
 async def test_the_trainers_weight_sender_drives_these_engines(fleet, tiny_model, tmp_path):
     """Contract test with the other side: train/weight_sync's WeightSender (what the trainer
     runs) updates the built-in engines over the distributed and the disk path."""
-    sender_mod = pytest.importorskip("train.weight_sync.sender")
+    sender_mod = pytest.importorskip("rlkit.train.weight_sync.sender")
     sender = sender_mod.WeightSender(bucket_mb=1, pause_mode="retract", timeout_s=120)
     try:
         async with fleet.client() as c:

@@ -12,13 +12,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from buffers import ListPromptSource, PromptRecord, RolloutBuffer
-from buffers.source import records_from_token_lists
-from rollout.config import RewardConfig, SamplingConfig
-from rollout.eval import EvalResult, evaluate, pass_at_k
-from rollout.eval_config import EvalConfig, EvalDatasetConfig
-from rollout.sim.clock import run_virtual
-from rollout.sim.engine import SimEngines
+from rlkit.buffers import ListPromptSource, PromptRecord, RolloutBuffer
+from rlkit.buffers.source import records_from_token_lists
+from rlkit.rollout.config import RewardConfig, SamplingConfig
+from rlkit.rollout.eval import EvalResult, evaluate, pass_at_k
+from rlkit.rollout.eval_config import EvalConfig, EvalDatasetConfig
+from rlkit.rollout.sim.clock import run_virtual
+from rlkit.rollout.sim.engine import SimEngines
 from tests.manager.fakes import FakeEngines
 from tests.sim.helpers import cluster
 

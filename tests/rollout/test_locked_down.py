@@ -16,9 +16,9 @@ import requests
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from rollout.auth import (CONTROL_PATHS, CONTROL_TOKEN_ENV, ControlTokenMissing, auth_headers,
+from rlkit.rollout.auth import (CONTROL_PATHS, CONTROL_TOKEN_ENV, ControlTokenMissing, auth_headers,
                           check_authorization, check_bind, is_loopback)
-from rollout.engines.config import EngineConfig, RouterConfig
+from rlkit.rollout.engines.config import EngineConfig, RouterConfig
 
 TOKEN = "test-token-0123456789"
 
@@ -54,7 +54,7 @@ def test_defaults_bind_loopback():
 # -- a real engine server with a token ----------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    from rollout.engines.process import start_hf_server
+    from rlkit.rollout.engines.process import start_hf_server
 
     old = os.environ.get(CONTROL_TOKEN_ENV)
     os.environ[CONTROL_TOKEN_ENV] = TOKEN  # the server reads it at start
@@ -114,7 +114,7 @@ def test_control_endpoints_need_the_token_and_the_rest_stays_open(server):
 
 
 async def test_engine_client_sends_the_token_from_the_environment(server, monkeypatch):
-    from rollout.client import EngineClient
+    from rlkit.rollout.client import EngineClient
 
     monkeypatch.setenv(CONTROL_TOKEN_ENV, TOKEN)
     async with EngineClient(router_url=None, worker_urls=[server.url]) as client:
@@ -128,7 +128,7 @@ async def test_engine_client_sends_the_token_from_the_environment(server, monkey
 
 
 def test_weight_sync_control_sends_the_token(server, monkeypatch):
-    from train.weight_sync.engine_control import EngineControlError, HttpEngineControl
+    from rlkit.train.weight_sync.engine_control import EngineControlError, HttpEngineControl
 
     HttpEngineControl(server.url, timeout_s=30, control_token=TOKEN).flush_cache()
     monkeypatch.setenv(CONTROL_TOKEN_ENV, TOKEN)
@@ -155,7 +155,7 @@ def test_an_engine_beyond_loopback_without_a_token_refuses_to_start(tiny_model_d
     host = _own_address() or "0.0.0.0"  # the wildcard is beyond loopback too
     env = {k: v for k, v in os.environ.items() if k != CONTROL_TOKEN_ENV}
     out = subprocess.run(
-        [sys.executable, "-m", "rollout.engines.hf_server", "--model", str(tiny_model_dir),
+        [sys.executable, "-m", "rlkit.rollout.engines.hf_server", "--model", str(tiny_model_dir),
          "--host", host, "--port", "0"], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 2
     assert f"listen on '{host}', beyond loopback, with no control token" in out.stderr
@@ -165,7 +165,7 @@ def test_an_engine_beyond_loopback_without_a_token_refuses_to_start(tiny_model_d
 @pytest.mark.skipif(_own_address() is None, reason="no non-loopback address on this machine")
 def test_an_engine_on_the_machine_address_with_a_token_guards_its_control_endpoints(
         tiny_model_dir, monkeypatch, tmp_path):
-    from rollout.engines.process import start_hf_server
+    from rlkit.rollout.engines.process import start_hf_server
 
     host = _own_address()
     monkeypatch.setenv(CONTROL_TOKEN_ENV, TOKEN)
@@ -186,12 +186,12 @@ def test_an_engine_on_the_machine_address_with_a_token_guards_its_control_endpoi
 
 # -- the router -----------------------------------------------------------------------------------
 def test_router_control_plane_needs_the_token(server, monkeypatch, tmp_path):
-    from rollout.router import Router, RouterError
+    from rlkit.rollout.router import Router, RouterError
 
     monkeypatch.setenv(CONTROL_TOKEN_ENV, TOKEN)
     router = Router(RouterConfig(), log_path=tmp_path / "router.log")
     argv = router.argv(1, 2, [server.url])
-    assert TOKEN not in " ".join(argv) and "rollout.token_exec" in argv  # not on the command line
+    assert TOKEN not in " ".join(argv) and "rlkit.rollout.token_exec" in argv  # not on the command line
     router.start([server.url])
     try:
         with open(f"/proc/{router.process.process.pid}/cmdline", "rb") as f:
@@ -217,7 +217,7 @@ def test_router_control_plane_needs_the_token(server, monkeypatch, tmp_path):
 def test_weight_sync_store_listens_on_its_address_only():
     import datetime
 
-    from train.weight_sync.group import bound_tcp_store
+    from rlkit.train.weight_sync.group import bound_tcp_store
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -9,17 +9,17 @@ import socket
 import psutil
 import pytest
 
-from rollout.engines.config import EngineConfig, RouterConfig
-from rollout.engines.core_client import CoreError, CoreRefused, EngineCoreClient
-from rollout.engines.engine_core import CoreConfig
-from rollout.engines.process import ProcessStartError, free_port, start_hf_server
-from rollout.engines.sglang_launcher import (
+from rlkit.rollout.engines.config import EngineConfig, RouterConfig
+from rlkit.rollout.engines.core_client import CoreError, CoreRefused, EngineCoreClient
+from rlkit.rollout.engines.engine_core import CoreConfig
+from rlkit.rollout.engines.process import ProcessStartError, free_port, start_hf_server
+from rlkit.rollout.engines.sglang_launcher import (
     SGLangNotInstalled,
     passthrough_args,
     require_sglang,
     sglang_server_argv,
 )
-from rollout.router import Router, RouterError
+from rlkit.rollout.router import Router, RouterError
 
 
 def test_missing_router_binary_is_a_clear_error(monkeypatch):
@@ -100,8 +100,8 @@ def test_an_engine_whose_launcher_dies_exits(tiny_model_dir, tmp_path):
     script = tmp_path / "launcher.py"
     script.write_text(
         "import time\n"
-        "from rollout.engines.config import EngineConfig\n"
-        "from rollout.engines.process import start_hf_server\n"
+        "from rlkit.rollout.engines.config import EngineConfig\n"
+        "from rlkit.rollout.engines.process import start_hf_server\n"
         f"e = start_hf_server({str(tiny_model_dir)!r}, EngineConfig(startup_timeout_s=120), threads=1)\n"
         "print(e.pid, flush=True)\n"
         "time.sleep(600)\n")

@@ -11,10 +11,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from buffers.sample import Sample
-from rollout.client import EngineClient
-from rollout.config import SamplingConfig
-from rollout.protocol import (
+from rlkit.buffers.sample import Sample
+from rlkit.rollout.client import EngineClient
+from rlkit.rollout.config import SamplingConfig
+from rlkit.rollout.protocol import (
     AbortRequest,
     GenerateRequest,
     GenerateResponse,

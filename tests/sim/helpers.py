@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 from typing import Sequence
 
-from buffers.sample import Sample
-from rollout.config import SamplingConfig
-from rollout.sim.engine import SimConfig, SimEngines, SimWorker
-from rollout.sim.profile import EngineProfile, constant_profile
+from rlkit.buffers.sample import Sample
+from rlkit.rollout.config import SamplingConfig
+from rlkit.rollout.sim.engine import SimConfig, SimEngines, SimWorker
+from rlkit.rollout.sim.profile import EngineProfile, constant_profile
 
 SAMPLING = SamplingConfig(max_new_tokens=1 << 20, ignore_eos=True)
 

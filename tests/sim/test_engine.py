@@ -8,11 +8,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from buffers.sample import Sample, SampleStatus
-from rollout.engine_api import EngineError, Engines
-from rollout.sim.clock import run_virtual
-from rollout.sim.engine import SimConfig, SimEngines
-from rollout.sim.profile import constant_profile
+from rlkit.buffers.sample import Sample, SampleStatus
+from rlkit.rollout.engine_api import EngineError, Engines
+from rlkit.rollout.sim.clock import run_virtual
+from rlkit.rollout.sim.engine import SimConfig, SimEngines
+from rlkit.rollout.sim.profile import constant_profile
 from tests.sim.helpers import SAMPLING, InvariantChecker, cluster, generate_all, small_profile
 
 

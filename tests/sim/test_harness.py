@@ -6,13 +6,13 @@ import math
 
 import pytest
 
-from buffers.sample import SampleStatus
-from rollout.policies import PartialPolicy, SyncPolicy
-from rollout.sim.engine import SimConfig
+from rlkit.buffers.sample import SampleStatus
+from rlkit.rollout.policies import PartialPolicy, SyncPolicy
+from rlkit.rollout.sim.engine import SimConfig
 from rlkit.driver.simulate import run_simulation
-from rollout.sim.profile import constant_profile, load_profile
-from rollout.sim.trace import TraceSpec, generate_trace
-from rollout.sim.train_time import TrainTimeModel
+from rlkit.rollout.sim.profile import constant_profile, load_profile
+from rlkit.rollout.sim.trace import TraceSpec, generate_trace
+from rlkit.rollout.sim.train_time import TrainTimeModel
 from tests.sim.helpers import InvariantChecker
 
 TRACE = generate_trace(TraceSpec(rows=256, epochs=2, cap=2048, group_size=4, batch_size=8))
@@ -109,7 +109,7 @@ def test_timeline_labels_agree_with_how_trained_samples_ended(tmp_path):
     """A budget larger than the trace's cap: a response at the trace's cap was truncated in
     the trace ('length'), one that ended below it stopped ('stop'), in the timeline as on the
     sample."""
-    from rollout.timeline import read_timeline
+    from rlkit.rollout.timeline import read_timeline
 
     trace = generate_trace(TraceSpec(rows=64, epochs=2, cap=256, group_size=4, batch_size=4))
     cluster = SimConfig(2, constant_profile([0.005, 0.01], [1, 32], prefill_s_per_token=1e-5))

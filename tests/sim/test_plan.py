@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlkit.cli import main
-from rollout.sim import plan as P
-from rollout.sim.profile import load_profile
-from rollout.sim.trace import TraceSpec, generate_trace
+from rlkit.rollout.sim import plan as P
+from rlkit.rollout.sim.profile import load_profile
+from rlkit.rollout.sim.trace import TraceSpec, generate_trace
 
 
 def gen_model(a: float, b: float):
@@ -182,7 +182,7 @@ def test_workload_helpers():
     assert P.gpus_per_engine(load_profile("docs/profiles/cpu-tiny-t1.json")) == 1
     trace = generate_trace(TraceSpec(rows=64, epochs=1, cap=512, group_size=4, batch_size=8))
     from rlkit.bench.suite import make_policy
-    from rollout.sim.engine import SimConfig
+    from rlkit.rollout.sim.engine import SimConfig
     from rlkit.driver.simulate import run_simulation
 
     steps = run_simulation(SimConfig(2, load_profile("h100-qwen3-4b-tp1")), trace,

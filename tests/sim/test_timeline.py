@@ -8,12 +8,12 @@ import pytest
 
 from rlkit.cli import main
 from rlkit.commands.plot_timeline import assign_lanes
-from rollout.policies import PartialPolicy
-from rollout.sim.engine import SimConfig
+from rlkit.rollout.policies import PartialPolicy
+from rlkit.rollout.sim.engine import SimConfig
 from rlkit.driver.simulate import run_simulation
-from rollout.sim.profile import constant_profile
-from rollout.timeline import Span, TimelineError, read_timeline
-from rollout.sim.trace import TraceSpec, generate_trace
+from rlkit.rollout.sim.profile import constant_profile
+from rlkit.rollout.timeline import Span, TimelineError, read_timeline
+from rlkit.rollout.sim.trace import TraceSpec, generate_trace
 
 
 def test_simulated_run_timeline_roundtrip_and_plot(tmp_path):
@@ -79,7 +79,7 @@ def test_the_simulators_old_cancel_spelling_reads_as_cancelled(tmp_path):
 
 
 def test_tail_batching_rounds_are_recorded_and_drawn_apart(tmp_path):
-    from rollout.policies import TailBatchingPolicy
+    from rlkit.rollout.policies import TailBatchingPolicy
 
     trace = generate_trace(TraceSpec(rows=64, epochs=2, cap=1024, group_size=2, batch_size=4))
     cluster = SimConfig(2, constant_profile([0.005, 0.01], [1, 32], prefill_s_per_token=1e-5))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rollout.demo_models import TINY_ARCH, TINY_VOCAB
+from rlkit.rollout.demo_models import TINY_ARCH, TINY_VOCAB
 
 # The demo tiny architecture, with the tie and RoPE base left to each test.
 TINY = {k: v for k, v in TINY_ARCH.items() if k not in ("tie_word_embeddings", "rope_theta")}
@@ -34,7 +34,7 @@ def hf_response_logprobs(model, tokens: torch.Tensor, prompt_length: int, temper
 
 def random_batch(n: int, *, seed: int = 0, vocab: int = 512, advantages=None, policy_version: int = 0):
     """A TrainBatch of n samples with random tokens and varied prompt/response lengths."""
-    from train.batch import TrainBatch, TrainSample
+    from rlkit.train.batch import TrainBatch, TrainSample
 
     g = torch.Generator().manual_seed(seed)
     samples = []
@@ -62,7 +62,7 @@ def random_batch(n: int, *, seed: int = 0, vocab: int = 512, advantages=None, po
 
 def random_groups(n_groups: int, n: int, *, seed: int = 0, vocab: int = 512, version: int = 0):
     """Complete, rewarded Groups with random prompt/response tokens and 0/1 rewards."""
-    from buffers.group import Group, PromptRecord
+    from rlkit.buffers.group import Group, PromptRecord
 
     g = torch.Generator().manual_seed(seed)
     groups = []

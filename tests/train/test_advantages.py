@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from train.algorithms.advantages import GRPO_STD_EPS, group_advantages
+from rlkit.train.algorithms.advantages import GRPO_STD_EPS, group_advantages
 
 
 def test_grpo_divides_by_unbiased_std():

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from buffers.group import Group, PromptRecord
-from train.batch import OffPolicyCorrectionRequired, TrainBatch, build_batch
+from rlkit.buffers.group import Group, PromptRecord
+from rlkit.train.batch import OffPolicyCorrectionRequired, TrainBatch, build_batch
 
 
 def make_group(gid, rewards, *, versions=None, prompt=(1, 2, 3), fail=(), empty=()):

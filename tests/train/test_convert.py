@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from tests.train.helpers import make_hf_model
-from train.convert import ConversionError, hf_param_names, hf_to_megatron, megatron_param_names, megatron_to_hf
-from train.hf_arch import ModelArch, UnsupportedModelError
+from rlkit.train.convert import ConversionError, hf_param_names, hf_to_megatron, megatron_param_names, megatron_to_hf
+from rlkit.train.hf_arch import ModelArch, UnsupportedModelError
 
 
 @pytest.fixture(scope="module", params=[("qwen2", True), ("llama", False)], ids=["qwen2-tied", "llama-untied"])
@@ -81,7 +81,7 @@ def test_unsupported_configs_are_refused():
 
 
 def test_an_hf_folder_is_written_only_where_no_other_weights_would_mix_in(tmp_path):
-    from train.hf_io import load_hf_state_dict, save_hf_folder
+    from rlkit.train.hf_io import load_hf_state_dict, save_hf_folder
 
     w = {"a": torch.ones(2)}
     save_hf_folder(tmp_path / "m", w, {"model_type": "llama"})
@@ -95,7 +95,7 @@ def test_an_hf_folder_is_written_only_where_no_other_weights_would_mix_in(tmp_pa
 def test_an_hf_folder_names_its_weights_dtype_and_refuses_one_hf_cannot_name(tmp_path):
     import json
 
-    from train.hf_io import save_hf_folder
+    from rlkit.train.hf_io import save_hf_folder
 
     folder = save_hf_folder(tmp_path / "h", {"a": torch.ones(2), "steps": torch.zeros(1, dtype=torch.int64)},
                             {"model_type": "llama"}, dtype=None)

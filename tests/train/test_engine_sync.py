@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tests.train.helpers import random_batch
-from train.batch import TrainBatch, TrainSample
-from train.config import TrainConfig
+from rlkit.train.batch import TrainBatch, TrainSample
+from rlkit.train.config import TrainConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -22,7 +22,7 @@ SYNC_ATOL = 1e-4  # engine (KV-cache decode, fp32) vs trainer (packed forward, f
 
 @pytest.fixture(scope="module")
 def tiny_demo_dir(tmp_path_factory):
-    from rollout.demo_models import build_tiny
+    from rlkit.rollout.demo_models import build_tiny
 
     path = tmp_path_factory.mktemp("tiny-demo")
     build_tiny(path, arch="qwen2")
@@ -31,8 +31,8 @@ def tiny_demo_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(tiny_demo_dir):
-    from rollout.engines.config import EngineConfig
-    from rollout.engines.process import start_hf_server
+    from rlkit.rollout.engines.config import EngineConfig
+    from rlkit.rollout.engines.process import start_hf_server
 
     proc = start_hf_server(
         str(tiny_demo_dir), EngineConfig(num_engines=1, cpu_threads=1, startup_timeout_s=120), seed=0
@@ -72,7 +72,7 @@ def train_a_little(trainer, seed: int) -> None:
 
 
 def test_sync_from_a_tp1_trainer_by_broadcast_and_by_disk(engine, tiny_demo_dir, tmp_path):
-    from train.megatron.trainer import MegatronTrainer
+    from rlkit.train.megatron.trainer import MegatronTrainer
 
     trainer = MegatronTrainer.single_process(
         tiny_demo_dir, TrainConfig(device="cpu", optimizer={"lr": 3e-2, "grad_clip": 0.0})
@@ -97,7 +97,7 @@ def test_sync_from_a_tp1_trainer_by_broadcast_and_by_disk(engine, tiny_demo_dir,
 
 
 def test_sync_from_a_tp2_ray_group(engine, tiny_demo_dir, ray_cluster):
-    from train.ray_group import TrainerGroup
+    from rlkit.train.ray_group import TrainerGroup
 
     group = TrainerGroup(
         tiny_demo_dir,

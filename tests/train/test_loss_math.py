@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from train.algorithms.losses import LOW_VAR_KL_BOUND, PolicyLossInput, kl_estimate, policy_loss
-from train.config import AlgorithmConfig
+from rlkit.train.algorithms.losses import LOW_VAR_KL_BOUND, PolicyLossInput, kl_estimate, policy_loss
+from rlkit.train.config import AlgorithmConfig
 
 
 # -- low_var KL: clamp the log-ratio before exp -------------------------------------------------
@@ -191,8 +191,8 @@ def test_micro_batches_are_normalised_by_the_global_denominator(aggregation):
 @pytest.mark.integration
 def test_trainer_divides_two_accumulates_by_the_global_token_count(tiny_qwen2_dir):
     from tests.train.helpers import random_batch
-    from train.config import TrainConfig
-    from train.megatron.trainer import MegatronTrainer
+    from rlkit.train.config import TrainConfig
+    from rlkit.train.megatron.trainer import MegatronTrainer
 
     cfg = TrainConfig.model_validate({"device": "cpu", "micro_batch_size": 4, "optimizer": {"lr": 1e-6}})
     trainer = MegatronTrainer.single_process(tiny_qwen2_dir, cfg)

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from train.algorithms.losses import LOW_VAR_KL_BOUND, PolicyLossInput, kl_estimate, policy_loss
-from train.config import AlgorithmConfig
+from rlkit.train.algorithms.losses import LOW_VAR_KL_BOUND, PolicyLossInput, kl_estimate, policy_loss
+from rlkit.train.config import AlgorithmConfig
 
 
 def _inp(lp, adv, *, mask=None, sample_ids=None, old=None, **kw):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.train.helpers import hf_response_logprobs, random_batch
-from train.config import OptimizerConfig, TrainConfig
+from rlkit.train.config import OptimizerConfig, TrainConfig
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(),
                           reason="needs a CUDA GPU (megatron's optimizer and NCCL); run on one, see docs/gpu.md")
@@ -16,7 +16,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(),
 
 def test_optimizer_choice_follows_the_device(monkeypatch):
     """Megatron's optimizer on CUDA, torch AdamW on CPU (get_megatron_optimizer hard-codes CUDA)."""
-    from train.megatron import optimizer as opt
+    from rlkit.train.megatron import optimizer as opt
 
     made = []
     monkeypatch.setattr(opt.MegatronOptimizer, "__init__", lambda self, *a: made.append("megatron"))
@@ -31,7 +31,7 @@ def test_optimizer_choice_follows_the_device(monkeypatch):
 
 
 def make_trainer(model_dir, **overrides):
-    from train.megatron.trainer import MegatronTrainer
+    from rlkit.train.megatron.trainer import MegatronTrainer
 
     cfg = TrainConfig.model_validate({"device": "cuda", "micro_batch_size": 4, **overrides})
     return MegatronTrainer.single_process(model_dir, cfg)
@@ -49,7 +49,7 @@ def parity(trainer, model_dir, dtype, batch):
 @cuda
 @pytest.mark.integration
 def test_cuda_parity_and_megatron_optimizer(tiny_qwen2_dir):
-    from train.megatron.optimizer import MegatronOptimizer
+    from rlkit.train.megatron.optimizer import MegatronOptimizer
 
     fp32 = make_trainer(tiny_qwen2_dir, dtype="float32")
     assert isinstance(fp32.optimizer, MegatronOptimizer)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.train.helpers import hf_response_logprobs, random_batch
-from train.config import TrainConfig
+from rlkit.train.config import TrainConfig
 
 pytestmark = pytest.mark.integration
 
@@ -18,7 +18,7 @@ PARITY_ATOL = 1e-4  # fp32; measured max abs diff is ~5e-7
 
 
 def make_trainer(model_dir, **overrides):
-    from train.megatron.trainer import MegatronTrainer
+    from rlkit.train.megatron.trainer import MegatronTrainer
 
     cfg = TrainConfig.model_validate({"device": "cpu", "micro_batch_size": 4, **overrides})
     return MegatronTrainer.single_process(model_dir, cfg)
@@ -49,7 +49,7 @@ def test_parity_qwen2_tied(tiny_qwen2_dir, hf_qwen2, packing):
 def test_parity_llama_untied_and_temperature(tiny_llama_dir):
     from transformers import AutoModelForCausalLM
 
-    from train.megatron.trainer import MegatronTrainer
+    from rlkit.train.megatron.trainer import MegatronTrainer
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     cfg = TrainConfig(device="cpu", micro_batch_size=3)
@@ -151,7 +151,7 @@ def test_checkpoint_resume_continues_identically(tiny_qwen2_dir, tmp_path):
 
 
 def test_checkpoint_refuses_pending_gradients_and_other_models(tiny_qwen2_dir, tiny_llama_dir, tmp_path):
-    from train.megatron.checkpoint import CheckpointError
+    from rlkit.train.megatron.checkpoint import CheckpointError
 
     a = make_trainer(tiny_qwen2_dir)
     a.accumulate(random_batch(2, seed=8))
@@ -179,8 +179,8 @@ def test_export_writes_a_folder_transformers_loads(tiny_qwen2_dir, tmp_path):
 
 @pytest.mark.parametrize("method", ["distributed", "disk"])
 def test_sync_weights_sends_the_trained_weights_with_a_new_version(tiny_qwen2_dir, tmp_path, method):
-    from train.weight_sync.loopback import LoopbackEngines
-    from train.weight_sync.sender import WeightSender
+    from rlkit.train.weight_sync.loopback import LoopbackEngines
+    from rlkit.train.weight_sync.sender import WeightSender
 
     trainer = make_trainer(tiny_qwen2_dir, optimizer={"lr": 1e-2}, weight_sync={"bucket_mb": 1})
     trainer.accumulate(random_batch(4, seed=10))
@@ -216,8 +216,8 @@ def test_a_batch_streamed_in_any_order_trains_as_the_synchronous_step(tiny_qwen2
     """Stream mode's path (groups one by one, in arrival order) against the plain synchronous
     computation on the whole batch: the same metrics, gradients and weights."""
     from tests.train.helpers import random_groups
-    from train.batch import build_batch_from_config
-    from train.stream import RolloutBatchStep
+    from rlkit.train.batch import build_batch_from_config
+    from rlkit.train.stream import RolloutBatchStep
 
     algo = {"advantage": "grpo", "kl_coef": 0.05, "off_policy_correction": "tis"}
     a, b = make_trainer(tiny_qwen2_dir, algorithm=algo), make_trainer(tiny_qwen2_dir, algorithm=algo)
@@ -247,8 +247,8 @@ def test_several_optimizer_steps_per_rollout_batch_use_pi_old_from_before_the_fi
     first optimizer step (the weights that generated the batch), then one step per global batch
     in arrival order; the reference computation is written out here."""
     from tests.train.helpers import random_groups
-    from train.batch import build_batch_from_config
-    from train.stream import RolloutBatchStep, logprobs_needed
+    from rlkit.train.batch import build_batch_from_config
+    from rlkit.train.stream import RolloutBatchStep, logprobs_needed
 
     algo = {"advantage": "grpo", "off_policy_correction": "tis"}
     cfg = {"algorithm": algo, "global_batch_size": 6, "micro_batch_size": 3}
@@ -278,7 +278,7 @@ def test_several_optimizer_steps_per_rollout_batch_use_pi_old_from_before_the_fi
 
 def test_rlkit_export_turns_a_run_checkpoint_into_an_hf_folder(tiny_qwen2_dir, tmp_path):
     from rlkit.cli import main
-    from train.hf_io import load_hf_state_dict, read_config
+    from rlkit.train.hf_io import load_hf_state_dict, read_config
 
     trainer = make_trainer(tiny_qwen2_dir, optimizer={"lr": 1e-2})
     trainer.accumulate(random_batch(3, seed=22))
@@ -298,7 +298,7 @@ def test_checkpoint_files_cut_short_foreign_or_unsafe_are_refused_naming_the_fil
     import json
     import shutil
 
-    from train.megatron.checkpoint import CheckpointError
+    from rlkit.train.megatron.checkpoint import CheckpointError
 
     a = make_trainer(tiny_qwen2_dir)
     a.accumulate(random_batch(2, seed=8))
@@ -356,7 +356,7 @@ def test_a_full_disk_while_saving_names_the_file_and_keeps_the_old_one(tmp_path)
     done = run_with_file_size_limit(f"""
         import torch
         from pathlib import Path
-        from train.megatron.checkpoint import CheckpointError, _save
+        from rlkit.train.megatron.checkpoint import CheckpointError, _save
         try:
             _save({{"w": torch.zeros(1 << 20)}}, Path({str(file)!r}))
         except CheckpointError as e:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from train.packing import assign_rows, pack_samples
+from rlkit.train.packing import assign_rows, pack_samples
 
 
 def test_first_fit_decreasing_rows():

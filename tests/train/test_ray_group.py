@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.train.helpers import hf_response_logprobs, random_batch
-from train.config import TrainConfig
+from rlkit.train.config import TrainConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -24,7 +24,7 @@ def config(tp=1, dp=1, **kw):
 
 @pytest.fixture(scope="module")
 def tp2_group(ray_cluster, tiny_qwen2_dir):
-    from train.ray_group import TrainerGroup
+    from rlkit.train.ray_group import TrainerGroup
 
     group = TrainerGroup(tiny_qwen2_dir, config(tp=2), num_cpus_per_worker=1)
     yield group
@@ -51,7 +51,7 @@ def test_tp2_parity_with_transformers(tp2_group, tiny_qwen2_dir):
 def test_tp2_step_matches_tp1_and_exports(tp2_group, tiny_qwen2_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from train.megatron.trainer import MegatronTrainer
+    from rlkit.train.megatron.trainer import MegatronTrainer
 
     batch = random_batch(8, seed=12)
     local = MegatronTrainer.single_process(tiny_qwen2_dir, config())
@@ -75,8 +75,8 @@ def test_tp2_groups_streamed_as_object_refs_train_as_the_synchronous_step(tp2_gr
     import ray
 
     from tests.train.helpers import random_groups
-    from train.batch import build_batch_from_config
-    from train.megatron.trainer import MegatronTrainer
+    from rlkit.train.batch import build_batch_from_config
+    from rlkit.train.megatron.trainer import MegatronTrainer
 
     groups = random_groups(4, 3, seed=31)
     local = MegatronTrainer.single_process(tp2_group.export_hf(tmp_path / "now"), config())
@@ -93,7 +93,7 @@ def test_tp2_groups_streamed_as_object_refs_train_as_the_synchronous_step(tp2_gr
 
 
 def test_tp2_checkpoint_round_trip(tp2_group, ray_cluster, tiny_qwen2_dir, tmp_path):
-    from train.ray_group import TrainerGroup
+    from rlkit.train.ray_group import TrainerGroup
 
     tp2_group.save(tmp_path / "ckpt")
     batch = random_batch(5, seed=13)
@@ -113,8 +113,8 @@ def test_tp2_checkpoint_round_trip(tp2_group, ray_cluster, tiny_qwen2_dir, tmp_p
 def test_dp2_gradients_equal_one_process(ray_cluster, tiny_qwen2_dir):
     import ray
 
-    from train.megatron.trainer import MegatronTrainer
-    from train.ray_group import TrainerGroup
+    from rlkit.train.megatron.trainer import MegatronTrainer
+    from rlkit.train.ray_group import TrainerGroup
 
     batch = random_batch(9, seed=14)
     local = MegatronTrainer.single_process(tiny_qwen2_dir, config(algorithm={"loss_aggregation": "sequence_mean"}))

@@ -2,7 +2,7 @@
 
 import torch
 
-from train.megatron.logprobs import vocab_parallel_logprobs
+from rlkit.train.megatron.logprobs import vocab_parallel_logprobs
 
 
 def test_values_and_gradients_match_autograd():

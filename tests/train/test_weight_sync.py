@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from train.weight_sync.sender import WeightSender, WeightSyncError, bucketize
+from rlkit.train.weight_sync.sender import WeightSender, WeightSyncError, bucketize
 
 
 class RecordingEngine:
@@ -70,7 +70,7 @@ def test_a_failed_update_leaves_engines_paused_and_names_the_engine(tmp_path):
 
 @pytest.mark.integration
 def test_distributed_broadcast_reaches_every_engine_in_buckets():
-    from train.weight_sync.loopback import LoopbackEngines
+    from rlkit.train.weight_sync.loopback import LoopbackEngines
 
     g = torch.Generator().manual_seed(0)
     weights = {f"w{i}": torch.randn(300, 500, generator=g) for i in range(5)}  # 600 kB each
@@ -100,8 +100,8 @@ def test_distributed_broadcast_reaches_every_engine_in_buckets():
 def test_an_unreachable_engine_fails_the_group_at_once_naming_it():
     import time
 
-    from train.weight_sync.engine_control import HttpEngineControl
-    from train.weight_sync.sender import WeightSender
+    from rlkit.train.weight_sync.engine_control import HttpEngineControl
+    from rlkit.train.weight_sync.sender import WeightSender
 
     sender = WeightSender(timeout_s=120, control_factory=lambda u: HttpEngineControl(u, timeout_s=5))
     t0 = time.perf_counter()

@@ -50,7 +50,7 @@ def sync(device: torch.device) -> None:
 def model_dir(name: str, workdir: Path) -> Path:
     if name == "llama-0.5b":
         return build_llama_05b(workdir / "llama-0.5b")
-    from rollout.demo_models import prepare_model
+    from rlkit.rollout.demo_models import prepare_model
 
     return Path(prepare_model(name))
 
@@ -84,8 +84,8 @@ def conditions(device: torch.device) -> dict:
 
 
 def make_trainer(path: Path, device: str, dtype: str, **overrides):
-    from train.config import TrainConfig
-    from train.megatron.trainer import MegatronTrainer
+    from rlkit.train.config import TrainConfig
+    from rlkit.train.megatron.trainer import MegatronTrainer
 
     cfg = TrainConfig.model_validate({"device": device, "dtype": dtype, **overrides})
     return MegatronTrainer.single_process(path, cfg)
@@ -98,8 +98,8 @@ def sampled_batch(path: Path, device: torch.device, n_per_prompt: int, new_token
     response holds a digit or the word 'Paris', else 0 (what matters is a fixed batch)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from train.algorithms.advantages import group_advantages
-    from train.batch import TrainBatch, TrainSample
+    from rlkit.train.algorithms.advantages import group_advantages
+    from rlkit.train.batch import TrainBatch, TrainSample
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device).eval()
@@ -168,7 +168,7 @@ def diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict:
 # -- subcommands --------------------------------------------------------------------------------
 def cmd_parity(args, path: Path, device: torch.device) -> dict:
     """Megatron vs transformers logprobs on the same weights, fp32 and bf16, on `device`."""
-    from train.megatron.optimizer import MegatronOptimizer
+    from rlkit.train.megatron.optimizer import MegatronOptimizer
 
     batch, texts = sampled_batch(path, device, n_per_prompt=2, new_tokens=args.new_tokens)
     result: dict = {"samples": len(batch), "tokens": batch.tokens, "example_response": texts[0][:200]}
@@ -243,7 +243,7 @@ def cmd_throughput(args, path: Path, device: torch.device) -> dict:
     tokens/s = prompt + response tokens of the batch / step seconds. Forward-only (logprobs)
     timed too."""
     from rlkit.bench.train import synthetic_batch
-    from train.hf_io import read_config
+    from rlkit.train.hf_io import read_config
 
     cfg = read_config(path)
     batch = synthetic_batch(int(cfg["vocab_size"]), args.samples, args.prompt_len, args.median,
@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default=os.environ.get("RLKIT_GPU_WORKDIR", "runs/gpu"))
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    from train.megatron.parallel import resolve_device
+    from rlkit.train.megatron.parallel import resolve_device
 
     device = resolve_device(args.device)
     workdir = Path(args.workdir)

@@ -4,7 +4,7 @@ DESIGN.md lists algorithms under rlkit/; they live here because `train` must not
 (dependencies point rlkit -> train -> buffers) and the trainer is their only consumer.
 """
 
-from train.algorithms.advantages import group_advantages
-from train.algorithms.losses import LossTerms, PolicyLossInput, kl_estimate, policy_loss
+from rlkit.train.algorithms.advantages import group_advantages
+from rlkit.train.algorithms.losses import LossTerms, PolicyLossInput, kl_estimate, policy_loss
 
 __all__ = ["group_advantages", "policy_loss", "PolicyLossInput", "LossTerms", "kl_estimate"]

@@ -30,7 +30,7 @@ from typing import Literal
 
 import torch
 
-from train.config import AlgorithmConfig
+from rlkit.train.config import AlgorithmConfig
 
 KLEstimator = Literal["k1", "k3", "low_var"]
 LOW_VAR_KL_BOUND = 10.0

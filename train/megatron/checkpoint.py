@@ -27,12 +27,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from buffers.errors import CheckpointError
-from train.hf_io import copy_side_files
-from train.megatron.parallel import seed_everything
+from rlkit.buffers.errors import CheckpointError
+from rlkit.train.hf_io import copy_side_files
+from rlkit.train.megatron.parallel import seed_everything
 
 if TYPE_CHECKING:
-    from train.megatron.trainer import MegatronTrainer
+    from rlkit.train.megatron.trainer import MegatronTrainer
 
 FORMAT_VERSION = 1
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from train.hf_arch import ModelArch
+from rlkit.train.hf_arch import ModelArch
 
 
 def transformer_config(arch: ModelArch, *, params_dtype: torch.dtype, on_cpu: bool):
@@ -91,7 +91,7 @@ def mark_tensor_parallel_params(model) -> None:
     """
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
-    from train.convert import tp_split_dim
+    from rlkit.train.convert import tp_split_dim
 
     for name, param in model.named_parameters():
         dim = tp_split_dim(name)

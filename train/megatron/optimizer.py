@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from train.config import OptimizerConfig
+from rlkit.train.config import OptimizerConfig
 
 
 class StepOptimizer:

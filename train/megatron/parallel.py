@@ -73,7 +73,7 @@ def init_parallel(
             timeout=datetime.timedelta(seconds=timeout_s),
         )
     if device.type == "cpu":
-        from train.megatron.cpu_shim import apply_cpu_shim
+        from rlkit.train.megatron.cpu_shim import apply_cpu_shim
 
         apply_cpu_shim()
     if parallel_state.model_parallel_is_initialized():

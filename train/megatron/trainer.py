@@ -22,19 +22,19 @@ from typing import Iterator, Sequence
 
 import torch
 
-from train.algorithms.losses import PolicyLossInput, policy_loss
-from train.batch import TrainBatch, TrainSample
-from train.config import TrainConfig
-from train.convert import hf_to_megatron, megatron_param_names, megatron_param_to_hf
-from train.hf_arch import ModelArch
-from train.hf_io import load_hf_state_dict, read_config, save_hf_folder
-from train.megatron.logprobs import vocab_parallel_logprobs
-from train.megatron.optimizer import build_optimizer, learning_rate
-from train.megatron.parallel import (
+from rlkit.train.algorithms.losses import PolicyLossInput, policy_loss
+from rlkit.train.batch import TrainBatch, TrainSample
+from rlkit.train.config import TrainConfig
+from rlkit.train.convert import hf_to_megatron, megatron_param_names, megatron_param_to_hf
+from rlkit.train.hf_arch import ModelArch
+from rlkit.train.hf_io import load_hf_state_dict, read_config, save_hf_folder
+from rlkit.train.megatron.logprobs import vocab_parallel_logprobs
+from rlkit.train.megatron.optimizer import build_optimizer, learning_rate
+from rlkit.train.megatron.parallel import (
     RankInfo, current_rank_info, init_single_process, resolve_device, seed_everything,
 )
-from train.packing import PackedRows, pack_samples
-from train.protocol import Policy
+from rlkit.train.packing import PackedRows, pack_samples
+from rlkit.train.protocol import Policy
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -50,7 +50,7 @@ class MegatronTrainer:
         from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-        from train.megatron.model import build_gpt_model
+        from rlkit.train.megatron.model import build_gpt_model
 
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -406,7 +406,7 @@ class MegatronTrainer:
         rollout.health) only the version moves: the weights are that version's all the same, and
         a checkpoint must say so. Collective: call it on every rank.
         Returns the SyncReport on the rank that sent (global rank 0), None elsewhere."""
-        from train.weight_sync.sender import WeightSender
+        from rlkit.train.weight_sync.sender import WeightSender
 
         ws = self.config.weight_sync
         method = method or ws.method
@@ -459,12 +459,12 @@ class MegatronTrainer:
 
     # -- checkpoints ------------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
-        from train.megatron.checkpoint import save_checkpoint
+        from rlkit.train.megatron.checkpoint import save_checkpoint
 
         save_checkpoint(self, Path(path))
 
     def load(self, path: str | Path) -> None:
-        from train.megatron.checkpoint import load_checkpoint
+        from rlkit.train.megatron.checkpoint import load_checkpoint
 
         load_checkpoint(self, Path(path))
 

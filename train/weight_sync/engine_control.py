@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 from typing import Any, Protocol, Sequence
 
-from buffers.control_token import auth_headers, control_token_from_env
+from rlkit.buffers.control_token import auth_headers, control_token_from_env
 
 
 class EngineControlError(RuntimeError):

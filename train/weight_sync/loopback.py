@@ -18,8 +18,8 @@ import torch
 def _receiver_main(conn) -> None:
     import torch.distributed as dist
 
-    from train.hf_io import load_hf_state_dict
-    from train.weight_sync.group import join_weight_group, leave_weight_group
+    from rlkit.train.hf_io import load_hf_state_dict
+    from rlkit.train.weight_sync.group import join_weight_group, leave_weight_group
 
     torch.set_num_threads(1)
     group = None

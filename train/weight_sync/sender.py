@@ -29,8 +29,8 @@ from typing import Callable, Iterable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from train.weight_sync.engine_control import EngineControl, EngineControlError, HttpEngineControl
-from train.weight_sync.group import join_weight_group, leave_weight_group
+from rlkit.train.weight_sync.engine_control import EngineControl, EngineControlError, HttpEngineControl
+from rlkit.train.weight_sync.group import join_weight_group, leave_weight_group
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
@@ -168,7 +168,7 @@ class WeightSender:
         if self._group is not None and self._group_engines == key and self._group_backend == backend:
             return 0.0
         self.disconnect()
-        from train.megatron.parallel import free_port
+        from rlkit.train.megatron.parallel import free_port
 
         controls = self._controls(engines)
         t0 = time.perf_counter()
