@@ -30,7 +30,6 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "e2e"), "rlkit.bench.e2e", "a recipe's whole job in each driver mode, on this machine"),
     (("bench", "faults"), "rlkit.bench.faults", "engine faults injected vs survived vs data lost, simulated"),
     (("bench", "ranker"), "rlkit.bench.ranker", "length rankers' recall of the long tail"),
-    (("bench", "load"), "rlkit.bench.load", "10k groups through the buffer's Ray actor; 256 streamed requests with aborts"),
 ]
 
 

@@ -8,9 +8,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rlkit.buffers.staleness import StalenessPolicy
 from rlkit.rollout.engines.config import EngineConfig, RouterConfig
-from rlkit.rollout.policies.registry import POLICIES, POLICY_NAMES
+from rlkit.rollout.policy_names import POLICIES, POLICY_NAMES
 
-PolicyName = Literal[POLICY_NAMES]  # type: ignore[valid-type]  # the registry's, one source
+PolicyName = Literal[POLICY_NAMES]  # type: ignore[valid-type]  # rollout.policy_names': one source
 
 
 class PromptDataConfig(BaseModel):
@@ -454,11 +454,20 @@ class RolloutConfig(BaseModel):
         """Responses one training step trains on: batch_size x n_samples_per_prompt."""
         return self.batch_size * self.n_samples_per_prompt
 
+    def _at(self, path: str) -> Any:
+        """The value at a dotted key path under this section (`tail_batching.deferred`)."""
+        node: Any = self
+        for part in path.split("."):
+            node = getattr(node, part)
+        return node
+
     def off_policy_reason(self) -> str | None:
         """Why this rollout set-up can train on tokens of older policy versions (the recipe then
-        requires an explicit off-policy correction), or None. The policy registry says it for
-        each policy; staleness_policy=correct says it for every policy."""
-        why = POLICIES[self.policy].off_policy(self)
+        requires an explicit off-policy correction), or None. Each policy declares when
+        (rollout.policy_names); staleness_policy=correct says it for every policy."""
+        rule, why = POLICIES[self.policy].off_policy, None
+        if rule is not None and all(self._at(key) == value for key, value in rule.when.items()):
+            why = rule.reason
         if why is None and self.staleness_policy is StalenessPolicy.CORRECT:
             why = "rollout.staleness_policy=correct keeps stale groups"
         return why

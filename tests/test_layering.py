@@ -1,11 +1,14 @@
 """The import graph of rlkit's packages: no cycles between modules, and the dependency
-direction of DESIGN.md (`rlkit` -> `rollout`, `train` -> `buffers`; the library packages never
-import the CLI layer).
+direction of docs/design.md: the libraries (`rlkit.buffers`, `rlkit.rollout`, `rlkit.train`)
+never import the rest of `rlkit`; `buffers` is a leaf; `rollout` and `train` are siblings; the
+measuring tools (`rlkit.sim`, `rlkit.bench`) and the built-in engine are imported by nothing in
+the runtime.
 
-Every import counts, also one inside a function (a lazy import still ties the two modules
-together: each needs the other to work), except those under `if TYPE_CHECKING:` (annotations
-only, never executed). A package's implicit import of its parents (`import a.b` runs
-`a/__init__`) is not an edge: a package's `__init__` re-exporting its submodules is fine.
+Every import counts: one inside a function (a lazy import still ties the two modules together:
+each needs the other to work) and one under `if TYPE_CHECKING:` (a type-only cycle is still two
+modules that must be read together, and it hides a real one the day someone drops the guard).
+A package's implicit import of its parents (`import a.b` runs `a/__init__`) is not an edge: a
+package's `__init__` re-exporting its submodules is fine. No cycle is whitelisted.
 """
 
 from __future__ import annotations
@@ -14,62 +17,59 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("buffers", "rollout", "train", "rlkit")
-LIBRARIES = ("buffers", "rollout", "train")
-# A cycle in code another change owned when this test was written (`rlkit bench load`: the actor
-# module imports the bench's helpers, the bench imports the actor lazily). Each entry must still
-# be a cycle, so it is removed once fixed; no other cycle may appear.
-KNOWN_CYCLES = [["rlkit.bench.load", "rlkit.bench.load_actor"]]
+# Import name -> folder (setup.py: one namespace over the repository's top-level folders).
+FOLDERS = {"rlkit": "rlkit", "rlkit.rollout": "rollout", "rlkit.train": "train",
+           "rlkit.buffers": "buffers"}
+LIBRARIES = ("rlkit.buffers", "rlkit.rollout", "rlkit.train")
+# Measuring tools: they import the runtime, the runtime never imports them; only other tools
+# and the command line do.
+TOOLS = ("rlkit.sim", "rlkit.bench")
+TOOL_USERS = (*TOOLS, "rlkit.commands", "rlkit.cli")
+BUILTIN_ENGINE = "rlkit.rollout.engines.builtin"  # a server process, started by module name
 
 
-def module_files() -> dict[str, Path]:
+def within(module: str, *packages: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def library_of(module: str) -> str:
+    """The library a module belongs to, or 'rlkit' for the rest of the package."""
+    return next((lib for lib in LIBRARIES if within(module, lib)), "rlkit")
+
+
+def module_files(root: Path = ROOT, folders: dict[str, str] = FOLDERS) -> dict[str, Path]:
     out = {}
-    for pkg in PACKAGES:
-        for f in sorted((ROOT / pkg).rglob("*.py")):
-            parts = list(f.relative_to(ROOT).with_suffix("").parts)
+    for name, folder in folders.items():
+        for f in sorted((root / folder).rglob("*.py")):
+            parts = [name, *f.relative_to(root / folder).with_suffix("").parts]
             if parts[-1] == "__init__":
                 parts.pop()
             out[".".join(parts)] = f
     return out
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    t = node.test
-    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
-        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
-
-
 def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The project modules `name` imports, resolved to the module (a `from a import b` whose
-    b is a submodule is an edge to a.b)."""
+    """The project modules `name` imports (lazily, type-only or at the top), resolved to the
+    module (a `from a import b` whose b is a submodule is an edge to a.b)."""
     is_pkg = path.name == "__init__.py"
     found: set[str] = set()
-
-    def visit(node: ast.AST) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _is_type_checking(child):
-                for sub in child.orelse:
-                    visit(sub)
-                continue
-            if isinstance(child, ast.Import):
-                found.update(a.name for a in child.names)
-            elif isinstance(child, ast.ImportFrom):
-                base = child.module or ""
-                if child.level:
-                    pkg = name.split(".") if is_pkg else name.split(".")[:-1]
-                    pkg = pkg[: len(pkg) - (child.level - 1)]
-                    base = ".".join([*pkg, base] if base else pkg)
-                for a in child.names:  # `from pkg import submodule` is an edge to the submodule
-                    sub = f"{base}.{a.name}"
-                    found.add(sub if sub in modules else base)
-            visit(child)
-
-    visit(ast.parse(path.read_text(), str(path)))
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = name.split(".") if is_pkg else name.split(".")[:-1]
+                pkg = pkg[: len(pkg) - (node.level - 1)]
+                base = ".".join([*pkg, base] if base else pkg)
+            for a in node.names:  # `from pkg import submodule` is an edge to the submodule
+                sub = f"{base}.{a.name}"
+                found.add(sub if sub in modules else base)
     return {m for m in found if m in modules and m != name}
 
 
-def import_graph() -> dict[str, set[str]]:
-    modules = module_files()
+def import_graph(root: Path = ROOT, folders: dict[str, str] = FOLDERS) -> dict[str, set[str]]:
+    modules = module_files(root, folders)
     return {name: imports_of(name, path, modules) for name, path in modules.items()}
 
 
@@ -110,25 +110,35 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycles():
     found = cycles(import_graph())
-    new = [c for c in found if c not in KNOWN_CYCLES]
-    assert new == [], "import cycles: " + "; ".join(" <-> ".join(c) for c in new)
-    assert [c for c in KNOWN_CYCLES if c not in found] == [], "fixed: drop it from KNOWN_CYCLES"
+    assert found == [], "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
 
 
-def test_libraries_never_import_the_cli_layer_and_point_one_way():
+def test_libraries_never_import_the_rest_of_rlkit_and_point_one_way():
     graph = import_graph()
     wrong = sorted(
         f"{m} -> {d}" for m, deps in graph.items() for d in deps
-        if (m.split(".")[0] in LIBRARIES and d.split(".")[0] == "rlkit")  # nothing of rlkit
-        or (m.split(".")[0] == "buffers" and d.split(".")[0] != "buffers")  # buffers: a leaf
-        or ({m.split(".")[0], d.split(".")[0]} == {"rollout", "train"})  # siblings
+        if (library_of(m) != "rlkit" and library_of(d) == "rlkit")  # nothing of rlkit's spine
+        or (library_of(m) == "rlkit.buffers" and library_of(d) != "rlkit.buffers")  # a leaf
+        or ({library_of(m), library_of(d)} == {"rlkit.rollout", "rlkit.train"})  # siblings
     )
     assert wrong == []
 
 
-def test_the_graph_sees_lazy_imports_and_finds_a_cycle():
+def test_the_runtime_never_imports_the_measuring_tools_or_the_builtin_engine():
+    graph = import_graph()
+    wrong = sorted(
+        f"{m} -> {d}" for m, deps in graph.items() for d in deps
+        if (within(d, *TOOLS) and not within(m, *TOOL_USERS))
+        or (within(d, BUILTIN_ENGINE) and not within(m, BUILTIN_ENGINE, *TOOL_USERS))
+    )
+    assert wrong == []
+
+
+def test_the_graph_sees_lazy_and_type_only_imports_and_finds_a_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c"]]
     modules = module_files()
     # rlkit.driver.run imports the cluster inside train(): a lazy import is an edge
     assert "rlkit.driver.cluster" in imports_of("rlkit.driver.run", modules["rlkit.driver.run"], modules)
+    # the folders map into the one namespace
+    assert modules["rlkit.buffers.buffer"] == ROOT / "buffers" / "buffer.py"

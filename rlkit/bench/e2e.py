@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rlkit.config import load_recipe
-    from rlkit.driver.modes import MODES
+    from rlkit.config.modes import MODE_NAMES as MODES
     from rlkit.driver.run import train
 
     modes = [m.strip() for m in args.mode.split(",") if m.strip()]

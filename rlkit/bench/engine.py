@@ -17,7 +17,7 @@ bfloat16 (the engine's own default there) and the profile is named after the GPU
 
 The profile pass then runs B in (1, 2, 4, ...) requests and reads the engine's own per-step
 timings (GET /rlkit/decode_stats) to write PTL(BS) - seconds per decode step at batch size B -
-in the simulator's EngineProfile format (rollout/sim/profile.py), plus the per-token prefill
+in the simulator's EngineProfile format (rollout/engines/profile.py), plus the per-token prefill
 cost and a KV-context slope from a second pass at a longer context.
 """
 
@@ -71,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile-dir", default="runs/bench-engine",
                         help="where PTL profiles are written ('' to skip the profile pass). Not "
                         "docs/profiles by default: the committed profiles also carry prefill and "
-                        "serving costs measured by `python -m rlkit.rollout.sim.measure_hf` "
+                        "serving costs measured by `python -m rlkit.sim.measure_hf` "
                         "(docs/simulation.md), which this pass would drop")
     parser.add_argument("--out", default=None, help="also write all measurements as JSON here")
 
@@ -291,7 +291,7 @@ def measure_ptl(fleet: Any, prompts: list[list[int]], sizes: list[int], n: int) 
 
 def write_profile(fleet: Any, model_name: str, prompts: list[list[int]], n: int,
                   args: argparse.Namespace) -> str:
-    from rlkit.rollout.sim.profile import EngineProfile, save_profile
+    from rlkit.rollout.engines.profile import EngineProfile, save_profile
 
     sizes = [int(x) for x in args.profile_batch_sizes.split(",") if x]
     ptl, ctx, prefill = measure_ptl(fleet, prompts, sizes, n)

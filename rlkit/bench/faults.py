@@ -22,7 +22,7 @@ groups dropped; groups lost (created - accounted: in flight + partial + long + r
 trained + dropped); tokens lost: engine-decoded tokens (SimEngines counters, every engine ever
 started) - tokens accounted (responses of trained groups + of groups still in the buffer +
 the buffer's discarded tokens); tokens lost in flight: what a hung engine had decoded in its
-run of decode steps and never streamed (rollout.sim.faults; no counter holds them, so they
+run of decode steps and never streamed (rlkit.sim.faults; no counter holds them, so they
 are regenerated, not missing from "tokens lost"); requests relaunched and the tokens they kept;
 time to detect (injection -> the monitor's 'lost') and to serve again (injection -> 'back' of
 the restarted engine), mean and max; total virtual time / the baseline's.
@@ -44,7 +44,7 @@ DEFAULT_POLICIES = ("sync", "partial@1.5")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from rlkit.bench.suite import add_cluster_arguments
-    from rlkit.driver.simulate import DEFAULT_RESTART_S
+    from rlkit.sim.simulate import DEFAULT_RESTART_S
     from rlkit.rollout.config import HealthConfig
 
     h = HealthConfig()
@@ -110,7 +110,7 @@ class FaultRow:
 def run(args: argparse.Namespace) -> int:
     from rlkit.bench.suite import cluster_of, rollout_base
     from rlkit.rollout.config import HealthConfig
-    from rlkit.rollout.sim.trace import Trace, TraceSpec, generate_trace
+    from rlkit.sim.trace import Trace, TraceSpec, generate_trace
 
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     if bad := [s for s in scenarios if s not in SCENARIOS]:
@@ -164,7 +164,7 @@ class FaultBench:
         return rows
 
     def schedule(self, scenario: str, horizon_s: float) -> list[Any]:
-        from rlkit.rollout.sim.faults import Fault, random_faults
+        from rlkit.sim.faults import Fault, random_faults
 
         n = self.cluster.engines
         # one seed per scenario, so adding one does not move the others' faults
@@ -183,9 +183,9 @@ class FaultBench:
     def run_one(self, spec: str, scenario: str, faults: list[Any]) -> FaultRow:
         from rlkit.buffers.buffer import Place, RolloutBuffer
         from rlkit.bench.suite import make_policy, make_ranker
-        from rlkit.driver.simulate import run_simulation
+        from rlkit.sim.simulate import run_simulation
         from rlkit.rollout.health import EnginesDown
-        from rlkit.rollout.sim.harness import trace_source
+        from rlkit.sim.harness import trace_source
 
         buffer = RolloutBuffer(trace_source(self.trace), n_samples_per_prompt=self.trace.group_size,
                                max_staleness=1000)

@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def load_or_generate(args: argparse.Namespace) -> Any:
-    from rlkit.rollout.sim.trace import Trace, TraceSpec, generate_trace
+    from rlkit.sim.trace import Trace, TraceSpec, generate_trace
 
     if args.trace:
         return Trace.load(args.trace)

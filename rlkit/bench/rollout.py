@@ -3,7 +3,7 @@ policies on the real engines (router + built-in engine servers), side by side in
 
 Every policy gets its own RolloutBuffer over the same prompts, and the same long-tail length
 trace (generated, or `--trace FILE` in the format `rlkit bench suite --trace` reads) is
-replayed through `ignore_eos` (rollout.sim.replay), so each response is exactly as long under
+replayed through `ignore_eos` (rlkit.sim.replay), so each response is exactly as long under
 every policy: the policies differ only in how they schedule the same work. Steps of the
 policies alternate (sync step 1, partial step 1, sync step 2, ...) so a change in machine load
 hits them alike. Policies are registry specs (`partial@1.5`, `tail_batching+resume`, ...).
@@ -28,7 +28,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from rlkit.rollout.policies.registry import describe_specs
+from rlkit.rollout.policy_names import describe_specs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     specs = policy_specs(args)  # a bad spec or trace fails before any engine starts
     if args.trace:
-        from rlkit.rollout.sim.trace import Trace
+        from rlkit.sim.trace import Trace
 
         trace = Trace.load(args.trace)
         args.cap, args.n = trace.cap, trace.group_size
@@ -117,7 +117,7 @@ def check_trace_slots(trace: Any, specs: dict[str, Any]) -> None:
 def make_trace(args: argparse.Namespace) -> Any:
     """The bench's trace (`--trace`, or generated with prompts to spare for every policy's
     steps); the real and the simulated runs replay the same one."""
-    from rlkit.rollout.sim.trace import Trace, TraceSpec, generate_trace
+    from rlkit.sim.trace import Trace, TraceSpec, generate_trace
 
     if getattr(args, "trace", None):
         return Trace.load(args.trace)
@@ -143,7 +143,7 @@ async def bench_rollout(args: argparse.Namespace) -> dict[str, Any]:
     from rlkit.rollout.manager import RolloutManager, batch_target
     from rlkit.rollout.policies import make_policy
     from rlkit.rollout.rewards import RewardScheduler
-    from rlkit.rollout.sim.replay import BufferPrompts, TraceReplayEngines
+    from rlkit.sim.replay import BufferPrompts, TraceReplayEngines
 
     specs = policy_specs(args)
     model_path = resolve_model_path(args.model)
@@ -201,9 +201,9 @@ def simulate_same(args: argparse.Namespace, real: dict[str, Any]) -> dict[str, A
     """The same trace, policies and step counts on simulated engines (virtual time)."""
     from rlkit.bench.ranker import ranker_for_trace
     from rlkit.rollout.policies import make_policy
-    from rlkit.rollout.sim.engine import SimConfig
-    from rlkit.driver.simulate import run_simulation
-    from rlkit.rollout.sim.profile import load_profile
+    from rlkit.sim.engine import SimConfig
+    from rlkit.sim.simulate import run_simulation
+    from rlkit.rollout.engines.profile import load_profile
 
     profile_path = args.simulate
     if profile_path == "auto":
@@ -211,7 +211,7 @@ def simulate_same(args: argparse.Namespace, real: dict[str, Any]) -> dict[str, A
     trace = make_trace(args)
     # The hf engine keeps a left-padded KV cache (every row reads the longest row's context)
     # and pads its prefill forwards; the profile's "serving" object adds what
-    # `python -m rlkit.rollout.sim.measure_hf` measured around the engines: the cores they share
+    # `python -m rlkit.sim.measure_hf` measured around the engines: the cores they share
     # with the HTTP processes, router and client, CPU per streamed chunk, request and control
     # round trips, the client's abort poll (docs/simulation.md, "Validation").
     cluster = SimConfig.from_profile(args.engines, load_profile(profile_path), kv_layout="padded",

@@ -1,8 +1,8 @@
 """`rlkit bench suite`: scheduling policies side by side on one simulated workload and cluster.
 
-For each response-length cap, one long-tail trace (rollout.sim.trace) is generated (or
+For each response-length cap, one long-tail trace (rlkit.sim.trace) is generated (or
 `--trace` is replayed), and every policy runs the same trace through the real RolloutManager,
-policies and RolloutBuffer on simulated engines in virtual time (rollout.sim), under a
+policies and RolloutBuffer on simulated engines in virtual time (rlkit.sim), under a
 synchronous driver whose training and weight-sync times come from a TrainTimeModel. After
 `--warmup` steps (so partial rollouts reach their steady state), `--steps` steps are measured:
 
@@ -32,7 +32,7 @@ synchronous driver whose training and weight-sync times come from a TrainTimeMod
 
 Writes DIR/suite.md (the table), DIR/suite.png (the chart), DIR/suite.json (every step), the
 traces under DIR/traces/ and a timeline per run under DIR/timelines/ (`rlkit plot timeline`).
-Policies are specs of the policy registry (rollout/policies/registry.py).
+Policies are specs of the policy list (rollout/policy_names.py).
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlkit.driver.modes import MODES
-from rlkit.rollout.policies.registry import describe_specs
+from rlkit.config.modes import MODE_NAMES as MODES
+from rlkit.rollout.policy_names import describe_specs
 
 DEFAULT_POLICIES = ("sync", "partial@1.25", "partial@1.5", "partial@2.0", "tail_batching",
                     "tail_batching+resume")
@@ -130,9 +130,9 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
 
 def cluster_of(args: argparse.Namespace) -> tuple[Any, Any]:
     """The SimConfig and TrainTimeModel that `add_cluster_arguments`' options describe."""
-    from rlkit.rollout.sim.engine import SimConfig
-    from rlkit.rollout.sim.profile import load_profile
-    from rlkit.rollout.sim.train_time import TrainTimeModel
+    from rlkit.sim.engine import SimConfig
+    from rlkit.rollout.engines.profile import load_profile
+    from rlkit.sim.train_time import TrainTimeModel
 
     cluster = SimConfig(args.engines, load_profile(args.profile), router=args.router,
                         abort_latency_s=args.abort_latency,
@@ -141,7 +141,7 @@ def cluster_of(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rlkit.rollout.sim.trace import Trace, TraceSpec, generate_trace
+    from rlkit.sim.trace import Trace, TraceSpec, generate_trace
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -311,7 +311,7 @@ class SuiteRow:
 def run_suite(suite: SuiteSpec, traces: list[Any], policies: list[str],
               timelines: Path | None = None, modes: list[str] = ("sync",)) -> list[SuiteRow]:
     """Every policy in every mode on every trace; rows in (trace, mode, policy) order."""
-    from rlkit.driver.simulate import run_simulation
+    from rlkit.sim.simulate import run_simulation
 
     rows = []
     for trace, mode, spec in ((t, m, p) for t in traces for m in modes for p in policies):

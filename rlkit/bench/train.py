@@ -20,7 +20,7 @@ heads x 48 / 4 KV heads: the same parameter count and FLOPs, shardable over TP=2
 Weight sync: the trainer's HF weights are pushed by broadcast and through disk to (a) loopback
 receivers (local processes that join the broadcast group and receive every tensor, or read the
 safetensors folder, as an engine's receive side does, without a model: the transport alone) and
-(b) one built-in engine server (rollout/engines/hf_server.py) that also loads the weights into
+(b) one built-in engine server (rollout/engines/builtin/hf_server.py) that also loads the weights into
 its model. Seconds per GB = wall time of one whole update (write + pause/flush/update/continue)
 divided by the GB sent; the first distributed update, which forms the group, is reported apart.
 """

@@ -9,7 +9,7 @@ steps after `--warmup`. P_train(y): a TrainTimeModel on y GPUs for the trace's t
 per step, plus the weight sync. Generation sizes are measured on a grid (powers of two of an
 engine, or every `--gen-step` GPUs, plus the even split and the largest), then bisected around
 the best, at most `--max-sim` simulations (`--cache FILE` keeps them across calls). The split
-with the least step time of `--mode` wins (rollout/sim/plan.py); with `--gen-budget` and
+with the least step time of `--mode` wins (rlkit/sim/plan.py); with `--gen-budget` and
 `--train-budget`, the cross-datacenter rule. Prints the candidates, the choice and why, its
 ratio to the even split, and StreamRL's dynamic-adjustment test (delta vs delta').
 """
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-MODES = ("sync", "stream", "async")
+from rlkit.config.modes import MODE_NAMES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="cross-datacenter: GPUs available to generation (with --train-budget)")
     b.add_argument("--train-budget", type=int, metavar="N",
                    help="cross-datacenter: GPUs available to the trainer (with --gen-budget)")
-    b.add_argument("--mode", choices=MODES, default="sync",
+    b.add_argument("--mode", choices=MODE_NAMES, default="sync",
                    help="driver mode whose step time is minimised: sync (gen + train + sync), "
                         "stream (training overlaps generation), async (max of the two stages)")
     c = parser.add_argument_group("generation")
@@ -81,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rlkit.rollout.sim.plan import PlanError
+    from rlkit.sim.plan import PlanError
 
     try:
         return _run(args)
@@ -91,9 +91,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from rlkit.bench.suite import make_policy
-    from rlkit.rollout.sim import plan as P
-    from rlkit.rollout.sim.profile import ProfileError, load_profile
-    from rlkit.rollout.sim.train_time import TrainTimeModel
+    from rlkit.sim import plan as P
+    from rlkit.rollout.engines.profile import ProfileError, load_profile
+    from rlkit.sim.train_time import TrainTimeModel
 
     cross = args.gen_budget is not None or args.train_budget is not None
     if cross and (args.gen_budget is None or args.train_budget is None):
@@ -221,7 +221,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _trace(args: argparse.Namespace) -> Any:
-    from rlkit.rollout.sim.trace import Trace, TraceError, TraceSpec, generate_trace
+    from rlkit.sim.trace import Trace, TraceError, TraceSpec, generate_trace
 
     if args.trace:
         try:
@@ -243,8 +243,8 @@ def _simulate(engines: int, profile: Any, args: argparse.Namespace, trace: Any,
     ranker built as `rlkit bench suite` builds them), under `mode`'s loop with `train`'s
     trainer (None: training takes no time)."""
     from rlkit.bench.suite import make_policy, make_ranker, rollout_base
-    from rlkit.rollout.sim.engine import SimConfig
-    from rlkit.driver.simulate import run_simulation
+    from rlkit.sim.engine import SimConfig
+    from rlkit.sim.simulate import run_simulation
 
     cluster = SimConfig(engines, profile, router=args.router, abort_latency_s=args.abort_latency)
     base = rollout_base(args.profile, cluster)

@@ -12,11 +12,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rlkit.config.modes import MODE_NAMES
 from rlkit.rollout.config import PromptDataConfig, RolloutConfig
 from rlkit.rollout.eval_config import EvalConfig
 from rlkit.train.config import TrainConfig
-
-from rlkit.driver.modes import MODES
 
 
 class RunConfig(BaseModel):
@@ -115,7 +114,7 @@ class Recipe(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    mode: Literal[tuple(MODES)] = Field(  # type: ignore[valid-type]
+    mode: Literal[MODE_NAMES] = Field(  # type: ignore[valid-type]
         "sync",
         description="Driver loop: 'sync' (rollout, then train, then sync weights), 'stream' "
         "(each group goes to the trainer as it completes: the same updates as sync, less idle "

@@ -16,7 +16,7 @@ Held-out evaluation (recipe `eval`) runs on the same engines when due: between s
 and stream (the loop waits for it), beside the next rollout in async (the next weight sync
 waits for it, so every eval response comes from the version it began with).
 
-The simulator (rlkit/driver/simulate.py) runs these same loops in virtual time.
+The simulator (rlkit/sim/simulate.py) runs these same loops in virtual time.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 from typing import Awaitable, Callable
 
+from rlkit.config.modes import MODE_NAMES
 from rlkit.driver.loop import Handed, LoopState, Run
 
 
@@ -82,11 +83,13 @@ async def run_async(run: Run) -> LoopState:
     return s
 
 
+# The loop of each mode rlkit.config.modes names (the names are data there, for the schema).
 MODES: dict[str, Callable[[Run], Awaitable[LoopState]]] = {
     "sync": run_sync,
     "stream": run_stream,
     "async": run_async,
 }
+assert tuple(MODES) == MODE_NAMES, "rlkit.config.modes and the loops disagree"
 
 
 async def _stream_into(run: Run, handle: asyncio.Future) -> Handed:

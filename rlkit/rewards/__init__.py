@@ -15,41 +15,17 @@ importable by name (module level); see rlkit.rewards.worker for why and for the 
 
 from __future__ import annotations
 
-import asyncio
 import inspect
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol, Union
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from rlkit.plugins import PluginNotFound, resolve_plugin, signature_problem
+from rlkit.rewards.input import RewardFn, RewardInput
 
 if TYPE_CHECKING:
     from rlkit.rewards.worker import ProcessRewardRunner, ThreadRewardRunner
 
 __all__ = ["RewardFn", "RewardInput", "RewardNotFound", "call_reward", "is_async",
            "make_runner", "resolve_reward", "signature_problem"]
-
-
-class RewardFn(Protocol):
-    def __call__(self, sample: "RewardInput", **kwargs: Any) -> Union[float, Awaitable[float]]: ...
-
-
-@dataclass(frozen=True)
-class RewardInput:
-    """What a reward function sees of one sample."""
-
-    prompt: str
-    response: str
-    label: Any
-    metadata: dict[str, Any] = field(default_factory=dict)
-    finish_reason: str | None = None  # stop | length
-    prompt_ids: tuple[int, ...] = ()
-    response_ids: tuple[int, ...] = ()
-    index: int = 0
-    group_id: int = 0
-
-    @property
-    def truncated(self) -> bool:
-        return self.finish_reason == "length"
 
 
 # Raised when a reward name resolves to nothing (the one rule for every plugin kind).

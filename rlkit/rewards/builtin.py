@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # annotations only: rlkit.rewards resolves plugins, which list these
-    from rlkit.rewards import RewardInput
+from rlkit.rewards.input import RewardInput
 
 _BOXED = re.compile(r"\\boxed\s*\{")
 

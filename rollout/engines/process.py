@@ -163,7 +163,7 @@ def default_threads(num_engines: int) -> int:
 def hf_server_argv(model_path: str, config: EngineConfig, *, port: int, port_file: str | None,
                    threads: int, seed: int = 0, weight_version: str = "0") -> list[str]:
     argv = [
-        sys.executable, "-m", "rlkit.rollout.engines.hf_server",
+        sys.executable, "-m", "rlkit.rollout.engines.builtin.hf_server",
         "--model", model_path, "--host", config.host, "--port", str(port),
         "--device", config.device, "--dtype", config.dtype, "--threads", str(threads),
         "--max-running-requests", str(config.max_running_requests),

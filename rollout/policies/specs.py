@@ -1,13 +1,12 @@
-"""Bench policy specs (`name[@value][+option...]`, see rollout.policies.registry) as rollout
-configs. Apart from the registry because it builds a RolloutConfig, and rollout.config reads the
-registry's names: the registry imports neither rollout.config nor this module."""
+"""Bench policy specs (`name[@value][+option...]`, see rollout.policy_names) as rollout
+configs."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from rlkit.rollout.config import RolloutConfig
-from rlkit.rollout.policies.registry import POLICIES, PolicySpecError, describe_specs
+from rlkit.rollout.policy_names import POLICIES, PolicySpecError, describe_specs
 
 
 def policy_config(spec: str, base: "RolloutConfig | None" = None) -> "RolloutConfig":

@@ -40,11 +40,11 @@ class LengthRanker(Protocol):
 
 
 def builtin_rankers() -> dict[str, Any]:
-    from rlkit.rollout.rankers.basic import HistoryRanker, OracleRanker, PromptLengthRanker
+    from rlkit.rollout.rankers.basic import HistoryRanker, PromptLengthRanker
     from rlkit.rollout.rankers.learned import LearnedRanker
 
     return {"prompt_length": PromptLengthRanker, "history": HistoryRanker,
-            "learned": LearnedRanker, "oracle": OracleRanker}
+            "learned": LearnedRanker}
 
 
 __all__ = ["LengthRanker", "builtin_rankers", "group_lengths", "mean_length", "prompt_key"]

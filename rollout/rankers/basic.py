@@ -1,4 +1,5 @@
-"""The cheap rankers: prompt length (baseline), per-prompt history, and an oracle (benchmarks)."""
+"""The cheap rankers: prompt length (baseline) and per-prompt history. (The oracle, which
+replays a trace's true lengths for benchmarks, lives with the simulator: rlkit.sim.oracle.)"""
 
 from __future__ import annotations
 
@@ -82,34 +83,3 @@ class HistoryRanker:
         self._estimate = {int(k): float(v) for k, v in state["estimate"]}
         self._floor = {int(k): float(v) for k, v in state["floor"]}
         self._recent = deque(map(float, state["recent"]), maxlen=self.window)
-
-
-class OracleRanker:
-    """Knows every response's length from a trace (benchmarks only: the upper bound a ranker
-    can reach). `trace`: a `rollout.sim.trace.Trace` or the path of a trace file."""
-
-    name = "oracle"
-
-    def __init__(self, trace: Any) -> None:
-        if isinstance(trace, str):
-            from rlkit.rollout.sim.trace import Trace
-
-            trace = Trace.load(trace)
-        self.trace = trace
-
-    def predict(self, groups: Sequence[Group]) -> list[float]:
-        out = []
-        for g in groups:
-            src, epoch = g.prompt.source_index, g.prompt.epoch
-            lengths = [self.trace.length(src, epoch, s.slot) for s in g.samples]
-            out.append(sum(lengths) / len(lengths))
-        return out
-
-    def observe(self, group: Group) -> None:
-        pass
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass

@@ -14,16 +14,16 @@ import pytest
 from rlkit.bench.faults import FaultBench, invariants
 from rlkit.bench.suite import make_policy
 from rlkit.cli import main
-from rlkit.driver.simulate import run_simulation
+from rlkit.sim.simulate import run_simulation
 from rlkit.rollout.config import HealthConfig
 from rlkit.rollout.manager import batch_target
 from rlkit.rollout.policies import PartialPolicy, SyncPolicy
-from rlkit.rollout.sim.clock import run_virtual
-from rlkit.rollout.sim.engine import SimConfig
-from rlkit.rollout.sim.faults import Fault, random_faults
-from rlkit.rollout.sim.profile import load_profile
-from rlkit.rollout.sim.trace import TraceSpec, generate_trace
-from rlkit.rollout.sim.train_time import TrainTimeModel
+from rlkit.sim.clock import run_virtual
+from rlkit.sim.engine import SimConfig
+from rlkit.sim.faults import Fault, random_faults
+from rlkit.rollout.engines.profile import load_profile
+from rlkit.sim.trace import TraceSpec, generate_trace
+from rlkit.sim.train_time import TrainTimeModel
 from tests.manager.test_engine_faults import make
 
 PROFILE = "h100-qwen3-4b-tp1"

@@ -7,7 +7,7 @@ import json
 
 from rlkit.bench.ranker import bench_rankers, format_table, run_steps, trace_steps
 from rlkit.cli import main
-from rlkit.rollout.sim.trace import TraceSpec, generate_trace
+from rlkit.sim.trace import TraceSpec, generate_trace
 
 
 def test_history_remembers_what_it_saw_and_the_oracle_is_exact():

@@ -42,8 +42,8 @@ def test_bench_rollout_picks_the_profile_of_the_device(monkeypatch):
 
 
 def test_h100_profile_is_what_its_measurements_give(tmp_path):
-    from rlkit.rollout.sim.engine import SimConfig
-    from rlkit.rollout.sim.profile import load_profile
+    from rlkit.sim.engine import SimConfig
+    from rlkit.rollout.engines.profile import load_profile
     from tools.gpu.profile_from_logs import main
 
     assert main(["--runs", str(RUNS), "--out", str(tmp_path / PROFILE.name)]) == 0

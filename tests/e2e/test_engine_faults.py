@@ -60,7 +60,7 @@ class Injector(threading.Thread):
         out = {}
         for pid in processes_with(self.model_dir):
             argv = _cmdline(pid)
-            if "rlkit.rollout.engines.hf_server" not in argv:
+            if "rlkit.rollout.engines.builtin.hf_server" not in argv:
                 continue
             try:  # it binds a free port (--port 0): the one it listens on
                 ports = [c.laddr.port for c in psutil.Process(pid).net_connections("tcp")

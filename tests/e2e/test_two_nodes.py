@@ -49,7 +49,7 @@ def test_two_nodes_placement_addresses_and_steps(tmp_path, monkeypatch):
                                   for a in [*self.engines, self.rollout_actor, *self.trainer.workers]]),
             server_tokens=[_env_of(pid).get("RLKIT_CONTROL_TOKEN")
                            for pid in processes_with(str(Path(self.model_path)))
-                           if "rlkit.rollout.engines.hf_server" in _cmdline(pid)],
+                           if "rlkit.rollout.engines.builtin.hf_server" in _cmdline(pid)],
             labels={n["NodeID"]: next(k for k in ("node_a", "node_b") if k in n["Resources"])
                     for n in ray.nodes() if n["Alive"]},
         )

@@ -16,8 +16,8 @@ from rlkit.rollout.health import EngineMonitor, EnginesDown
 from rlkit.rollout.manager import RolloutManager, batch_target
 from rlkit.rollout.policies import PartialPolicy, SyncPolicy
 from rlkit.rollout.rewards import RewardScheduler
-from rlkit.rollout.sim.clock import run_virtual
-from rlkit.rollout.sim.engine import SimEngines, SimRestarter
+from rlkit.sim.clock import run_virtual
+from rlkit.sim.engine import SimEngines, SimRestarter
 from tests.manager.fakes import constant_reward
 from tests.sim.helpers import cluster
 

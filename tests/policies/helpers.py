@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from rlkit.buffers import ListPromptSource, RolloutBuffer
-from rlkit.rollout.sim.engine import SimConfig
-from rlkit.driver.simulate import run_simulation
-from rlkit.rollout.sim.profile import constant_profile
-from rlkit.rollout.sim.trace import Trace, TraceRecord
+from rlkit.sim.engine import SimConfig
+from rlkit.sim.simulate import run_simulation
+from rlkit.rollout.engines.profile import constant_profile
+from rlkit.sim.trace import Trace, TraceRecord
 
 PROFILE = constant_profile([0.004, 0.005, 0.008], [1, 16, 64], prefill_s_per_token=1e-5,
                            kv_s_per_token=1e-8, max_running_requests=256)

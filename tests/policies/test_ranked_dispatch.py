@@ -16,12 +16,13 @@ from rlkit.buffers import Place
 from rlkit.buffers.group import Group, PromptRecord
 from rlkit.rollout.dispatch import AdmissionGate, Dispatcher, EngineModel, InFlightSizer, LengthWindow
 from rlkit.rollout.policies import PartialPolicy, RankedDispatchPolicy, SyncPolicy, TailBatchingPolicy
-from rlkit.rollout.rankers.basic import OracleRanker, PromptLengthRanker
-from rlkit.rollout.sim.clock import run_virtual
-from rlkit.rollout.sim.engine import SimConfig
-from rlkit.driver.simulate import run_simulation
-from rlkit.rollout.sim.profile import constant_profile
-from rlkit.rollout.sim.trace import TraceSpec, generate_trace
+from rlkit.rollout.rankers.basic import PromptLengthRanker
+from rlkit.sim.oracle import OracleRanker
+from rlkit.sim.clock import run_virtual
+from rlkit.sim.engine import SimConfig
+from rlkit.sim.simulate import run_simulation
+from rlkit.rollout.engines.profile import constant_profile
+from rlkit.sim.trace import TraceSpec, generate_trace
 
 TRACE = generate_trace(TraceSpec(rows=256, epochs=2, cap=2048, group_size=4, batch_size=8))
 PROFILE = constant_profile([0.004, 0.006, 0.012], [1, 16, 64], kv_s_per_token=2e-8,

@@ -12,11 +12,12 @@ from rlkit.buffers.group import Group
 from rlkit.plugins import PluginNotFound, load_ranker, resolve_plugin
 from rlkit.rollout.config import RankerConfig
 from rlkit.rollout.rankers import LengthRanker
-from rlkit.rollout.rankers.basic import HistoryRanker, OracleRanker, PromptLengthRanker
+from rlkit.rollout.rankers.basic import HistoryRanker, PromptLengthRanker
+from rlkit.sim.oracle import OracleRanker
 from rlkit.rollout.rankers.learned import LearnedRanker
 from rlkit.rollout.rankers.recall import recall_at, recalls
-from rlkit.rollout.sim.harness import trace_source
-from rlkit.rollout.sim.trace import TraceSpec, generate_trace
+from rlkit.sim.harness import trace_source
+from rlkit.sim.trace import TraceSpec, generate_trace
 
 
 def groups_of(trace, epoch: int, rows=None, n=None) -> list[Group]:

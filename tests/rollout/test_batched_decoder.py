@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from rlkit.rollout.engines.batched_decoder import BatchedDecoder, DecodeParams, DecodeRequest
+from rlkit.rollout.engines.builtin.batched_decoder import BatchedDecoder, DecodeParams, DecodeRequest
 from tests.rollout.helpers import LOGPROB_TOLERANCE, teacher_forced_logprobs
 
 PROMPTS = [[5, 9, 13], [7] * 11, [100, 200, 300, 400, 5, 6, 7, 8, 9], [42]]
@@ -265,7 +265,7 @@ def test_context_length_ends_with_length(tiny_model):
 
 
 def test_weights_loaded_between_steps_change_the_output(tiny_model):
-    from rlkit.rollout.engines.weight_receiver import load_into_model
+    from rlkit.rollout.engines.builtin.weight_receiver import load_into_model
 
     model = copy.deepcopy(tiny_model)
     d = BatchedDecoder(model, eos_token_ids={0})

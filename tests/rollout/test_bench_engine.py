@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600
 
 
 def test_bench_engine_smoke(tiny_model_dir, tmp_path, capsys):
-    from rlkit.rollout.sim.profile import load_profile
+    from rlkit.rollout.engines.profile import load_profile
 
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from rlkit.bench import rollout as bench
-from rlkit.rollout.sim.trace import TraceSpec, generate_trace
+from rlkit.sim.trace import TraceSpec, generate_trace
 
 
 def parse(*argv):

@@ -19,7 +19,7 @@ from rlkit.rollout.engine_api import EngineError
 from rlkit.rollout.engines.config import EngineConfig, RouterConfig
 from rlkit.rollout.engines.fleet import EngineFleet
 from rlkit.rollout.engines.process import free_port
-from rlkit.rollout.engines.weight_receiver import create_group, destroy_group
+from rlkit.rollout.engines.builtin.weight_receiver import create_group, destroy_group
 from tests.rollout.helpers import LOGPROB_TOLERANCE, teacher_forced_logprobs
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

@@ -17,8 +17,8 @@ from rlkit.buffers.source import records_from_token_lists
 from rlkit.rollout.config import RewardConfig, SamplingConfig
 from rlkit.rollout.eval import EvalResult, evaluate, pass_at_k
 from rlkit.rollout.eval_config import EvalConfig, EvalDatasetConfig
-from rlkit.rollout.sim.clock import run_virtual
-from rlkit.rollout.sim.engine import SimEngines
+from rlkit.sim.clock import run_virtual
+from rlkit.sim.engine import SimEngines
 from tests.manager.fakes import FakeEngines
 from tests.sim.helpers import cluster
 

@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlkit.rollout.engines.kv_cache import SlotKVCache, prefill_mask
-from rlkit.rollout.engines.sampler import RowSampling, sample
+from rlkit.rollout.engines.builtin.kv_cache import SlotKVCache, prefill_mask
+from rlkit.rollout.engines.builtin.sampler import RowSampling, sample
 
 
 def _cache(slots=2, capacity=4) -> SlotKVCache:

@@ -155,7 +155,7 @@ def test_an_engine_beyond_loopback_without_a_token_refuses_to_start(tiny_model_d
     host = _own_address() or "0.0.0.0"  # the wildcard is beyond loopback too
     env = {k: v for k, v in os.environ.items() if k != CONTROL_TOKEN_ENV}
     out = subprocess.run(
-        [sys.executable, "-m", "rlkit.rollout.engines.hf_server", "--model", str(tiny_model_dir),
+        [sys.executable, "-m", "rlkit.rollout.engines.builtin.hf_server", "--model", str(tiny_model_dir),
          "--host", host, "--port", "0"], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 2
     assert f"listen on '{host}', beyond loopback, with no control token" in out.stderr

@@ -10,8 +10,8 @@ import psutil
 import pytest
 
 from rlkit.rollout.engines.config import EngineConfig, RouterConfig
-from rlkit.rollout.engines.core_client import CoreError, CoreRefused, EngineCoreClient
-from rlkit.rollout.engines.engine_core import CoreConfig
+from rlkit.rollout.engines.builtin.core_client import CoreError, CoreRefused, EngineCoreClient
+from rlkit.rollout.engines.builtin.engine_core import CoreConfig
 from rlkit.rollout.engines.process import ProcessStartError, free_port, start_hf_server
 from rlkit.rollout.engines.sglang_launcher import (
     SGLangNotInstalled,

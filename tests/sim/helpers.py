@@ -7,8 +7,8 @@ from typing import Sequence
 
 from rlkit.buffers.sample import Sample
 from rlkit.rollout.config import SamplingConfig
-from rlkit.rollout.sim.engine import SimConfig, SimEngines, SimWorker
-from rlkit.rollout.sim.profile import EngineProfile, constant_profile
+from rlkit.sim.engine import SimConfig, SimEngines, SimWorker
+from rlkit.rollout.engines.profile import EngineProfile, constant_profile
 
 SAMPLING = SamplingConfig(max_new_tokens=1 << 20, ignore_eos=True)
 

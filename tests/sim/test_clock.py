@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from rlkit.rollout.sim.clock import VirtualTimeDeadlock, VirtualTimeLoop, run_virtual
+from rlkit.sim.clock import VirtualTimeDeadlock, VirtualTimeLoop, run_virtual
 
 
 def test_sleep_and_timeouts_run_in_virtual_time():

@@ -8,15 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from rlkit.rollout.sim.engine import SimConfig
-from rlkit.rollout.sim.profile import load_profile
+from rlkit.sim.engine import SimConfig
+from rlkit.rollout.engines.profile import load_profile
 
 PROFILE = Path(__file__).resolve().parents[2] / "docs" / "profiles" / "cpu-tiny-t1.json"
 
 
 def test_the_cpu_profile_carries_the_measured_prefill_and_serving_model():
     """`rlkit bench engine` rewrites this file without these keys; `python -m
-    rlkit.rollout.sim.measure_hf` puts them back (the CPU validation depends on them)."""
+    rlkit.sim.measure_hf` puts them back (the CPU validation depends on them)."""
     prof = load_profile(PROFILE)
     assert prof.extra.get("kv_layout") == "padded"
     assert prof.prefill_s_per_token_sq > 0 and prof.max_prefill_tokens == 8192

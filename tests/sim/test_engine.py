@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 from rlkit.buffers.sample import Sample, SampleStatus
 from rlkit.rollout.engine_api import EngineError, Engines
-from rlkit.rollout.sim.clock import run_virtual
-from rlkit.rollout.sim.engine import SimConfig, SimEngines
-from rlkit.rollout.sim.profile import constant_profile
+from rlkit.sim.clock import run_virtual
+from rlkit.sim.engine import SimConfig, SimEngines
+from rlkit.rollout.engines.profile import constant_profile
 from tests.sim.helpers import SAMPLING, InvariantChecker, cluster, generate_all, small_profile
 
 

@@ -8,11 +8,11 @@ import pytest
 
 from rlkit.buffers.sample import SampleStatus
 from rlkit.rollout.policies import PartialPolicy, SyncPolicy
-from rlkit.rollout.sim.engine import SimConfig
-from rlkit.driver.simulate import run_simulation
-from rlkit.rollout.sim.profile import constant_profile, load_profile
-from rlkit.rollout.sim.trace import TraceSpec, generate_trace
-from rlkit.rollout.sim.train_time import TrainTimeModel
+from rlkit.sim.engine import SimConfig
+from rlkit.sim.simulate import run_simulation
+from rlkit.rollout.engines.profile import constant_profile, load_profile
+from rlkit.sim.trace import TraceSpec, generate_trace
+from rlkit.sim.train_time import TrainTimeModel
 from tests.sim.helpers import InvariantChecker
 
 TRACE = generate_trace(TraceSpec(rows=256, epochs=2, cap=2048, group_size=4, batch_size=8))

@@ -1,4 +1,4 @@
-"""The resource split (rollout/sim/plan.py, StreamRL Algorithm 1) and `rlkit plan`."""
+"""The resource split (rlkit/sim/plan.py, StreamRL Algorithm 1) and `rlkit plan`."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlkit.cli import main
-from rlkit.rollout.sim import plan as P
-from rlkit.rollout.sim.profile import load_profile
-from rlkit.rollout.sim.trace import TraceSpec, generate_trace
+from rlkit.sim import plan as P
+from rlkit.rollout.engines.profile import load_profile
+from rlkit.sim.trace import TraceSpec, generate_trace
 
 
 def gen_model(a: float, b: float):
@@ -182,8 +182,8 @@ def test_workload_helpers():
     assert P.gpus_per_engine(load_profile("docs/profiles/cpu-tiny-t1.json")) == 1
     trace = generate_trace(TraceSpec(rows=64, epochs=1, cap=512, group_size=4, batch_size=8))
     from rlkit.bench.suite import make_policy
-    from rlkit.rollout.sim.engine import SimConfig
-    from rlkit.driver.simulate import run_simulation
+    from rlkit.sim.engine import SimConfig
+    from rlkit.sim.simulate import run_simulation
 
     steps = run_simulation(SimConfig(2, load_profile("h100-qwen3-4b-tp1")), trace,
                            make_policy("sync"), steps=3, batch_size=8)

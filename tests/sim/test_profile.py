@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rlkit.rollout.sim.profile import (
+from rlkit.rollout.engines.profile import (
     EngineProfile, ProfileError, constant_profile, load_profile, packaged_profiles, save_profile,
 )
 
@@ -91,7 +91,7 @@ def test_prefill_forward_cost_and_kv_slope_per_batch(tmp_path):
 
 
 def test_ptl_fit_recovers_the_step_time_model_and_floors_noise():
-    from rlkit.rollout.sim.measure_hf import fit_ptl
+    from rlkit.sim.measure_hf import fit_ptl
 
     rows = [{"batch": b, "kv_tokens": kv, "s": 0.01 * b + 2e-6 * kv}
             for b in (1, 4) for kv in (100, 1000, 5000)]

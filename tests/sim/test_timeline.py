@@ -9,11 +9,11 @@ import pytest
 from rlkit.cli import main
 from rlkit.commands.plot_timeline import assign_lanes
 from rlkit.rollout.policies import PartialPolicy
-from rlkit.rollout.sim.engine import SimConfig
-from rlkit.driver.simulate import run_simulation
-from rlkit.rollout.sim.profile import constant_profile
+from rlkit.sim.engine import SimConfig
+from rlkit.sim.simulate import run_simulation
+from rlkit.rollout.engines.profile import constant_profile
 from rlkit.rollout.timeline import Span, TimelineError, read_timeline
-from rlkit.rollout.sim.trace import TraceSpec, generate_trace
+from rlkit.sim.trace import TraceSpec, generate_trace
 
 
 def test_simulated_run_timeline_roundtrip_and_plot(tmp_path):

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from rlkit.rollout.sim.trace import Trace, TraceError, TraceSpec, generate_trace, length_stats
+from rlkit.sim.trace import Trace, TraceError, TraceSpec, generate_trace, length_stats
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from rlkit.rollout.sim.train_time import TrainTimeModel
+from rlkit.sim.train_time import TrainTimeModel
 
 
 def test_train_and_sync_time():

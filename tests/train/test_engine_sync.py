@@ -1,4 +1,4 @@
-"""Weight sync to the built-in engine server (rollout/engines/hf_server.py), both methods, from a
+"""Weight sync to the built-in engine server (rollout/engines/builtin/hf_server.py), both methods, from a
 TP=1 trainer in this process and from a TP=2 Ray group: after a sync the engine's logprobs for a
 fixed prompt equal the trainer's, and the engine stamps the new weight version."""
 

@@ -2,7 +2,7 @@
 
     python3 tools/gpu/measure_profile.py --model smollm2 --out docs/profiles/h100-smollm2-t1.json
 
-The GPU counterpart of `python -m rlkit.rollout.sim.measure_hf` (which measures CPU engines in CPU
+The GPU counterpart of `python -m rlkit.sim.measure_hf` (which measures CPU engines in CPU
 time): on a GPU the engine's cost is wall time, and its engines do not share cores (16 of
 them for 2 engines), so the profile has no `cpu_cores` and the simulator treats the engines as
 independent devices. It writes the same keys:
@@ -65,7 +65,7 @@ def measure_decode(model_path: str, vocab: int, batches=DECODE_BATCHES, widths=D
                    n1: int = 16, n2: int = 80, shared=SHARED_POINTS, device: str = "cuda") -> dict[str, Any]:
     from rlkit.rollout.engines.config import EngineConfig, RouterConfig
     from rlkit.rollout.engines.fleet import EngineFleet
-    from rlkit.rollout.sim.measure_hf import _batch, fit_ptl
+    from rlkit.sim.measure_hf import _batch, fit_ptl
 
     cfg = EngineConfig(num_engines=2, cpu_threads=1, max_running_requests=256, device=device)
     rows: list[dict[str, Any]] = []
@@ -123,9 +123,9 @@ def measure_prefill(model_path: str, rows_list=PREFILL_ROWS, widths=PREFILL_WIDT
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rlkit.rollout.engines.batched_decoder import BatchedDecoder
-    from rlkit.rollout.engines.requests import DecodeParams, DecodeRequest
-    from rlkit.rollout.sim.measure_hf import _nonneg_lstsq
+    from rlkit.rollout.engines.builtin.batched_decoder import BatchedDecoder
+    from rlkit.rollout.engines.builtin.requests import DecodeParams, DecodeRequest
+    from rlkit.sim.measure_hf import _nonneg_lstsq
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the engine's auto dtype
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype,
@@ -171,7 +171,7 @@ def measure_serving(model_path: str, prefill_1x24_s: float, stream_interval: int
                     device: str = "cuda") -> dict[str, Any]:
     from rlkit.rollout.engines.config import EngineConfig, RouterConfig
     from rlkit.rollout.engines.fleet import EngineFleet
-    from rlkit.rollout.sim.measure_hf import _batch, measure_control
+    from rlkit.sim.measure_hf import _batch, measure_control
 
     cfg = EngineConfig(num_engines=1, cpu_threads=1, max_running_requests=256,
                        stream_interval=stream_interval, device=device)
@@ -196,7 +196,7 @@ def write_profile(path: Path, model: str, decode, prefill, serving, command: str
     import torch
 
     from rlkit.bench.engine import device_tag
-    from rlkit.rollout.sim.measure_hf import put_fits
+    from rlkit.sim.measure_hf import put_fits
 
     data = json.loads(path.read_text()) if path.exists() else {}
     measured = data.setdefault("measured_gpu", {})

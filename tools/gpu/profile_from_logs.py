@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", default="docs/gpu-runs")
     p.add_argument("--out", default="docs/profiles/h100-smollm2-t1.json")
     args = p.parse_args(argv)
-    from rlkit.rollout.sim.measure_hf import _nonneg_lstsq
+    from rlkit.sim.measure_hf import _nonneg_lstsq
 
     runs = Path(args.runs)
     passes = {"pass1 (log-c2.txt)": parse(runs / "log-c2.txt"), "pass2 (log-c5.txt)": parse(runs / "log-c5.txt")}

@@ -22,7 +22,7 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -31,8 +31,26 @@ from rlkit.buffers.errors import CheckpointError
 from rlkit.train.hf_io import copy_side_files
 from rlkit.train.megatron.parallel import seed_everything
 
-if TYPE_CHECKING:
-    from rlkit.train.megatron.trainer import MegatronTrainer
+
+
+class Checkpointed(Protocol):
+    """What saving and loading need of a trainer (MegatronTrainer is one): typed structurally so
+    this module and the trainer, which calls it, do not import each other."""
+
+    rank: Any  # parallel.RankInfo: rank, tp_rank, dp_rank
+    optimizer: Any
+    device: torch.device
+    dtype: torch.dtype
+    model_path: Path
+    arch: Any  # hf_arch.HFArch
+    config: Any  # train.config.TrainConfig
+    step_count: int
+    version: int
+    pending_samples: int
+
+    def megatron_state(self) -> dict[str, torch.Tensor]: ...
+    def _load_megatron_state(self, state: dict[str, torch.Tensor]) -> None: ...
+    def discard_gradients(self) -> None: ...
 
 FORMAT_VERSION = 1
 
@@ -57,7 +75,7 @@ def _set_rng_state(state: dict, device: torch.device) -> None:
         get_cuda_rng_tracker().set_states(state["megatron_tracker"])
 
 
-def save_checkpoint(trainer: "MegatronTrainer", path: Path) -> None:
+def save_checkpoint(trainer: Checkpointed, path: Path) -> None:
     if trainer.pending_samples:
         raise CheckpointError(
             f"save: {trainer.pending_samples} samples accumulated since the last step; step first"
@@ -149,7 +167,7 @@ def read_meta(path: Path) -> dict:
     return meta
 
 
-def load_checkpoint(trainer: "MegatronTrainer", path: Path) -> None:
+def load_checkpoint(trainer: Checkpointed, path: Path) -> None:
     meta = read_meta(path)
     r = trainer.rank
     if meta["tensor_parallel"] != r.tp_size:

@@ -2,7 +2,7 @@
 
 Pure scheduling logic (no torch, HTTP, Ray or simulator imports): the stage-time models are
 passed in. `rlkit plan` (rlkit/commands/plan.py) measures them: P_gen by simulating the real
-policy code on `x / gpus_per_engine` simulated engines (rlkit/driver/simulate.py), P_train from a
+policy code on `x / gpus_per_engine` simulated engines (rlkit/sim/simulate.py), P_train from a
 `TrainTimeModel` on y GPUs.
 
     P_gen(x)   rollout seconds per step with x generation GPUs (x a multiple of the engine's

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlkit.rollout.sim.profile import EngineProfile
+from rlkit.rollout.engines.profile import EngineProfile
 
 BATCH_GRID = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 

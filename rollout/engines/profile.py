@@ -19,7 +19,7 @@ Optional keys, written by the GPU-like profiles derived from published figures (
     "kv_capacity_tokens": int KV-cache capacity of one engine, prompt + generated tokens
     "max_running_requests": int  the engine's batch limit (default: the largest batch size)
 
-Optional prefill keys (measured on rlkit's hf CPU engine by `python -m rlkit.rollout.sim.measure_hf`):
+Optional prefill keys (measured on rlkit's hf CPU engine by `python -m rlkit.sim.measure_hf`):
 
     "prefill_s_per_forward": float   fixed seconds of one prefill forward
     "prefill_s_per_token_sq": float  seconds per squared context token (attention over the
@@ -48,7 +48,7 @@ T2 = R x (max n)^2 (padded KV: every row padded to the longest).
 
 A profile may also carry a "serving" object: measured properties of the serving stack and the
 machine around the engines (CPU per streamed chunk, control round trip, cores), read by
-`SimConfig.from_profile` (rollout/sim/engine.py).
+`SimConfig.from_profile` (rlkit/sim/engine.py).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-PROFILE_PACKAGE = "rlkit.rollout.sim.profiles"
+PROFILE_PACKAGE = "rlkit.rollout.engines.profiles"
 
 
 class ProfileError(ValueError):
@@ -223,7 +223,7 @@ def _opt_int(v: Any) -> int | None:
 
 
 def load_profile(name_or_path: str | Path) -> EngineProfile:
-    """A profile by file path, or by name among the packaged ones (rollout/sim/profiles)."""
+    """A profile by file path, or by name among the packaged ones (rollout/engines/profiles)."""
     path = Path(name_or_path)
     if path.suffix == ".json" or path.exists():
         if not path.exists():

@@ -24,7 +24,7 @@ from rlkit.buffers.group import PromptRecord
 from rlkit.buffers.sample import Sample, SampleStatus
 from rlkit.rollout.config import SamplingConfig
 from rlkit.rollout.engine_api import Engines
-from rlkit.rollout.sim.trace import Trace, TraceError
+from rlkit.sim.trace import Trace, TraceError
 
 
 class BufferPrompts:

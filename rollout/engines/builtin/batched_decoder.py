@@ -32,9 +32,9 @@ from typing import Any, Callable
 
 import torch
 
-from rlkit.rollout.engines.kv_cache import SlotKVCache, prefill_mask
-from rlkit.rollout.engines.requests import DecodeParams, DecodeRequest
-from rlkit.rollout.engines.sampler import RowSampling, sample
+from rlkit.rollout.engines.builtin.kv_cache import SlotKVCache, prefill_mask
+from rlkit.rollout.engines.builtin.requests import DecodeParams, DecodeRequest
+from rlkit.rollout.engines.builtin.sampler import RowSampling, sample
 from rlkit.rollout.protocol import FinishReason, PauseMode
 
 log = logging.getLogger(__name__)

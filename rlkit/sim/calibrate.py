@@ -12,9 +12,9 @@ log-error; the H200 column is held out and reported as a check. SGLang's decode 
 dense models of this size is on par with TensorRT-LLM's, so the fitted efficiencies are used
 for the SGLang-served Qwen profiles (an assumption, stated in each profile).
 
-Run `python -m rlkit.rollout.sim.calibrate [--refit] [--write]` to print the simulated table against
+Run `python -m rlkit.sim.calibrate [--refit] [--write]` to print the simulated table against
 the published one (refitting first with --refit) and, with --write, regenerate the packaged
-GPU profiles (rollout/sim/profiles/).
+GPU profiles (rollout/engines/profiles/).
 """
 
 from __future__ import annotations
@@ -27,10 +27,12 @@ from pathlib import Path
 
 from rlkit.buffers.sample import Sample
 from rlkit.rollout.config import SamplingConfig
-from rlkit.rollout.sim.clock import run_virtual
-from rlkit.rollout.sim.engine import SimConfig, SimEngines
-from rlkit.rollout.sim.profile import EngineProfile, save_profile
-from rlkit.rollout.sim.roofline import (
+from rlkit.sim.clock import run_virtual
+from rlkit.sim.engine import SimConfig, SimEngines
+from importlib import resources
+
+from rlkit.rollout.engines.profile import PROFILE_PACKAGE, EngineProfile, save_profile
+from rlkit.sim.roofline import (
     H100_SXM, H200_SXM, LLAMA31_8B, QWEN3_4B, QWEN25_7B, QWEN25_32B, Efficiency, GpuSpec,
     derive_profile,
 )
@@ -58,7 +60,7 @@ TRT_MAX_BATCH = 2048  # trtllm-bench pytorch backend default max_batch_size
 TRT_KV_FRACTION = 0.925  # "0.95 ... fall back to 0.90"
 TRT_RESERVED_BYTES = 4e9  # activations, CUDA graphs, runtime (assumed)
 
-# The result of `calibrate()` (python -m rlkit.rollout.sim.calibrate --refit reproduces it; about
+# The result of `calibrate()` (python -m rlkit.sim.calibrate --refit reproduces it; about
 # six minutes on two cores). The packaged profiles are derived with it.
 FITTED = Efficiency(
     bw=0.9, flops=0.4, prefill=0.5, step_s=0.0005,
@@ -141,7 +143,7 @@ def report(eff: Efficiency) -> str:
 
 
 def packaged_profiles(eff: Efficiency) -> list[EngineProfile]:
-    """The GPU-like profiles shipped in rollout/sim/profiles (SGLang-served, bf16)."""
+    """The GPU-like profiles shipped in rollout/engines/profiles (SGLang-served, bf16)."""
     note = ("Efficiencies transferred from TensorRT-LLM to SGLang (assumption: comparable "
             "decode speed for dense models of this size).")
     return [
@@ -169,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     print(eff)
     print(report(eff))
     if args.write:
-        out = Path(__file__).parent / "profiles"
+        out = Path(resources.files(PROFILE_PACKAGE))  # the packaged profiles, beside the runtime
         out.mkdir(exist_ok=True)
         for p in packaged_profiles(eff):
             save_profile(p, out / f"{p.name}.json")

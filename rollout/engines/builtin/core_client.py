@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlkit.rollout.engines.requests import DecodeParams, DecodeRequest
-from rlkit.rollout.engines.engine_core import CoreConfig, run_engine_core
+from rlkit.rollout.engines.builtin.requests import DecodeParams, DecodeRequest
+from rlkit.rollout.engines.builtin.engine_core import CoreConfig, run_engine_core
 from rlkit.rollout.protocol import FinishReason
 
 

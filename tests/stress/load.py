@@ -1,4 +1,8 @@
-"""`rlkit bench load`: the data plane and the engines under load, with their invariants checked.
+"""Stress tests of the data plane and the engines under load, with their invariants checked.
+
+Run from the repository root: `python -m tests.stress.load --part all` (it was `rlkit bench
+load`; it measures no technique against a baseline, so it lives with the tests, not the benches).
+tests/stress/test_load.py runs both parts at small scale in CI.
 
 Two parts, run side by side (`--part buffer|router|all`):
 
@@ -90,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    report: dict[str, Any] = {"command": "rlkit bench load " + " ".join(_argv_of(args)),
+    report: dict[str, Any] = {"command": "python -m tests.stress.load " + " ".join(_argv_of(args)),
                               "conditions": _conditions()}
     if args.part in ("all", "buffer"):
         loops = [x for x in args.loops.split(",") if x]
@@ -345,7 +349,7 @@ def _ray_up() -> bool:
 def _one_ray_loop(loop: str, steps: int, samples: int, batch_size: int, seed: int) -> dict[str, Any]:
     import ray
 
-    from rlkit.bench.load_actor import LoadRolloutActor
+    from tests.stress.load_actor import LoadRolloutActor
     from rlkit.driver.cluster import RayRolloutBox
 
     actor = ray.remote(num_cpus=0)(LoadRolloutActor).remote(samples, batch_size, seed)
@@ -728,3 +732,10 @@ def format_router(r: dict[str, Any]) -> str:
     if r["errors"]:
         lines.append(f"\nerrors: {r['errors'][:5]}")
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(prog="python -m tests.stress.load",
+                                      description=__doc__.splitlines()[0])
+    add_arguments(_parser)
+    raise SystemExit(run(_parser.parse_args()))

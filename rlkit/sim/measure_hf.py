@@ -1,6 +1,6 @@
 """Measure what the simulator needs to model rlkit's built-in hf engine on a CPU machine.
 
-    python -m rlkit.rollout.sim.measure_hf --model tiny --profile docs/profiles/cpu-tiny-t1.json
+    python -m rlkit.sim.measure_hf --model tiny --profile docs/profiles/cpu-tiny-t1.json
 
 Writes (merges into) the profile JSON, keeping its other keys. What it measures, and how:
 
@@ -149,8 +149,8 @@ def measure_prefill(model_path: str, rows_list=PREFILL_ROWS, widths=PREFILL_WIDT
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rlkit.rollout.engines.batched_decoder import BatchedDecoder
-    from rlkit.rollout.engines.requests import DecodeParams, DecodeRequest
+    from rlkit.rollout.engines.builtin.batched_decoder import BatchedDecoder
+    from rlkit.rollout.engines.builtin.requests import DecodeParams, DecodeRequest
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
                                                  attn_implementation="sdpa").eval()
@@ -339,7 +339,7 @@ def update_profile(path: Path, decode: dict[str, Any] | None, prefill: dict[str,
         "hf engine on this CPU: decode-loop CPU per step in a fleet of two engines behind "
         "sglang-router and EngineClient, prefill forwards of BatchedDecoder in thread CPU time, "
         "serving-stack CPU and round trips through the real server: `python -m "
-        "rlkit.rollout.sim.measure_hf` (see its docstring); names and batch sizes as `rlkit bench "
+        "rlkit.sim.measure_hf` (see its docstring); names and batch sizes as `rlkit bench "
         "engine` writes them")
     data.setdefault("name", path.stem)
     data.setdefault("device", f"cpu ({platform.machine()}, {os.cpu_count()} cores)")
@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     serving = measure_serving(path) if "serving" in parts else None
     if serving is not None:
         print(json.dumps(serving, indent=1))
-    command = "python -m rlkit.rollout.sim.measure_hf " + " ".join(argv or [])
+    command = "python -m rlkit.sim.measure_hf " + " ".join(argv or [])
     update_profile(Path(args.profile), decode, prefill, serving, command.strip())
     print(f"updated {args.profile}")
     return 0

@@ -1,4 +1,4 @@
-"""`rlkit bench load` at small scale: the invariants it reports hold (nothing lost, each group
+"""The load stress test (`python -m tests.stress.load`) at small scale: the invariants it reports hold (nothing lost, each group
 taken once, loads back to zero, no re-submission, no hang), and its re-submission check
 catches a client that does re-submit. Figures are reported by the bench, not asserted."""
 
@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from rlkit.bench.load import (
+from tests.stress.load import (
     InstantEngines,
     LoadBenchError,
     bench_buffer_actor,

@@ -60,7 +60,7 @@ class EngineCore:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from rlkit.rollout.engines.batched_decoder import BatchedDecoder
+        from rlkit.rollout.engines.builtin.batched_decoder import BatchedDecoder
 
         self.config = config
         self.conn = conn
@@ -205,7 +205,7 @@ class EngineCore:
         self.decoder.set_weight_version(version).result()
 
     def _apply(self, tensors: dict[str, Any], version: str | None, abort_all: bool, flush: bool) -> str:
-        from rlkit.rollout.engines.weight_receiver import load_into_model
+        from rlkit.rollout.engines.builtin.weight_receiver import load_into_model
 
         if abort_all:
             self.decoder.abort(abort_all=True)
@@ -220,14 +220,14 @@ class EngineCore:
 
     def cmd_update_from_disk(self, model_path: str, version: str | None, abort_all: bool,
                              flush: bool) -> str:
-        from rlkit.rollout.engines.weight_receiver import named_for_model, read_checkpoint
+        from rlkit.rollout.engines.builtin.weight_receiver import named_for_model, read_checkpoint
 
         tensors = named_for_model(self.model, read_checkpoint(model_path))
         return self._apply(tensors, version, abort_all, flush)
 
     def cmd_init_group(self, master_address: str, master_port: int, rank: int, world_size: int,
                        group_name: str, backend: str) -> str:
-        from rlkit.rollout.engines.weight_receiver import WeightGroup, create_group
+        from rlkit.rollout.engines.builtin.weight_receiver import WeightGroup, create_group
 
         if group_name in self.groups:
             raise ValueError(f"weight update group {group_name!r} already exists; destroy it first")
@@ -241,7 +241,7 @@ class EngineCore:
         return f"Joined weight update group {group_name!r} as rank {rank} of {world_size}."
 
     def cmd_destroy_group(self, group_name: str) -> str:
-        from rlkit.rollout.engines.weight_receiver import destroy_group
+        from rlkit.rollout.engines.builtin.weight_receiver import destroy_group
 
         group = self.groups.pop(group_name, None)
         if group is None:
@@ -252,7 +252,7 @@ class EngineCore:
     def cmd_receive_bucket(self, group_name: str, names: list[str], dtypes: list[str],
                            shapes: list[list[int]], version: str | None, abort_all: bool,
                            flush: bool) -> str:
-        from rlkit.rollout.engines.weight_receiver import (
+        from rlkit.rollout.engines.builtin.weight_receiver import (
             WeightUpdateError, check_named_shapes, parse_dtype, receive_bucket)
 
         group = self.groups.get(group_name)

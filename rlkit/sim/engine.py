@@ -1,7 +1,7 @@
 """Simulated engines: continuous batching with a latency profile and a KV-cache limit.
 
 `SimEngines` implements the manager's `Engines` interface (rollout.engine_api) over N simulated
-workers. Run it on a `VirtualTimeLoop` (rollout.sim.clock) and a 128-engine step with 32k-token
+workers. Run it on a `VirtualTimeLoop` (rlkit.sim.clock) and a 128-engine step with 32k-token
 tails takes seconds of real time.
 
 Model of one worker (an SGLang-like server):
@@ -56,7 +56,7 @@ Model of one worker (an SGLang-like server):
   the monitor's side; `SimRestarter` restarts after a delay.
 - Sampling. Simulated engines know no text: a request generates exactly its budget
   (`max_new_tokens`) and finishes with 'length'. Natural lengths come from a trace through
-  `TraceReplayEngines` (rollout.sim.replay), exactly as on real engines.
+  `TraceReplayEngines` (rlkit.sim.replay), exactly as on real engines.
 
 Deterministic: no randomness, no wall clock; ties resolve by worker index and admission order.
 """
@@ -72,7 +72,7 @@ from typing import Any, Callable, Literal
 from rlkit.buffers.sample import Sample
 from rlkit.rollout.config import SamplingConfig
 from rlkit.rollout.engine_api import EngineError, WorkerLost
-from rlkit.rollout.sim.profile import EngineProfile
+from rlkit.rollout.engines.profile import EngineProfile
 
 Router = Literal["round_robin", "least_load"]
 HUNG_CONTROL_TIMEOUT_S = 10.0  # a control call to a hung worker fails after this (client timeout)

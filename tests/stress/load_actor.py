@@ -1,11 +1,11 @@
-"""The rollout actor of `rlkit bench load` (its own module: importing the driver's Ray
+"""The rollout actor of the load stress test (tests/stress/load.py) (its own module: importing the driver's Ray
 classes costs `rlkit --help` a third of a second)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from rlkit.bench.load import PeakRss, build_service
+from tests.stress.load import PeakRss, build_service
 from rlkit.driver.cluster import RolloutActor
 
 

@@ -1,7 +1,7 @@
 """What a simulated run is measured by, and the pieces it is built from: a step's `StepResult`
 (from the manager's report and the simulated engines' counters), the trace's prompt source and
 its reward. The run itself (the real driver loops over the real manager, policies and buffer
-on simulated engines, in virtual time) is `rlkit.driver.simulate.run_simulation`.
+on simulated engines, in virtual time) is `rlkit.sim.simulate.run_simulation`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any
 from rlkit.buffers.group import Group
 from rlkit.buffers.sample import Sample
 from rlkit.buffers.source import ListPromptSource
-from rlkit.rollout.sim.engine import Segment, SimConfig, WorkerStats
+from rlkit.sim.engine import Segment, SimConfig, WorkerStats
 from rlkit.rollout.timeline import Span
-from rlkit.rollout.sim.trace import Trace
+from rlkit.sim.trace import Trace
 
 
 _ZERO = WorkerStats()

@@ -8,7 +8,7 @@ hit yet (modulo their count), so a schedule does not need to know the engines' i
 change with every restart, and several faults at one instant hit distinct engines.
 
 A hung simulated engine freezes in the middle of its run of decode steps: the tokens it has
-decoded since its last event were never streamed and are in no counter (rollout.sim.engine).
+decoded since its last event were never streamed and are in no counter (rlkit.sim.engine).
 `FaultInjector` computes them at the fault, as `Injected.tokens_in_flight`: the only tokens a
 fault may lose. (A real engine streams every token, so it loses at most the decode step in
 progress; the simulator's figure is an upper bound of that.)
@@ -23,11 +23,11 @@ import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Sequence
 
-from rlkit.rollout.sim.engine import SimEngines
+from rlkit.sim.engine import SimEngines
 
 if TYPE_CHECKING:
     from rlkit.rollout.health import EngineMonitor
-    from rlkit.rollout.sim.harness import StepResult
+    from rlkit.sim.harness import StepResult
 
 FaultKind = Literal["kill", "hang"]
 FAULT_KINDS: tuple[FaultKind, ...] = ("kill", "hang")

@@ -8,7 +8,7 @@ comes from a TrainTimeModel, all in virtual time.
 builds, over one trace: a `ListPromptSource` of the trace's prompts (in the trace's order), a
 `RolloutBuffer`, `SimEngines` wrapped in `TraceReplayEngines`, a reward that passes with
 probability 1 - difficulty (deterministic per response), and a `RolloutManager` driving the
-given policy; then runs `mode`'s loop for `steps` steps and measures each (rollout.sim.harness).
+given policy; then runs `mode`'s loop for `steps` steps and measures each (rlkit.sim.harness).
 
 What the simulated trainer does not model: in async mode a weight sync pauses the engines on a
 real cluster (retract, update, continue); here generation goes on through it (sync_s is a few
@@ -17,7 +17,7 @@ seconds against steps of minutes).
 Engine faults (`health`, `faults`, `restart_s`; `rlkit bench faults`): the manager gets the real
 EngineMonitor over the replay engines, restarting a lost engine `restart_s` after its backoff
 (SimRestarter; None: never), and a task injects each Fault at its virtual time
-(rollout.sim.faults). Restarted simulated engines need no weights (admitted at once). Without
+(rlkit.sim.faults). Restarted simulated engines need no weights (admitted at once). Without
 `health` and `faults` nothing of this is built: results are exactly those of a run without them.
 """
 
@@ -40,13 +40,13 @@ from rlkit.rollout.manager import RolloutManager, RolloutPolicy
 from rlkit.rollout.health import EngineMonitor
 from rlkit.rollout.rankers import LengthRanker
 from rlkit.rollout.rewards import RewardScheduler
-from rlkit.rollout.sim.clock import run_virtual
-from rlkit.rollout.sim.engine import SimConfig, SimEngines, SimRestarter, SimWorker
-from rlkit.rollout.sim.faults import Fault, FaultedRun, FaultInjector
-from rlkit.rollout.sim.harness import StepResult, measure, span, trace_reward, trace_source
-from rlkit.rollout.sim.replay import BufferPrompts, TraceReplayEngines
-from rlkit.rollout.sim.trace import Trace
-from rlkit.rollout.sim.train_time import TrainTimeModel
+from rlkit.sim.clock import run_virtual
+from rlkit.sim.engine import SimConfig, SimEngines, SimRestarter, SimWorker
+from rlkit.sim.faults import Fault, FaultedRun, FaultInjector
+from rlkit.sim.harness import StepResult, measure, span, trace_reward, trace_source
+from rlkit.sim.replay import BufferPrompts, TraceReplayEngines
+from rlkit.sim.trace import Trace
+from rlkit.sim.train_time import TrainTimeModel
 from rlkit.rollout.timeline import StepTimeline, append_step
 
 

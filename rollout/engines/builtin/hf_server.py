@@ -1,6 +1,6 @@
 """rlkit's built-in engine server: SGLang's HTTP protocol over a transformers model.
 
-    python -m rlkit.rollout.engines.hf_server --model PATH [--port 0 --port-file F] [--threads N] ...
+    python -m rlkit.rollout.engines.builtin.hf_server --model PATH [--port 0 --port-file F] [--threads N] ...
 
 It serves the SGLang endpoints rlkit uses (docs/engines.md has the table) so that it sits behind
 the real sglang-router and talks to the same client as real SGLang servers. Two processes, like
@@ -32,10 +32,10 @@ from pydantic import ValidationError
 
 from rlkit.rollout.auth import (CONTROL_PATHS, CONTROL_TOKEN_ENV, ControlTokenMissing, check_authorization,
                           check_bind, control_token_from_env)
-from rlkit.rollout.engines.requests import DecodeParams
-from rlkit.rollout.engines.core_client import CoreDied, CoreError, CoreRefused, EngineCoreClient, RemoteRequest
-from rlkit.rollout.engines.detokenizer import IncrementalDetokenizer, load_tokenizer
-from rlkit.rollout.engines.engine_core import CoreConfig
+from rlkit.rollout.engines.builtin.requests import DecodeParams
+from rlkit.rollout.engines.builtin.core_client import CoreDied, CoreError, CoreRefused, EngineCoreClient, RemoteRequest
+from rlkit.rollout.engines.builtin.detokenizer import IncrementalDetokenizer, load_tokenizer
+from rlkit.rollout.engines.builtin.engine_core import CoreConfig
 from rlkit.rollout.protocol import (
     ENGINE_URL_HEADER,
     AbortRequest,
@@ -518,7 +518,7 @@ class EngineServer:
 
 # -- process entry point ----------------------------------------------------------------------------
 def build_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m rlkit.rollout.engines.hf_server", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m rlkit.rollout.engines.builtin.hf_server", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="HF model folder")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: --model)")
     p.add_argument("--served-model-name", default=None)

@@ -1,0 +1,1 @@
+"""Engine profiles shipped as package data (JSON, see rollout.engines.profile)."""

@@ -1,1 +1,0 @@
-"""Engine profiles shipped as package data (JSON, see rollout.sim.profile)."""
