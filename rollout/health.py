@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from rlkit.buffers.errors import UserError
 from rlkit.rollout.config import HealthConfig
@@ -65,6 +65,9 @@ class EngineMonitor:
         self._restarts: Counter[str] = Counter()  # per slot
         self._restarting: set[asyncio.Task] = set()
         self._changed = asyncio.Event()
+        # Called on every change of the engine set (lost, restarted, back): the rollout box
+        # pushes its progress to the driver then, so restarted engines get weights at once.
+        self.listeners: list[Callable[[], None]] = []
         self._task: asyncio.Task | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -231,3 +234,5 @@ class EngineMonitor:
 
     def _notify(self) -> None:
         self._changed.set()
+        for listener in self.listeners:
+            listener()

@@ -1,9 +1,11 @@
-"""Ray placement of a run's pieces, and their orderly shutdown.
+"""A run's cluster lifecycle: connect to Ray, place the pieces, start them, stop them all.
 
     EngineActor x N     one engine server process each (hf or SGLang), on its GPU(s) if any
-    RolloutActor        the router process, the RolloutBuffer, the RolloutManager, the HTTP
-                        client and reward scoring (DESIGN.md: the buffer lives in one actor)
+    RolloutActor        the router process and the rollout box (docs/design.md: the buffer
+                        lives in one actor)
     TrainWorker x TP*DP the Megatron ranks (train.ray_group.TrainerGroup)
+
+The actors are rlkit/driver/actors.py; the driver's side of them, rlkit/driver/proxies.py.
 
 Placement groups hold them (rlkit.driver.placement has the rules). Every piece that owns a
 process stops it in `stop()`; `Cluster.shutdown()` stops them in order (router, engines,
@@ -13,278 +15,28 @@ joined (running), so no process or port of the run is left behind.
 
 from __future__ import annotations
 
-import asyncio
 import os
-import re
 import secrets
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
-from rlkit.buffers.control_token import CONTROL_TOKEN_ENV, is_loopback
-from rlkit.buffers.errors import UserError
+from rlkit.buffers.control_token import is_loopback
 from rlkit.config.schema import Recipe
-from rlkit.driver.loop import Handed
+from rlkit.driver.actors import EngineActor, RolloutActor
 from rlkit.driver.placement import (
-    WILDCARD_HOSTS,
     ClusterJoinError,
     PlacementError,
     PlacementPlan,
+    advertised,
     bundle,
     check_reachable,
     local_num_cpus,
     plan_placement,
     resolve_address,
 )
-from rlkit.driver.rollout_service import RolloutService, StepResult, group_record
 from rlkit.rollout.engines.config import EngineConfig
 
 DEFAULT_HOST = EngineConfig.model_fields["host"].default  # loopback: one node needs no more
-
-
-def use_control_token(token: str | None) -> None:
-    """Put the run's control token in this actor's environment (engine servers started from it
-    inherit it; clients read it there). It travels as an actor argument, not in a Ray
-    runtime_env, because Ray's runtime-env agent logs env_vars in clear."""
-    if token:
-        os.environ[CONTROL_TOKEN_ENV] = token
-
-
-class EngineActor:
-    """Owns one engine server process."""
-
-    def __init__(self, model_path: str, engine: dict[str, Any], index: int, log_dir: str,
-                 bind_node_address: bool = False, control_token: str | None = None) -> None:
-        from rlkit.rollout.engines.config import EngineConfig
-        from rlkit.rollout.engines.fleet import start_engine
-
-        use_control_token(control_token)
-        if bind_node_address:  # a cluster of several nodes: reachable from the other nodes
-            import ray
-
-            engine = {**engine, "host": ray.util.get_node_ip_address()}
-        self.args = (model_path, EngineConfig.model_validate(engine), index, Path(log_dir))
-        self.proc = start_engine(*self.args)
-
-    def url(self) -> str:
-        return self.proc.url  # type: ignore[return-value]
-
-    def restart(self) -> str:
-        """Kill what is left of the engine (a hung, stopped process too: SIGKILL to its process
-        group) and start it again, in this actor's bundle; its new URL once healthy."""
-        from rlkit.rollout.engines.fleet import start_engine
-
-        self.proc.kill()
-        self.proc = start_engine(*self.args)
-        import ray
-
-        return _advertised(self.url(), ray.util.get_node_ip_address())  # as Cluster.start does
-
-    def stop(self) -> None:
-        self.proc.stop()
-
-
-class RolloutActor:
-    """The rollout box as a Ray actor (async: steps run on the actor's event loop)."""
-
-    def __init__(self, recipe: dict[str, Any], model_path: str, log_dir: str,
-                 control_token: str | None = None) -> None:
-        use_control_token(control_token)  # the EngineClient reads it from the environment
-        self.recipe = Recipe.model_validate(recipe)
-        self.model_path = model_path
-        self.log_dir = Path(log_dir)
-        self.tokenizer: Any = None
-        self.source: Any = None
-        self.score: Any = None
-        self.group_filter: Any = None
-        self.ranker: Any = None
-        self.evaluator: Any = None
-        self.router = None
-        self.client = None
-        self.service: RolloutService | None = None
-
-    async def prepare(self) -> None:
-        """Load the prompts and resolve the reward: no engine needed, so it runs while the
-        engines start and a bad data file or reward name fails the run at once."""
-        from transformers import AutoTokenizer
-
-        from rlkit.data.prompts import load_prompt_source
-        from rlkit.evaluation import make_evaluator
-        from rlkit.plugins import load_group_filter, load_ranker
-        from rlkit.rewards.scoring import make_score_fn, tokenizer_decode
-
-        r = self.recipe
-        tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.source = load_prompt_source(r.data, tokenizer, seed=r.run.seed)
-        self.score = make_score_fn(r.rollout.reward, tokenizer_decode(tokenizer))
-        self.group_filter = load_group_filter(r.rollout.filter)
-        self.ranker = load_ranker(r.rollout.ranker)
-        if r.eval.enabled:  # held-out sets: a bad row fails the run here, before any step
-            self.evaluator = make_evaluator(r.eval, r.rollout, tokenizer, self.score)
-
-    async def start(self, engine_urls: list[str], engine_actors: list[Any] = ()) -> None:
-        """Start the router in front of the engines and the rollout service over them; a lost
-        engine is restarted by its EngineActor (`engine_actors`, in the order of the URLs)."""
-        from rlkit.rollout.client import EngineClient
-        from rlkit.rollout.router import Router
-
-        assert self.source is not None, "prepare() first"
-        r = self.recipe
-        self.router = Router(r.rollout.router, log_path=self.log_dir / "router.log")
-        router_url = await asyncio.to_thread(self.router.start, engine_urls)
-        self.client = await EngineClient(router_url, worker_urls=engine_urls,
-                                         router_admin=self.router).connect()
-        restarter = ActorRestarter(dict(zip(engine_urls, engine_actors))) if engine_actors else None
-        self.service = RolloutService.from_config(r.rollout, self.source, self.client, self.score,
-                                                  self.group_filter, self.ranker, restarter,
-                                                  self.evaluator)
-
-    async def run_step(self, version: int, for_version: int, final: bool) -> StepResult:
-        assert self.service is not None
-        result = await self.service.run_step(version, for_version=for_version, final=final)
-        result.report = None  # the driver needs the plain data only
-        return result
-
-    async def evaluate(self, version: int) -> dict[str, float]:
-        assert self.service is not None
-        return await self.service.evaluate(version)
-
-    def progress(self) -> dict[str, Any] | None:
-        return self.service.progress() if self.service is not None else None
-
-    async def next_ready(self) -> tuple[list[Any], list[dict[str, Any]]]:
-        """The next ready group as an object reference (the trainer actors fetch it from here,
-        not through the driver) and its record. Waits without blocking generation."""
-        assert self.service is not None
-        return _refs([await self.service.next_ready()])
-
-    def take(self, n: int) -> tuple[list[Any], list[dict[str, Any]]]:
-        assert self.service is not None
-        return _refs(self.service.take(n))
-
-    def admits(self, for_version: int) -> bool:
-        assert self.service is not None
-        return self.service.admits(for_version)
-
-    def set_version(self, version: int) -> None:
-        assert self.service is not None
-        self.service.set_version(version)
-
-    def engine_set(self) -> tuple[list[str], list[str]]:
-        assert self.service is not None
-        return self.service.engine_set()
-
-    async def admit_engines(self, urls: list[str]) -> None:
-        assert self.service is not None
-        await self.service.admit_engines(urls)
-
-    def give_back_untrained(self) -> int:
-        assert self.service is not None
-        return self.service.give_back_untrained()
-
-    async def check_engines(self) -> int:
-        assert self.service is not None
-        return await self.service.check_engines()
-
-    def save(self, path: str) -> None:
-        assert self.service is not None
-        self.service.save(path)
-
-    def load(self, path: str) -> None:
-        assert self.service is not None
-        self.service.load(path)
-
-    async def stop(self) -> None:
-        if self.service is not None:
-            await self.service.cancel()
-        if self.client is not None:
-            await self.client.close()
-            self.client = None
-        if self.router is not None:
-            await asyncio.to_thread(self.router.stop)
-            self.router = None
-
-
-class ActorRestarter:
-    """Restarts a lost engine through the EngineActor that owns it (rollout.health.Restarter)."""
-
-    def __init__(self, actors: dict[str, Any]) -> None:
-        self.actors = actors  # engine URL -> its EngineActor
-
-    async def restart(self, worker: str) -> str:
-        actor = self.actors.pop(worker)
-        url = await actor.restart.remote()
-        self.actors[url] = actor
-        return url
-
-
-def _refs(groups: list[Any]) -> tuple[list[Any], list[dict[str, Any]]]:
-    import ray
-
-    return [ray.put(g) for g in groups], [group_record(g) for g in groups]
-
-
-class RayRolloutBox:
-    """The driver's view of the RolloutActor (a mode's RolloutBox)."""
-
-    def __init__(self, actor: Any, on_progress: Any = None, poll_s: float = 0.5) -> None:
-        self.actor = actor
-        self.on_progress = on_progress
-        self.poll_s = poll_s
-        # Run.restore_engines: engines restarted mid-step get the weights (set by the driver)
-        self.on_engines_back: Any = None
-
-    def start_step(self, version: int, *, for_version: int, final: bool) -> asyncio.Future[StepResult]:
-        return asyncio.ensure_future(self._step(version, for_version, final))
-
-    async def _step(self, version: int, for_version: int, final: bool) -> StepResult:
-        done = asyncio.wrap_future(self.actor.run_step.remote(version, for_version, final).future())
-        while True:
-            finished, _ = await asyncio.wait({done}, timeout=self.poll_s)
-            if finished:
-                return done.result()
-            p = await self.actor.progress.remote()
-            if p and self.on_progress is not None:
-                self.on_progress(p)
-            if p and p.get("awaiting_weights") and self.on_engines_back is not None:
-                await self.on_engines_back()
-
-    async def next_ready(self) -> Handed:
-        return Handed(*await self.actor.next_ready.remote())
-
-    async def take(self, n: int) -> Handed:
-        return Handed(*await self.actor.take.remote(n))
-
-    async def admits(self, for_version: int) -> bool:
-        return await self.actor.admits.remote(for_version)
-
-    async def set_version(self, version: int) -> None:
-        await self.actor.set_version.remote(version)
-
-    async def evaluate(self, version: int) -> dict[str, float]:
-        return await self.actor.evaluate.remote(version)
-
-    async def engine_set(self) -> tuple[list[str], list[str]]:
-        return await self.actor.engine_set.remote()
-
-    async def admit_engines(self, urls: list[str]) -> None:
-        await self.actor.admit_engines.remote(urls)
-
-    async def give_back_untrained(self) -> int:
-        return await self.actor.give_back_untrained.remote()
-
-    async def check_engines(self) -> int:
-        return await self.actor.check_engines.remote()
-
-    def save(self, path: str) -> None:
-        import ray
-
-        ray.get(self.actor.save.remote(path))
-
-    def load(self, path: str) -> None:
-        import ray
-
-        ray.get(self.actor.load.remote(path))
 
 
 class Cluster:
@@ -445,7 +197,7 @@ class Cluster:
             ray.get(self.rollout_actor.prepare.remote())  # while the engines start
             urls = ray.get([e.url.remote() for e in self.engines])
             where = self.placement()
-            self.engine_urls = [_advertised(u, where["addresses"].get(n, "")) for u, n in zip(urls, where["engines"])]
+            self.engine_urls = [advertised(u, where["addresses"].get(n, "")) for u, n in zip(urls, where["engines"])]
             ray.get(self.rollout_actor.start.remote(self.engine_urls, self.engines))
             assert self.plan is not None
             self.trainer = TrainerGroup(
@@ -497,99 +249,8 @@ def _driver_node_id() -> str | None:
         return None
 
 
-def _advertised(url: str, node_address: str) -> str:
-    """An engine bound to every interface is reached at its node's address."""
-    parts = urlsplit(url)
-    if parts.hostname in WILDCARD_HOSTS and node_address:
-        host = f"[{node_address}]" if ":" in node_address else node_address  # IPv6
-        return urlunsplit(parts._replace(netloc=f"{host}:{parts.port}"))
-    return url
-
-
 def _quietly(fn: Any) -> None:
     try:
         fn()
     except Exception:  # noqa: BLE001 - shutdown must go on past a dead piece
         pass
-
-
-class TrainerDied(UserError):
-    """A trainer rank's process died (killed, out of memory, a crash in native code). The run
-    cannot go on without it; `rlkit.driver.run` adds the step and the checkpoint to resume from."""
-
-    exit_code = 1  # not bad input: the run failed, and can be resumed
-
-
-class RayTrainerBox:
-    """The driver's view of the TrainerGroup (a mode's TrainerBox): calls are submitted at once
-    and awaited at `finish`; group references go to the trainer actors as they are.
-
-    Every wait returns at the first failure of any rank rather than in rank order: a rank that
-    died leaves the others blocked in a collective. A dead rank ends the run as TrainerDied, and
-    the other ranks are killed with it (they cannot finish a collective step without it)."""
-
-    def __init__(self, group: Any, recipe: Recipe, engine_urls: list[str], run_dir: Path) -> None:
-        self.group = group
-        self.recipe = recipe
-        self.engine_urls = engine_urls
-        self.folder = run_dir / "weights"
-        self.samples = recipe.rollout.samples_per_step
-        self._calls: list[Any] = []
-
-    def begin(self, version: int) -> None:
-        self._calls = self.group.begin_batch(version, self.samples)
-
-    def add(self, handed: Handed) -> None:
-        self._calls += self.group.add_groups(handed.refs)
-
-    async def finish(self) -> dict[str, float]:
-        calls, self._calls = self._calls, []
-        await self._wait(calls, "training")  # an error in any earlier call surfaces here
-        return (await self._wait(self.group.finish_batch(), "the optimizer step"))[0]
-
-    async def push_weights(self, version: int, urls: list[str] | None = None) -> None:
-        """To `urls` (the engines serving now, and restarted ones); by default the first set."""
-        urls = list(urls if urls is not None else self.engine_urls)
-        folder = str(self.folder)
-        method = self.recipe.train.weight_sync.method
-        # TrainerGroup.sync_weights's calls, one per rank, so a dead rank is seen at once
-        await self._wait([w.sync_weights.remote(urls, version, method, folder)
-                          for w in self.group.workers], "the weight sync")
-
-    def save(self, path: str | Path) -> None:
-        import ray
-
-        try:
-            self.group.save(path)
-        except ray.exceptions.RayActorError as e:
-            raise self._died(e, "the checkpoint save") from None
-
-    async def _wait(self, refs: list[Any], what: str) -> list[Any]:
-        futures = [asyncio.wrap_future(r.future()) for r in refs]
-        if not futures:
-            return []
-        done, _ = await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
-        failed = [f.exception() for f in futures if f in done and f.exception() is not None]
-        if failed:
-            import ray
-
-            if isinstance(failed[0], ray.exceptions.RayActorError):
-                raise self._died(failed[0], what) from None
-            raise failed[0]
-        return [f.result() for f in futures]
-
-    def _died(self, e: Exception, what: str) -> TrainerDied:
-        import ray
-
-        actor_id = getattr(e, "actor_id", None)
-        who = "a trainer rank"
-        for rank, w in enumerate(self.group.workers):
-            if actor_id and w._actor_id.hex() == actor_id:
-                pid = (self.group.ranks[rank] or {}).get("pid") if rank < len(self.group.ranks) else None
-                who = f"trainer rank {rank}" + (f" (pid {pid})" if pid else "")
-        for w in self.group.workers:  # the others cannot finish a collective without it
-            _quietly(lambda w=w: ray.kill(w))
-        exit_type = re.search(r"Worker exit type: (\w+)", str(e))
-        reason = (f"its process is gone, Ray's exit type {exit_type.group(1)}: killed, out of "
-                  "memory or crashed" if exit_type else str(e).strip().split("\n")[0][:200])
-        return TrainerDied(f"{who} died during {what} ({reason})")

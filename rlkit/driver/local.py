@@ -1,5 +1,6 @@
-"""In-process boxes: the rollout service and a trainer in this process, for tests and for
-driving a mode's loop without Ray (`run_local`). The simulator builds on them."""
+"""In-process boxes, for tests and for driving a mode's loop without Ray (`run_local`): the
+rollout box is the RolloutService itself; the trainer box wraps a Trainer in this process. The
+simulator builds on them."""
 
 from __future__ import annotations
 
@@ -7,53 +8,15 @@ import asyncio
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from rlkit.driver.loop import Handed, LoopState, OnEval, OnStep, Run, handed_of
-from rlkit.driver.rollout_service import RolloutService, StepResult
+from rlkit.driver.loop import LoopState, OnEval, OnStep, Run
+from rlkit.driver.rollout_box import Handed
+from rlkit.driver.rollout_service import RolloutService
 from rlkit.train.stream import RolloutBatchStep
 
 if TYPE_CHECKING:
     from rlkit.config.schema import Recipe
     from rlkit.train.config import TrainConfig
     from rlkit.train.protocol import Trainer
-
-
-class LocalRolloutBox:
-    def __init__(self, service: RolloutService) -> None:
-        self.service = service
-
-    def start_step(self, version: int, *, for_version: int, final: bool) -> asyncio.Future[StepResult]:
-        return asyncio.ensure_future(
-            self.service.run_step(version, for_version=for_version, final=final))
-
-    async def next_ready(self) -> Handed:
-        return handed_of([await self.service.next_ready()])
-
-    async def take(self, n: int) -> Handed:
-        return handed_of(self.service.take(n))
-
-    async def admits(self, for_version: int) -> bool:
-        return self.service.admits(for_version)
-
-    async def set_version(self, version: int) -> None:
-        self.service.set_version(version)
-
-    async def evaluate(self, version: int) -> dict[str, float]:
-        return await self.service.evaluate(version)
-
-    async def engine_set(self) -> tuple[list[str], list[str]]:
-        return self.service.engine_set()
-
-    async def admit_engines(self, urls: list[str]) -> None:
-        await self.service.admit_engines(urls)
-
-    async def give_back_untrained(self) -> int:
-        return self.service.give_back_untrained()
-
-    async def check_engines(self) -> int:
-        return await self.service.check_engines()
-
-    def save(self, path: str) -> None:
-        self.service.save(path)
 
 
 class LocalTrainerBox:
@@ -96,7 +59,7 @@ def run_local(recipe: "Recipe", service: RolloutService, trainer: "Trainer", on_
     from rlkit.driver.modes import MODES
 
     trainer_box = LocalTrainerBox(trainer, recipe.train, recipe.rollout.samples_per_step)
-    run = Run(LocalRolloutBox(service), trainer_box,
+    run = Run(service, trainer_box,
               recipe.run.num_steps, recipe.rollout.batch_size, on_step, state or LoopState(),
               eval_due=recipe.eval.due, on_eval=on_eval)
     return asyncio.run(MODES[recipe.mode](run))

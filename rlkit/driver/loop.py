@@ -1,15 +1,15 @@
 """What every driver mode's loop works with: the two boxes, the run's length, the state, and
-one place for the end of a step (metrics row, timeline, checkpoint) and for the weight sync.
+one place for the end of a step (`Run.end_step`: train, sync, report) and for the weight sync.
 
-    rollout box  the buffer + manager (RolloutService): a Ray actor in a run, an in-process
-                 object in tests and in the simulator. `start_step` returns a handle at once
-                 (an awaitable, as slime's `generate.remote` returns a future).
+    rollout box  the buffer + manager (RolloutService; the protocol is rlkit/driver/
+                 rollout_box.py): a Ray actor in a run, an in-process object in tests and in
+                 the simulator. `start_step` returns a handle at once (an awaitable, as slime's
+                 `generate.remote` returns a future).
     trainer box  the trainer: TP x DP Ray actors in a run, a local trainer in tests, a
                  time model in the simulator. It takes groups as they become ready.
 
-Groups travel from the rollout box to the trainer box as `Handed`: opaque references (Ray
-object references in a run, so the data goes from the rollout actor to the trainer actors
-directly) and small records the driver keeps for metrics.
+`step_recorder` builds what a real run does with each ended step (metrics row, timeline,
+checkpoint).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
-from rlkit.driver.rollout_service import StepResult, batch_metrics, group_record
+from rlkit.driver.rollout_box import Handed, RolloutBox, RolloutResult, batch_metrics
 
 if TYPE_CHECKING:
     from rlkit.config.schema import Recipe
@@ -30,49 +30,6 @@ if TYPE_CHECKING:
 class LoopState:
     step: int = 0  # steps completed
     version: int = 0  # policy version of the trainer's weights (and the engines', after a sync)
-
-
-@dataclass
-class Handed:
-    """Ready groups on their way to the trainer: references, and the driver's records of them."""
-
-    refs: list[Any] = field(default_factory=list)
-    records: list[dict[str, Any]] = field(default_factory=list)
-
-    def extend(self, other: "Handed") -> None:
-        self.refs += other.refs
-        self.records += other.records
-
-
-class RolloutBox(Protocol):
-    def start_step(self, version: int, *, for_version: int, final: bool) -> asyncio.Future[StepResult]:
-        """Start a rollout step (engines at `version`, groups to be trained at consumer version
-        `for_version`); returns its handle at once."""
-        ...
-
-    async def next_ready(self) -> Handed: ...  # one group, as soon as one is ready
-
-    async def take(self, n: int) -> Handed: ...  # n ready groups now (all or none)
-
-    async def admits(self, for_version: int) -> bool: ...  # the buffer's admission bound
-
-    async def set_version(self, version: int) -> None: ...  # weights now on the engines
-
-    async def evaluate(self, version: int) -> dict[str, float]:
-        """The recipe's held-out evaluation on the engines (at `version`): its metrics row."""
-        ...
-
-    async def engine_set(self) -> tuple[list[str], list[str]]:
-        """Engines serving, and engines restarted that wait for the current weights."""
-        ...
-
-    async def admit_engines(self, urls: list[str]) -> None: ...  # they hold the weights now
-
-    async def give_back_untrained(self) -> int: ...  # handed since the last sync: back to ready
-
-    async def check_engines(self) -> int: ...  # probe every engine now: how many were lost
-
-    def save(self, path: str) -> None: ...
 
 
 class TrainerBox(Protocol):
@@ -87,7 +44,7 @@ class TrainerBox(Protocol):
     def save(self, path: str | Path) -> None: ...
 
 
-OnStep = Callable[[LoopState, StepResult, Handed, dict[str, float]], None]
+OnStep = Callable[[LoopState, RolloutResult, Handed, dict[str, float]], None]
 OnEval = Callable[[int, dict[str, float]], None]  # steps done (= version evaluated), metrics
 
 
@@ -99,7 +56,7 @@ class Run:
     trainer: TrainerBox
     num_steps: int
     batch_size: int
-    on_step: OnStep  # after each trained step (see `finish_step`)
+    on_step: OnStep  # after each ended step (a real run's: `step_recorder`)
     state: LoopState = field(default_factory=LoopState)
     final_step: bool = True  # the last step is the run's final one (benchmarks of the steady state: no)
     # Held-out evaluation (recipe `eval`): whether one is due after k steps, and its report.
@@ -188,7 +145,7 @@ class Run:
                 await self.trainer.push_weights(self.state.version, restarted)
                 await self.rollout.admit_engines(restarted)
 
-    async def finish_step(self, result: StepResult, handed: Handed, **row: float) -> None:
+    async def end_step(self, result: RolloutResult, handed: Handed, **row: float) -> None:
         """Every mode's end of a step, once the trainer has all of its groups: what training
         is left and the optimizer step(s), the weight sync, then count, time and report it."""
         async with self._weights:
@@ -209,14 +166,14 @@ class Run:
         self.on_step(self.state, result, handed, row)
 
 
-def finish_step(recipe: "Recipe", tracker: "Tracker", rollout: RolloutBox, trainer: TrainerBox,
-                run_dir: Path) -> OnStep:
+def step_recorder(recipe: "Recipe", tracker: "Tracker", rollout: RolloutBox, trainer: TrainerBox,
+                  run_dir: Path) -> OnStep:
     """The real run's end of a step: its metrics row (rollout, batch, train, buffer),
     timeline and trained groups to the tracker, and a checkpoint when one is due (always
     after the last)."""
     from rlkit.checkpoint import save_checkpoint
 
-    def on_step(state: LoopState, result: StepResult, handed: Handed,
+    def on_step(state: LoopState, result: RolloutResult, handed: Handed,
                 row: dict[str, float]) -> None:
         tracker.log(state.step, {
             **result.metrics,
@@ -238,11 +195,6 @@ def finish_step(recipe: "Recipe", tracker: "Tracker", rollout: RolloutBox, train
             )
 
     return on_step
-
-
-def handed_of(groups: Sequence[Any]) -> Handed:
-    """In-process boxes hand the groups themselves."""
-    return Handed(list(groups), [group_record(g) for g in groups])
 
 
 def _staleness(records: Sequence[dict[str, Any]], trained_at: int) -> dict[str, float]:

@@ -1,7 +1,7 @@
 """The driver modes, one short loop each, and their registry (recipe key `mode`).
 
 Every mode trains each rollout batch the same way (train/stream.py) and ends each step the same
-way (`Run.finish_step`: train what is left, push weights, report); they differ only in where
+way (`Run.end_step`: train what is left, push weights, report); they differ only in where
 they wait:
 
     sync    rollout step -> train on its batch -> push weights.
@@ -38,7 +38,7 @@ async def run_sync(run: Run) -> LoopState:
         handed = await run.rollout.take(run.batch_size)
         run.trainer.begin(s.version)
         run.trainer.add(handed)
-        await run.finish_step(result, handed)  # train, push weights, report
+        await run.end_step(result, handed)  # train, push weights, report
         await run.evaluate()  # held-out sets on the new weights, when due
     return s
 
@@ -52,7 +52,7 @@ async def run_stream(run: Run) -> LoopState:
                                         final=run.is_final(s.step + 1))
         run.trainer.begin(s.version)
         handed = await _stream_into(run, handle)  # each group to the trainer as it completes
-        await run.finish_step(await handle, handed)  # only what streaming could not hide is left
+        await run.end_step(await handle, handed)  # only what streaming could not hide is left
         await run.evaluate()
     return s
 
@@ -77,7 +77,7 @@ async def run_async(run: Run) -> LoopState:
         run.trainer.begin(s.version)
         run.trainer.add(handed)
         # the weight sync lands mid-generation: in-flight requests go on with the new weights
-        await run.finish_step(result, handed, **{"async/overlapped": float(pending is not None)})
+        await run.end_step(result, handed, **{"async/overlapped": float(pending is not None)})
         run.start_eval()  # beside the next rollout; the next weight sync waits for it
     await run.eval_done()
     return s

@@ -22,6 +22,7 @@ import os
 import socket
 from dataclasses import dataclass
 from typing import Mapping, Sequence
+from urllib.parse import urlsplit, urlunsplit
 
 from rlkit.buffers.errors import UserError
 
@@ -150,3 +151,12 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
 
 
 WILDCARD_HOSTS = ("0.0.0.0", "::")
+
+
+def advertised(url: str, node_address: str) -> str:
+    """An engine bound to every interface is reached at its node's address."""
+    parts = urlsplit(url)
+    if parts.hostname in WILDCARD_HOSTS and node_address:
+        host = f"[{node_address}]" if ":" in node_address else node_address  # IPv6
+        return urlunsplit(parts._replace(netloc=f"{host}:{parts.port}"))
+    return url

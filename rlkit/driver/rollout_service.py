@@ -1,53 +1,51 @@
-"""The rollout box: the RolloutBuffer, the RolloutManager and reward scoring, in one process.
+"""The rollout box's one implementation: the RolloutBuffer, the RolloutManager and reward
+scoring, in one process (rlkit/driver/rollout_box.py has the protocol it implements).
 
-In a run it lives in one Ray actor (the buffer's home, DESIGN.md); in tests it is a plain
-object. The engines are injected: the HTTP client in front of the router in a run, fakes or
-simulated engines elsewhere.
+In a run it lives in one Ray actor (the buffer's home, docs/design.md); in tests and in the
+simulator the loops call it directly. The engines are injected: the HTTP client in front of the
+router in a run, fakes or simulated engines elsewhere; so is how groups are handed to the
+trainer (`hand`: the groups themselves in process, Ray object references in the actor).
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, AsyncIterator, Callable
 
 from rlkit.buffers import Group, PromptSource, RolloutBuffer, load_buffer, save_buffer
+from rlkit.driver.rollout_box import Handed, RolloutResult, handed_of
 from rlkit.rollout.config import RolloutConfig
 from rlkit.rollout.engine_api import Engines
 from rlkit.rollout.eval import Evaluator, eval_metrics
 from rlkit.rollout.filters import GroupFilter
 from rlkit.rollout.health import EngineMonitor, Restarter
-from rlkit.rollout.manager import RolloutManager, StepReport, batch_target
+from rlkit.rollout.manager import RolloutManager, batch_target
 from rlkit.rollout.policies import make_policy
 from rlkit.rollout.rankers import LengthRanker
 from rlkit.rollout.rewards import REWARD_FAILURE_KINDS, RewardScheduler, ScoreFn
-
-
-@dataclass
-class StepResult:
-    """What the driver needs back from a rollout step (plain data: it crosses Ray)."""
-
-    metrics: dict[str, Any]
-    timeline: list[dict[str, Any]]
-    completed: list[int]
-    buffer: dict[str, Any] = field(default_factory=dict)
-    header: dict[str, Any] = field(default_factory=dict)  # the timeline's step line
-    report: StepReport | None = field(default=None, repr=False)  # in-process boxes only
+from rlkit.rollout.step_report import StepReport
 
 
 class RolloutService:
-    """The buffer and the manager over it, with what the driver's modes call."""
+    """The buffer and the manager over it, with what the driver's modes call (RolloutBox)."""
 
     def __init__(self, buffer: RolloutBuffer, manager: RolloutManager, batch_size: int,
-                 evaluator: Evaluator | None = None) -> None:
+                 evaluator: Evaluator | None = None,
+                 hand: Callable[[list[Group]], Handed] = handed_of) -> None:
         self.buffer = buffer
         self.manager = manager
         self.engines = manager.engines
         self.batch_size = batch_size
         self.evaluator = evaluator
+        self.hand = hand
         self._current: asyncio.Task | None = None
         self._untrained: list[Group] = []  # handed to the trainer since the last weight sync
+        # Set when there is news for the driver while a step runs (an engine lost, restarted or
+        # back): the step's progress stream pushes it at once instead of at the next heartbeat.
+        self._news = asyncio.Event()
+        if manager.health is not None:
+            manager.health.listeners.append(self._news.set)
 
     @classmethod
     def from_config(
@@ -60,10 +58,12 @@ class RolloutService:
         ranker: LengthRanker | None = None,
         restarter: Restarter | None = None,
         evaluator: Evaluator | None = None,
+        hand: Callable[[list[Group]], Handed] = handed_of,
     ) -> "RolloutService":
         """`restarter`: how a lost engine is started again (none: the run goes on without it).
         A restarted engine serves once the driver has pushed it the weights (`admit_engines`).
-        `evaluator`: the recipe's held-out evaluation, over the same engines."""
+        `evaluator`: the recipe's held-out evaluation, over the same engines. `hand`: how ready
+        groups go to the trainer (in process: the groups themselves)."""
         buffer = RolloutBuffer(
             source,
             n_samples_per_prompt=cfg.n_samples_per_prompt,
@@ -75,10 +75,14 @@ class RolloutService:
         manager = RolloutManager(buffer, engines, make_policy(cfg), cfg.sampling, rewards,
                                  group_filter=group_filter, ranker=ranker, health=health,
                                  relaunches_per_sample=cfg.health.relaunches_per_sample)
-        return cls(buffer, manager, cfg.batch_size, evaluator)
+        return cls(buffer, manager, cfg.batch_size, evaluator, hand)
+
+    def start_step(self, version: int, *, for_version: int,
+                   final: bool) -> asyncio.Future[RolloutResult]:
+        return asyncio.ensure_future(self.run_step(version, for_version=for_version, final=final))
 
     async def run_step(self, version: int, *, for_version: int | None = None,
-                       final: bool = False) -> StepResult:
+                       final: bool = False) -> RolloutResult:
         """One rollout step with the engines at `version`, for groups the trainer takes at
         consumer version `for_version` (default: `version`; one more in async mode, which the
         buffer admits only within max_staleness); afterwards `batch_size` groups are ready.
@@ -96,7 +100,7 @@ class RolloutService:
         failures = self.manager.rewards.failures
         by_kind = {f"rollout/reward_failures/{kind}": failures[kind] - failures_before[kind]
                    for kind in REWARD_FAILURE_KINDS}
-        return StepResult(
+        return RolloutResult(
             metrics={**report.metrics(), **by_kind},
             timeline=[s.to_json() for s in report.timeline],
             completed=report.completed,
@@ -106,6 +110,27 @@ class RolloutService:
                     "source": "real"},
             report=report,
         )
+
+    async def run_step_streamed(self, version: int, *, for_version: int, final: bool,
+                                heartbeat_s: float = 0.5) -> AsyncIterator[Any]:
+        """`run_step`, pushing news while it runs: a progress snapshot (`progress()`) when the
+        engine set changes and at least every `heartbeat_s` (the console's progress line), then
+        the RolloutResult as the last item. What the rollout actor streams to the driver."""
+        step = asyncio.ensure_future(self.run_step(version, for_version=for_version, final=final))
+        try:
+            while not step.done():
+                self._news.clear()
+                news = asyncio.ensure_future(self._news.wait())
+                await asyncio.wait({step, news}, timeout=heartbeat_s,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                news.cancel()
+                if not step.done() and (p := self.progress()) is not None:
+                    yield p
+            yield step.result()
+        finally:  # the driver went away (Ctrl-C): stop the step as cancel() would
+            if not step.done():
+                step.cancel()
+                await asyncio.gather(step, return_exceptions=True)
 
     async def evaluate(self, version: int) -> dict[str, float]:
         """The recipe's evaluation with the engines at `version` (its metrics row; {} when the
@@ -118,9 +143,12 @@ class RolloutService:
         step = self.manager.current
         if step is None:
             return None
-        return {**step.progress(), "awaiting_weights": self.engine_set()[1]}
+        return {**step.progress(), "awaiting_weights": self.engines_now()[1]}
 
-    def engine_set(self) -> tuple[list[str], list[str]]:
+    async def engine_set(self) -> tuple[list[str], list[str]]:
+        return self.engines_now()
+
+    def engines_now(self) -> tuple[list[str], list[str]]:
         """The engines serving, and those restarted that wait for the current weights."""
         health = self.manager.health
         return self.engines.workers(), list(health.awaiting_weights) if health else []
@@ -129,32 +157,32 @@ class RolloutService:
         """Probe every engine now (as often as a hang takes to be declared); engines lost."""
         return await self.manager.health.sweep() if self.manager.health is not None else 0
 
-    async def admit_engines(self, workers: list[str]) -> None:
+    async def admit_engines(self, urls: list[str]) -> None:
         """Restarted engines hold the current weights now: they serve again."""
-        if self.manager.health is not None and workers:
-            await self.manager.health.admit(workers)
+        if self.manager.health is not None and urls:
+            await self.manager.health.admit(urls)
 
-    def take(self, n: int) -> list[Group]:
+    async def take(self, n: int) -> Handed:
         """The ready groups for one training step (the oldest first)."""
         try:
             groups = self.buffer.take(n, timeout=0)  # all n or none: a shortfall loses nothing
         except TimeoutError as e:
             raise RuntimeError(f"{e} (after the rollout step); nothing was taken") from None
         self._untrained += groups
-        return groups
+        return self.hand(groups)
 
-    async def next_ready(self) -> Group:
+    async def next_ready(self) -> Handed:
         """The next ready group, as soon as there is one (stream mode). It waits on the event
         loop generation runs on without blocking it."""
         async for group in self.buffer.stream(1):
             self._untrained.append(group)
-            return group
+            return self.hand([group])
         raise RuntimeError("unreachable: stream(1) yields one group")
 
-    def admits(self, for_version: int) -> bool:
+    async def admits(self, for_version: int) -> bool:
         return self.buffer.admits(for_version)
 
-    def set_version(self, version: int) -> None:
+    async def set_version(self, version: int) -> None:
         """The trainer's weights, as `version`, are on the engines now (the consumer's and
         the producer's version both move; a step in flight stamps its new tokens with it)."""
         self.buffer.set_version(version)
@@ -162,7 +190,7 @@ class RolloutService:
         self.manager.set_weights_version(version)
         self._untrained = []  # trained: the weights came out of them
 
-    def give_back_untrained(self) -> int:
+    async def give_back_untrained(self) -> int:
         """The run stops in the middle of a step (every engine down): the groups handed to the
         trainer since the last sync were not trained; back to the ready queue, so a checkpoint
         written now keeps them. How many."""
@@ -190,31 +218,3 @@ class RolloutService:
             self._current.cancel()
             await asyncio.gather(self._current, return_exceptions=True)
         await self.manager.close()
-
-
-def group_record(g: Group) -> dict[str, Any]:
-    """What the driver keeps of a trained group (metrics, RUN/groups.jsonl): the groups
-    themselves travel from the rollout box to the trainer without passing through it."""
-    return {
-        "group_id": g.group_id, "source_index": g.prompt.source_index, "epoch": g.prompt.epoch,
-        "prompt_len": len(g.prompt.ids), "predicted": g.predicted_length,
-        "lengths": [len(s.response_ids) for s in g.samples],
-        "rewards": [s.reward for s in g.samples],
-        "oldest_version": g.oldest_version(),
-    }
-
-
-def batch_metrics(records: Sequence[dict[str, Any]]) -> dict[str, float]:
-    """Reward statistics of the groups a training step uses (from `group_record`s)."""
-    rewards = [r for g in records for r in g["rewards"] if r is not None]
-    lengths = [n for g in records for n in g["lengths"]]
-    if not rewards:
-        return {}
-    mean = sum(rewards) / len(rewards)
-    return {
-        "batch/reward_mean": mean,
-        "batch/reward_max": max(rewards),
-        "batch/response_length_mean": sum(lengths) / len(lengths),
-        "batch/response_length_max": max(lengths),
-        "batch/groups": len(records),
-    }

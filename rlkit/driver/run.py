@@ -18,7 +18,7 @@ import yaml
 from rlkit.buffers.errors import find_user_error
 from rlkit.checkpoint import Checkpoint, latest_checkpoint, resume_point, save_checkpoint
 from rlkit.config.schema import Recipe
-from rlkit.driver.loop import LoopState, Run, finish_step
+from rlkit.driver.loop import LoopState, Run, step_recorder
 from rlkit.driver.modes import MODES
 from rlkit.tracking import Tracker, rewind
 from rlkit.rollout.health import EnginesDown
@@ -30,7 +30,8 @@ def run_dir_of(recipe: Recipe) -> Path:
 
 def train(recipe: Recipe) -> LoopState:
     from rlkit.rollout.demo_models import resolve_model_path
-    from rlkit.driver.cluster import Cluster, RayRolloutBox, RayTrainerBox, TrainerDied
+    from rlkit.driver.cluster import Cluster
+    from rlkit.driver.proxies import RayTrainerBox, RemoteRolloutBox, TrainerDied
 
     run_dir = run_dir_of(recipe)
     ckpt = resume_point(run_dir, recipe.run.resume)
@@ -51,14 +52,14 @@ def train(recipe: Recipe) -> LoopState:
         def on_progress(p: dict) -> None:  # while the rollout of step state.step + 1 runs
             tracker.progress(state.step + 1, p["completed"], p["target"], p["tokens"], p["seconds"])
 
-        box = RayRolloutBox(cluster.rollout_actor, on_progress=on_progress if recipe.tracking.progress else None)
+        box = RemoteRolloutBox(cluster.rollout_actor, on_progress=on_progress if recipe.tracking.progress else None)
         trainer = RayTrainerBox(cluster.trainer, recipe, cluster.engine_urls, run_dir)
         if ckpt is not None:
             cluster.trainer.load(ckpt.trainer_dir)
             if ckpt.buffer_file.is_file():
                 box.load(str(ckpt.buffer_file))
         run = Run(box, trainer, recipe.run.num_steps, recipe.rollout.batch_size,
-                  finish_step(recipe, tracker, box, trainer, run_dir), state,
+                  step_recorder(recipe, tracker, box, trainer, run_dir), state,
                   eval_due=recipe.eval.due, on_eval=tracker.log_eval)
         box.on_engines_back = run.restore_engines  # restarted engines get the weights mid-step
 

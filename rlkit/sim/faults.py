@@ -27,7 +27,7 @@ from rlkit.sim.engine import SimEngines
 
 if TYPE_CHECKING:
     from rlkit.rollout.health import EngineMonitor
-    from rlkit.sim.harness import StepResult
+    from rlkit.sim.harness import SimulatedStep
 
 FaultKind = Literal["kill", "hang"]
 FAULT_KINDS: tuple[FaultKind, ...] = ("kill", "hang")
@@ -68,7 +68,7 @@ class FaultedRun:
     engines: SimEngines
     monitor: "EngineMonitor"
     injected: list[Injected]
-    results: list["StepResult"]  # the steps that completed
+    results: list["SimulatedStep"]  # the steps that completed
     reports: list[Any]  # their manager StepReports (requests_relaunched, relaunched_tokens)
     started: float  # loop time the run started (fault times count from here)
     ended: float

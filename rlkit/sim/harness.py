@@ -1,4 +1,4 @@
-"""What a simulated run is measured by, and the pieces it is built from: a step's `StepResult`
+"""What a simulated run is measured by, and the pieces it is built from: a step's `SimulatedStep`
 (from the manager's report and the simulated engines' counters), the trace's prompt source and
 its reward. The run itself (the real driver loops over the real manager, policies and buffer
 on simulated engines, in virtual time) is `rlkit.sim.simulate.run_simulation`.
@@ -22,7 +22,7 @@ _ZERO = WorkerStats()
 
 
 @dataclass
-class StepResult:
+class SimulatedStep:
     """One simulated step. Times in (virtual) seconds, throughputs in tokens/s."""
 
     step: int
@@ -85,7 +85,7 @@ def trace_source(trace: Trace) -> ListPromptSource:
 
 def measure(step: int, policy: str, cluster: SimConfig, report: Any,
             before: dict[str, WorkerStats], after: dict[str, WorkerStats],
-            train_tokens: int, train_s: float, sync_s: float) -> StepResult:
+            train_tokens: int, train_s: float, sync_s: float) -> SimulatedStep:
     """A step's result from the manager's report and the engines' counters around it
     (step_s: rollout + train + sync, as a synchronous loop pays them; the caller sets what its
     loop measured)."""
@@ -99,7 +99,7 @@ def measure(step: int, policy: str, cluster: SimConfig, report: Any,
     peak, _ = cluster.profile.peak_throughput(mean_ctx, kv_capacity=cluster.capacity,
                                               batch_limit=cluster.batch_limit)
     bound_s = tokens / (engines * peak) if tokens else 0.0
-    return StepResult(
+    return SimulatedStep(
         step=step, policy=policy, round=report.round, rollout_s=rollout_s,
         tokens_generated=report.tokens_generated, engine_tokens=tokens,
         tokens_in_batch=report.tokens_in_batch,

@@ -30,10 +30,10 @@ from typing import Any, Callable, Sequence
 
 from rlkit.buffers.buffer import RolloutBuffer
 from rlkit.buffers.group import Group
-from rlkit.driver.local import LocalRolloutBox
-from rlkit.driver.loop import Handed, LoopState, Run
+from rlkit.driver.loop import LoopState, Run
 from rlkit.driver.modes import MODES
-from rlkit.driver.rollout_service import RolloutService, StepResult as ServiceStep
+from rlkit.driver.rollout_box import Handed, RolloutResult
+from rlkit.driver.rollout_service import RolloutService
 from rlkit.rollout.config import HealthConfig, SamplingConfig
 from rlkit.rollout.filters import GroupFilter
 from rlkit.rollout.manager import RolloutManager, RolloutPolicy
@@ -43,7 +43,7 @@ from rlkit.rollout.rewards import RewardScheduler
 from rlkit.sim.clock import run_virtual
 from rlkit.sim.engine import SimConfig, SimEngines, SimRestarter, SimWorker
 from rlkit.sim.faults import Fault, FaultedRun, FaultInjector
-from rlkit.sim.harness import StepResult, measure, span, trace_reward, trace_source
+from rlkit.sim.harness import SimulatedStep, measure, span, trace_reward, trace_source
 from rlkit.sim.replay import BufferPrompts, TraceReplayEngines
 from rlkit.sim.trace import Trace
 from rlkit.sim.train_time import TrainTimeModel
@@ -94,16 +94,17 @@ class TimedTrainerBox:
         raise NotImplementedError("a simulated run keeps no checkpoint")
 
 
-class MeasuredRolloutBox(LocalRolloutBox):
-    """The in-process rollout box, noting the engines' counters around each rollout step."""
+class MeasuredRolloutBox:
+    """The in-process rollout box (the RolloutService), noting the engines' counters around
+    each rollout step; every other call is the service's own."""
 
     def __init__(self, service: RolloutService, engines: SimEngines) -> None:
-        super().__init__(service)
+        self.service = service
         self.engines = engines
         self.measured: deque[tuple[Any, Any, float, float, list]] = deque()
 
     def start_step(self, version: int, *, for_version: int, final: bool) -> asyncio.Future:
-        async def measured() -> ServiceStep:
+        async def measured() -> RolloutResult:
             loop = asyncio.get_running_loop()
             before, t0 = self.engines.stats(), loop.time()
             result = await self.service.run_step(version, for_version=for_version, final=final)
@@ -112,6 +113,9 @@ class MeasuredRolloutBox(LocalRolloutBox):
             return result
 
         return asyncio.ensure_future(measured())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.service, name)
 
 
 def tokens_of(groups: list[Group]) -> int:
@@ -143,7 +147,7 @@ async def simulate(
     faults: Sequence[Fault] = (),
     restart_s: float | None = DEFAULT_RESTART_S,
     on_faults: Callable[[FaultedRun], None] | None = None,
-) -> list[StepResult]:
+) -> list[SimulatedStep]:
     """The coroutine behind `run_simulation` (run it on a VirtualTimeLoop). `observer` sees
     every simulated worker at every event; `on_batch(step, groups)` each trained batch.
     `buffer` (with `first_step`, its version) continues a run from a restored buffer; by
@@ -179,10 +183,10 @@ async def simulate(
                              RewardScheduler(trace_reward(trace, seed)), group_filter=group_filter,
                              ranker=ranker, **watch)
     box = MeasuredRolloutBox(RolloutService(buffer, manager, batch), engines)
-    results: list[StepResult] = []
+    results: list[SimulatedStep] = []
     reports: list[Any] = []  # the manager's StepReports, kept only when engines are watched
 
-    def on_step(state: LoopState, result: ServiceStep, handed: Handed, row: dict[str, float]) -> None:
+    def on_step(state: LoopState, result: RolloutResult, handed: Handed, row: dict[str, float]) -> None:
         before, after, t0, t1, segments = box.measured.popleft()
         step, report = state.step - 1, result.report
         tokens = tokens_of(handed.refs)
@@ -222,6 +226,6 @@ async def simulate(
 
 
 def run_simulation(cluster: SimConfig, trace: Trace, policy: RolloutPolicy, **kwargs: Any
-                   ) -> list[StepResult]:
+                   ) -> list[SimulatedStep]:
     """Simulate `steps` steps of a driver mode's loop in virtual time (see `simulate`)."""
     return run_virtual(simulate(cluster, trace, policy, **kwargs))

@@ -11,7 +11,7 @@ from rlkit.buffers import ListPromptSource, PromptRecord
 from rlkit.buffers.source import records_from_token_lists
 from rlkit.config import load_recipe
 from rlkit.driver.local import run_local
-from rlkit.driver.loop import finish_step
+from rlkit.driver.loop import step_recorder
 from rlkit.driver.rollout_service import RolloutService
 from rlkit.tracking import EVAL_FILE, Tracker
 from rlkit.rollout.eval import Evaluator
@@ -68,7 +68,7 @@ def run_with_eval(tmp_path, mode, *extra, steps=4, every=2, before=True, evaluat
     trainer = RecordingTrainer(engines)
     run_dir = tmp_path / mode
     tracker = Tracker(r.tracking, run_dir, "t", {})
-    state = run_local(r, service, trainer, finish_step(r, tracker, service, trainer, run_dir),
+    state = run_local(r, service, trainer, step_recorder(r, tracker, service, trainer, run_dir),
                       on_eval=tracker.log_eval)
     tracker.close()
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -7,7 +7,7 @@ import pytest
 
 from rlkit.config import load_recipe
 from rlkit.data.errors import DataError
-from rlkit.driver.cluster import RolloutActor
+from rlkit.driver.actors import RolloutActor
 from rlkit.rollout.demo_models import resolve_model_path
 
 

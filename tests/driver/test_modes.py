@@ -16,7 +16,7 @@ from rlkit.checkpoint import latest_checkpoint, list_checkpoints, restore_buffer
 from rlkit.config import load_recipe
 from rlkit.config.schema import TrackingConfig
 from rlkit.driver.local import run_local
-from rlkit.driver.loop import LoopState, finish_step
+from rlkit.driver.loop import LoopState, step_recorder
 from rlkit.driver.modes import MODES
 from rlkit.driver.rollout_service import RolloutService
 from rlkit.tracking import Tracker
@@ -65,12 +65,12 @@ class LocalBox:
         return asyncio.run(self.s.run_step(version, final=final))
 
     def take(self, n):
-        return self.s.take(n)
+        return asyncio.run(self.s.take(n)).refs
 
 
 def drive(r, box, trainer, tracker, run_dir, state=None):
     """Run recipe r's mode over the box's service and the trainer."""
-    on_step = finish_step(r, tracker, box.s, trainer, run_dir)
+    on_step = step_recorder(r, tracker, box.s, trainer, run_dir)
     return run_local(r, box.s, trainer, on_step, state)
 
 
@@ -165,10 +165,10 @@ class TakeRecorder(LocalBox):
 
         orig = service.take
 
-        def take(n):
-            groups = orig(n)
-            self.taken.append(sorted(g.group_id for g in groups))
-            return groups
+        async def take(n):
+            handed = await orig(n)
+            self.taken.append(sorted(g.group_id for g in handed.refs))
+            return handed
 
         service.take = take
 
@@ -222,7 +222,7 @@ def run_mode(tmp_path, mode, *extra, steps=4, length=tail):
     service = RolloutService.from_config(r.rollout, source, engines, score)
     trainer = RecordingTrainer(engines)
     tracker = Tracker(r.tracking, tmp_path / mode, "t", {})
-    state = run_local(r, service, trainer, finish_step(r, tracker, service, trainer, tmp_path / mode))
+    state = run_local(r, service, trainer, step_recorder(r, tracker, service, trainer, tmp_path / mode))
     tracker.close()
     rows = [json.loads(x) for x in (tmp_path / mode / "metrics.jsonl").read_text().splitlines()]
     return state, trainer, service, rows

@@ -5,7 +5,7 @@ import pytest
 
 from rlkit.config import load_recipe
 from rlkit.config.loader import RecipeError
-from rlkit.driver.cluster import _advertised
+from rlkit.driver.placement import advertised
 from rlkit.driver.placement import (
     PlacementError,
     bundle,
@@ -95,9 +95,9 @@ def test_cluster_address_resolution(address, env, expected):
 
 
 def test_an_engine_bound_to_every_interface_is_reached_at_its_node_address():
-    assert _advertised("http://0.0.0.0:4321", "10.0.0.7") == "http://10.0.0.7:4321"
-    assert _advertised("http://10.0.0.7:4321", "10.0.0.8") == "http://10.0.0.7:4321"
-    assert _advertised("http://[::]:4321", "fd00::7") == "http://[fd00::7]:4321"
+    assert advertised("http://0.0.0.0:4321", "10.0.0.7") == "http://10.0.0.7:4321"
+    assert advertised("http://10.0.0.7:4321", "10.0.0.8") == "http://10.0.0.7:4321"
+    assert advertised("http://[::]:4321", "fd00::7") == "http://[fd00::7]:4321"
 
 
 def test_cluster_section_is_typed():

@@ -9,7 +9,7 @@ Two parts, run side by side (`--part buffer|router|all`):
 buffer: `--groups` groups (default 10,000) of `--samples` samples go through the rollout box as
 a real run holds it: the real RolloutActor (rlkit/driver/cluster.py) in its own Ray actor,
 holding the real RolloutService (RolloutBuffer + RolloutManager + reward scoring); the driver
-reaches it through the real RayRolloutBox; ready groups leave the actor as object references
+reaches it through the real RemoteRolloutBox; ready groups leave the actor as object references
 (`_refs`: ray.put in the actor) and a consumer actor ray.get's them, as the trainer ranks do.
 Only the engines are replaced, by `InstantEngines`, which append a whole response at once
 (lengths long-tailed, 64..4096 tokens, mean about 900), so the figure is the data plane's cost
@@ -350,13 +350,13 @@ def _one_ray_loop(loop: str, steps: int, samples: int, batch_size: int, seed: in
     import ray
 
     from tests.stress.load_actor import LoadRolloutActor
-    from rlkit.driver.cluster import RayRolloutBox
+    from rlkit.driver.proxies import RemoteRolloutBox
 
     actor = ray.remote(num_cpus=0)(LoadRolloutActor).remote(samples, batch_size, seed)
     consumer = ray.remote(num_cpus=0)(Consumer).remote()
     try:
         ray.get([actor.stats.remote(), consumer.summary.remote()])  # both up before the clock
-        box = RayRolloutBox(actor, poll_s=3600)  # no progress polling: the driver only waits
+        box = RemoteRolloutBox(actor)  # no on_progress: the driver only waits
         driver_rss = PeakRss()
         t0 = time.perf_counter()
         drive = _drive_sync if loop == "sync" else _drive_stream
@@ -388,11 +388,11 @@ def _in_process_loop(steps: int, samples: int, batch_size: int, seed: int) -> di
         nonlocal tokens, n_samples
         for v in range(steps):
             await service.run_step(v, for_version=v, final=v == steps - 1)
-            for g in service.take(batch_size):
+            for g in (await service.take(batch_size)).refs:
                 seen[g.group_id] += 1
                 n_samples += len(g.samples)
                 tokens += sum(len(s.response_ids) for s in g.samples)
-            service.set_version(v + 1)
+            await service.set_version(v + 1)
 
     t0 = time.perf_counter()
     asyncio.run(drive())

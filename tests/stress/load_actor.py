@@ -6,11 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 from tests.stress.load import PeakRss, build_service
-from rlkit.driver.cluster import RolloutActor
+from rlkit.driver.actors import RolloutActor, ray_handed
 
 
 class LoadRolloutActor(RolloutActor):
-    """The real RolloutActor (its run_step, take, next_ready and `_refs` are used as they are)
+    """The real RolloutActor (its generic `call` and streamed step are used as they are)
     with the service built over InstantEngines instead of a router and engine servers."""
 
     def __init__(self, samples: int, batch_size: int, seed: int) -> None:
@@ -19,6 +19,7 @@ class LoadRolloutActor(RolloutActor):
         self.router = None
         self.client = None
         self.service = build_service(samples, batch_size, seed)
+        self.service.hand = ray_handed  # groups leave as object references, as in a run
         self._rss = PeakRss()
 
     def stats(self) -> dict[str, Any]:

@@ -1,0 +1,174 @@
+"""The Ray actors of a run, each owning its processes (Cluster places them; rlkit/driver/
+proxies.py is the driver's side of them).
+
+    EngineActor x N     one engine server process each (hf or SGLang), on its GPU(s) if any
+    RolloutActor        the router process and the rollout box (RolloutService: the
+                        RolloutBuffer, the RolloutManager, the HTTP client, reward scoring)
+
+The trainer ranks are rlkit.train.ray_group's TrainWorkers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from rlkit.buffers import Group
+from rlkit.buffers.control_token import CONTROL_TOKEN_ENV
+from rlkit.config.schema import Recipe
+from rlkit.driver.placement import advertised
+from rlkit.driver.rollout_box import BOX_CALLS, Handed, RolloutResult, group_record
+from rlkit.driver.rollout_service import RolloutService
+
+
+def use_control_token(token: str | None) -> None:
+    """Put the run's control token in this actor's environment (engine servers started from it
+    inherit it; clients read it there). It travels as an actor argument, not in a Ray
+    runtime_env, because Ray's runtime-env agent logs env_vars in clear."""
+    if token:
+        os.environ[CONTROL_TOKEN_ENV] = token
+
+
+class EngineActor:
+    """Owns one engine server process."""
+
+    def __init__(self, model_path: str, engine: dict[str, Any], index: int, log_dir: str,
+                 bind_node_address: bool = False, control_token: str | None = None) -> None:
+        from rlkit.rollout.engines.config import EngineConfig
+        from rlkit.rollout.engines.fleet import start_engine
+
+        use_control_token(control_token)
+        if bind_node_address:  # a cluster of several nodes: reachable from the other nodes
+            import ray
+
+            engine = {**engine, "host": ray.util.get_node_ip_address()}
+        self.args = (model_path, EngineConfig.model_validate(engine), index, Path(log_dir))
+        self.proc = start_engine(*self.args)
+
+    def url(self) -> str:
+        return self.proc.url  # type: ignore[return-value]
+
+    def restart(self) -> str:
+        """Kill what is left of the engine (a hung, stopped process too: SIGKILL to its process
+        group) and start it again, in this actor's bundle; its new URL once healthy."""
+        from rlkit.rollout.engines.fleet import start_engine
+
+        self.proc.kill()
+        self.proc = start_engine(*self.args)
+        import ray
+
+        return advertised(self.url(), ray.util.get_node_ip_address())  # as Cluster.start does
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
+class RolloutActor:
+    """The rollout box as a Ray actor (async: steps run on the actor's event loop). It builds
+    the RolloutService (`prepare`, then `start` once the engines serve) and serves the box's
+    calls generically (`call`) and each rollout step as a stream (`run_step_streamed`)."""
+
+    def __init__(self, recipe: dict[str, Any], model_path: str, log_dir: str,
+                 control_token: str | None = None) -> None:
+        use_control_token(control_token)  # the EngineClient reads it from the environment
+        self.recipe = Recipe.model_validate(recipe)
+        self.model_path = model_path
+        self.log_dir = Path(log_dir)
+        self.tokenizer: Any = None
+        self.source: Any = None
+        self.score: Any = None
+        self.group_filter: Any = None
+        self.ranker: Any = None
+        self.evaluator: Any = None
+        self.router = None
+        self.client = None
+        self.service: RolloutService | None = None
+
+    async def prepare(self) -> None:
+        """Load the prompts and resolve the reward: no engine needed, so it runs while the
+        engines start and a bad data file or reward name fails the run at once."""
+        from transformers import AutoTokenizer
+
+        from rlkit.data.prompts import load_prompt_source
+        from rlkit.evaluation import make_evaluator
+        from rlkit.plugins import load_group_filter, load_ranker
+        from rlkit.rewards.scoring import make_score_fn, tokenizer_decode
+
+        r = self.recipe
+        tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.source = load_prompt_source(r.data, tokenizer, seed=r.run.seed)
+        self.score = make_score_fn(r.rollout.reward, tokenizer_decode(tokenizer))
+        self.group_filter = load_group_filter(r.rollout.filter)
+        self.ranker = load_ranker(r.rollout.ranker)
+        if r.eval.enabled:  # held-out sets: a bad row fails the run here, before any step
+            self.evaluator = make_evaluator(r.eval, r.rollout, tokenizer, self.score)
+
+    async def start(self, engine_urls: list[str], engine_actors: list[Any] = ()) -> None:
+        """Start the router in front of the engines and the rollout service over them; a lost
+        engine is restarted by its EngineActor (`engine_actors`, in the order of the URLs)."""
+        from rlkit.rollout.client import EngineClient
+        from rlkit.rollout.router import Router
+
+        assert self.source is not None, "prepare() first"
+        r = self.recipe
+        self.router = Router(r.rollout.router, log_path=self.log_dir / "router.log")
+        router_url = await asyncio.to_thread(self.router.start, engine_urls)
+        self.client = await EngineClient(router_url, worker_urls=engine_urls,
+                                         router_admin=self.router).connect()
+        restarter = ActorRestarter(dict(zip(engine_urls, engine_actors))) if engine_actors else None
+        self.service = RolloutService.from_config(r.rollout, self.source, self.client, self.score,
+                                                  self.group_filter, self.ranker, restarter,
+                                                  self.evaluator, hand=ray_handed)
+
+    async def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """Any RolloutBox call on the service, by name (RemoteRolloutBox sends them all here)."""
+        if name not in BOX_CALLS:
+            raise AttributeError(f"the rollout box has no call {name!r}")
+        assert self.service is not None, "start() first"
+        out = getattr(self.service, name)(*args, **kwargs)
+        return await out if inspect.isawaitable(out) else out
+
+    async def run_step_streamed(self, version: int, for_version: int,
+                                final: bool) -> AsyncIterator[Any]:
+        """One rollout step as a Ray streaming generator: the service's progress while it runs,
+        pushed to the driver, then the RolloutResult (plain data only)."""
+        assert self.service is not None, "start() first"
+        async for item in self.service.run_step_streamed(version, for_version=for_version,
+                                                         final=final):
+            if isinstance(item, RolloutResult):
+                item.report = None  # the driver needs the plain data only
+            yield item
+
+    async def stop(self) -> None:
+        if self.service is not None:
+            await self.service.cancel()
+        if self.client is not None:
+            await self.client.close()
+            self.client = None
+        if self.router is not None:
+            await asyncio.to_thread(self.router.stop)
+            self.router = None
+
+
+class ActorRestarter:
+    """Restarts a lost engine through the EngineActor that owns it (rollout.health.Restarter)."""
+
+    def __init__(self, actors: dict[str, Any]) -> None:
+        self.actors = actors  # engine URL -> its EngineActor
+
+    async def restart(self, worker: str) -> str:
+        actor = self.actors.pop(worker)
+        url = await actor.restart.remote()
+        self.actors[url] = actor
+        return url
+
+
+def ray_handed(groups: list[Group]) -> Handed:
+    """Ready groups leave the rollout actor as object references in its object store: each
+    trainer rank fetches them itself, the driver sees only their records."""
+    import ray
+
+    return Handed([ray.put(g) for g in groups], [group_record(g) for g in groups])

@@ -1,0 +1,150 @@
+"""The driver's side of the run's actors: the two boxes a mode's loop calls.
+
+    RemoteRolloutBox  the RolloutBox protocol over the RolloutActor: every call forwarded by
+                      name (one generic call), each rollout step a stream on which the actor
+                      pushes its progress
+    RayTrainerBox     the TrainerBox over the TrainerGroup's ranks; a dead rank is TrainerDied
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+from rlkit.buffers.errors import UserError
+from rlkit.config.schema import Recipe
+from rlkit.driver.rollout_box import BOX_CALLS, Handed, RolloutResult
+
+
+class RemoteRolloutBox:
+    """The RolloutBox protocol over a RolloutActor. `on_progress(p)` gets the progress the
+    actor pushes while a step runs; `on_engines_back()` (Run.restore_engines, set by the
+    driver) runs when the push says restarted engines wait for the weights."""
+
+    def __init__(self, actor: Any, on_progress: Callable[[dict], None] | None = None) -> None:
+        self.actor = actor
+        self.on_progress = on_progress
+        self.on_engines_back: Callable[[], Awaitable[None]] | None = None
+
+    def start_step(self, version: int, *, for_version: int, final: bool) -> asyncio.Future[RolloutResult]:
+        return asyncio.ensure_future(self._step(version, for_version, final))
+
+    async def _step(self, version: int, for_version: int, final: bool) -> RolloutResult:
+        stream = self.actor.run_step_streamed.options(num_returns="streaming").remote(
+            version, for_version, final)
+        async for ref in stream:
+            item = await ref
+            if isinstance(item, RolloutResult):
+                return item
+            if self.on_progress is not None:
+                self.on_progress(item)
+            if item.get("awaiting_weights") and self.on_engines_back is not None:
+                await self.on_engines_back()
+        raise RuntimeError("the rollout actor's step stream ended without a result")
+
+    def __getattr__(self, name: str) -> Callable[..., Awaitable[Any]]:
+        if name not in BOX_CALLS:
+            raise AttributeError(name)
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            return await self.actor.call.remote(name, *args, **kwargs)
+
+        return call
+
+    # Checkpoints are written between steps, from the driver's synchronous end of a step.
+    def save(self, path: str) -> None:
+        import ray
+
+        ray.get(self.actor.call.remote("save", path))
+
+    def load(self, path: str) -> None:
+        import ray
+
+        ray.get(self.actor.call.remote("load", path))
+
+
+class TrainerDied(UserError):
+    """A trainer rank's process died (killed, out of memory, a crash in native code). The run
+    cannot go on without it; `rlkit.driver.run` adds the step and the checkpoint to resume from."""
+
+    exit_code = 1  # not bad input: the run failed, and can be resumed
+
+
+class RayTrainerBox:
+    """The driver's view of the TrainerGroup (a mode's TrainerBox): calls are submitted at once
+    and awaited at `finish`; group references go to the trainer actors as they are.
+
+    Every wait returns at the first failure of any rank rather than in rank order: a rank that
+    died leaves the others blocked in a collective. A dead rank ends the run as TrainerDied, and
+    the other ranks are killed with it (they cannot finish a collective step without it)."""
+
+    def __init__(self, group: Any, recipe: Recipe, engine_urls: list[str], run_dir: Path) -> None:
+        self.group = group
+        self.recipe = recipe
+        self.engine_urls = engine_urls
+        self.folder = run_dir / "weights"
+        self.samples = recipe.rollout.samples_per_step
+        self._calls: list[Any] = []
+
+    def begin(self, version: int) -> None:
+        self._calls = self.group.begin_batch(version, self.samples)
+
+    def add(self, handed: Handed) -> None:
+        self._calls += self.group.add_groups(handed.refs)
+
+    async def finish(self) -> dict[str, float]:
+        calls, self._calls = self._calls, []
+        await self._wait(calls, "training")  # an error in any earlier call surfaces here
+        return (await self._wait(self.group.finish_batch(), "the optimizer step"))[0]
+
+    async def push_weights(self, version: int, urls: list[str] | None = None) -> None:
+        """To `urls` (the engines serving now, and restarted ones); by default the first set."""
+        urls = list(urls if urls is not None else self.engine_urls)
+        folder = str(self.folder)
+        method = self.recipe.train.weight_sync.method
+        # TrainerGroup.sync_weights's calls, one per rank, so a dead rank is seen at once
+        await self._wait([w.sync_weights.remote(urls, version, method, folder)
+                          for w in self.group.workers], "the weight sync")
+
+    def save(self, path: str | Path) -> None:
+        import ray
+
+        try:
+            self.group.save(path)
+        except ray.exceptions.RayActorError as e:
+            raise self._died(e, "the checkpoint save") from None
+
+    async def _wait(self, refs: list[Any], what: str) -> list[Any]:
+        futures = [asyncio.wrap_future(r.future()) for r in refs]
+        if not futures:
+            return []
+        done, _ = await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
+        failed = [f.exception() for f in futures if f in done and f.exception() is not None]
+        if failed:
+            import ray
+
+            if isinstance(failed[0], ray.exceptions.RayActorError):
+                raise self._died(failed[0], what) from None
+            raise failed[0]
+        return [f.result() for f in futures]
+
+    def _died(self, e: Exception, what: str) -> TrainerDied:
+        import ray
+
+        actor_id = getattr(e, "actor_id", None)
+        who = "a trainer rank"
+        for rank, w in enumerate(self.group.workers):
+            if actor_id and w._actor_id.hex() == actor_id:
+                pid = (self.group.ranks[rank] or {}).get("pid") if rank < len(self.group.ranks) else None
+                who = f"trainer rank {rank}" + (f" (pid {pid})" if pid else "")
+        for w in self.group.workers:  # the others cannot finish a collective without it
+            try:
+                ray.kill(w)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        exit_type = re.search(r"Worker exit type: (\w+)", str(e))
+        reason = (f"its process is gone, Ray's exit type {exit_type.group(1)}: killed, out of "
+                  "memory or crashed" if exit_type else str(e).strip().split("\n")[0][:200])
+        return TrainerDied(f"{who} died during {what} ({reason})")

@@ -1,0 +1,120 @@
+"""The rollout box: the one protocol the driver's loops call on the rollout side.
+
+    in process   `RolloutService` itself (tests, `run_local`, the simulator)
+    in a run     the same `RolloutService` inside `RolloutActor` (rlkit/driver/actors.py),
+                 reached through `RemoteRolloutBox` (rlkit/driver/proxies.py): one generic
+                 call for every method (`RolloutActor.call(name, ...)`), and one stream per
+                 rollout step on which the actor pushes its progress to the driver.
+
+So a new call is written once, on RolloutService, and named in `RolloutBox` below.
+
+Groups travel from the box to the trainer as `Handed`: opaque references (the groups
+themselves in process; Ray object references in a run, so the data goes from the rollout actor
+to the trainer actors directly) and small records the driver keeps for metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
+
+if TYPE_CHECKING:
+    from rlkit.buffers import Group
+    from rlkit.rollout.step_report import StepReport
+
+
+@dataclass
+class Handed:
+    """Ready groups on their way to the trainer: references, and the driver's records of them."""
+
+    refs: list[Any] = field(default_factory=list)
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    def extend(self, other: "Handed") -> None:
+        self.refs += other.refs
+        self.records += other.records
+
+
+@dataclass
+class RolloutResult:
+    """What a rollout step gives back to the driver (plain data: it crosses Ray)."""
+
+    metrics: dict[str, Any]
+    timeline: list[dict[str, Any]]
+    completed: list[int]
+    buffer: dict[str, Any] = field(default_factory=dict)
+    header: dict[str, Any] = field(default_factory=dict)  # the timeline's step line
+    report: "StepReport | None" = field(default=None, repr=False)  # in process only
+
+
+class RolloutBox(Protocol):
+    def start_step(self, version: int, *, for_version: int, final: bool) -> asyncio.Future[RolloutResult]:
+        """Start a rollout step (engines at `version`, groups to be trained at consumer version
+        `for_version`); returns its handle at once."""
+        ...
+
+    async def next_ready(self) -> Handed: ...  # one group, as soon as one is ready
+
+    async def take(self, n: int) -> Handed: ...  # n ready groups now (all or none)
+
+    async def admits(self, for_version: int) -> bool: ...  # the buffer's admission bound
+
+    async def set_version(self, version: int) -> None: ...  # weights now on the engines
+
+    async def evaluate(self, version: int) -> dict[str, float]:
+        """The recipe's held-out evaluation at `version` (its metrics row; {} without one)."""
+        ...
+
+    async def engine_set(self) -> tuple[list[str], list[str]]:
+        """The engines serving, and those restarted that wait for the current weights."""
+        ...
+
+    async def admit_engines(self, urls: list[str]) -> None: ...  # they hold the weights now
+
+    async def give_back_untrained(self) -> int: ...  # handed since the last sync: back to ready
+
+    async def check_engines(self) -> int: ...  # probe every engine now: how many were lost
+
+    def save(self, path: str) -> None: ...  # the buffer (between steps: it blocks)
+
+    def load(self, path: str) -> None: ...
+
+
+# The box's calls, beside start_step: what RemoteRolloutBox forwards to the actor (one list, read
+# from the protocol, so a new call needs no forwarding code).
+BOX_CALLS: frozenset[str] = frozenset(
+    n for n in vars(RolloutBox) if not n.startswith("_") and n != "start_step")
+
+
+def group_record(g: "Group") -> dict[str, Any]:
+    """What the driver keeps of a trained group (metrics, RUN/groups.jsonl): the groups
+    themselves travel from the rollout box to the trainer without passing through it."""
+    return {
+        "group_id": g.group_id, "source_index": g.prompt.source_index, "epoch": g.prompt.epoch,
+        "prompt_len": len(g.prompt.ids), "predicted": g.predicted_length,
+        "lengths": [len(s.response_ids) for s in g.samples],
+        "rewards": [s.reward for s in g.samples],
+        "oldest_version": g.oldest_version(),
+    }
+
+
+def handed_of(groups: Sequence["Group"]) -> Handed:
+    """In process the groups themselves are the references."""
+    return Handed(list(groups), [group_record(g) for g in groups])
+
+
+def batch_metrics(records: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Reward statistics of the groups a training step uses (from `group_record`s)."""
+    rewards = [r for g in records for r in g["rewards"] if r is not None]
+    lengths = [n for g in records for n in g["lengths"]]
+    if not rewards:
+        return {}
+    mean = sum(rewards) / len(rewards)
+    return {
+        "batch/reward_mean": mean,
+        "batch/reward_max": max(rewards),
+        "batch/response_length_mean": sum(lengths) / len(lengths),
+        "batch/response_length_max": max(lengths),
+        "batch/groups": len(records),
+    }
