@@ -1,6 +1,6 @@
 """RolloutBuffer: the one data plane every mode and policy schedules over.
 
-Queues (see DESIGN.md):
+Queues (see docs/design.md):
 
     source   fresh prompts (a PromptSource: dataset order, epoch, shuffle)
     partial  groups aborted mid-generation, with their tokens; handed out first, oldest first

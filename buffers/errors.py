@@ -3,7 +3,7 @@ checkpoint, a port. The CLI catches this one type (rlkit/cli.py) and prints its 
 a traceback; anything else is a bug and keeps its traceback.
 
 Why here: every package of rlkit (rollout, train, rlkit) already depends on `buffers`, and
-`buffers` depends on nothing of theirs (DESIGN.md: dependencies point one way), so this is the
+`buffers` depends on nothing of theirs (docs/design.md: dependencies point one way), so this is the
 one place all of them may import without creating a cycle. It is pure Python, like the rest of
 `buffers`, so importing it costs nothing.
 """

@@ -1,15 +1,15 @@
-"""EngineClient: the async HTTP client of the engines, one instance per RolloutManager.
+"""EngineClient: the async HTTP client of generation, one instance per RolloutManager.
 
-It implements `rollout.engine_api.Engines` (generate / abort_all / loads / workers) plus the
-control calls a weight sync needs (pause, continue, flush, weight updates, health). Generation
-goes through the router, or straight to a worker when a dispatch policy picks one; every control
-call fans out to each worker itself, because the router forwards none of them (FACTS.md).
+It implements `rollout.engine_api.Engines` (generate / abort_all / loads / workers, and the
+fault calls probe / abort_worker / remove_worker / add_worker). Generation goes through the
+router, or straight to a worker when a dispatch policy picks one; aborts fan out to each worker
+itself, because the router forwards no control call (docs/engines.md). The control calls of a
+weight sync (pause, flush, weight updates, continue) have one client of their own, the weight
+sender's: rlkit.train.weight_sync.engine_control.
 
 Retries are per endpoint (`RetryPolicy`, `DEFAULT_RETRY_POLICIES`):
-- idempotent reads (health, info, loads) and abort/pause/continue retry on connection errors and
+- idempotent reads (the router's worker list, loads) and aborts retry on connection errors and
   5xx;
-- `/flush_cache` retries while the engine answers 400 (it refuses while requests hold KV);
-- weight updates are never retried (each bucket pairs with the trainer's broadcasts);
 - `/generate` is retried only when the request never got an answer (connection refused, or a
   502/503 from the router before any token) and never once this client has aborted it; after
   the first token, a broken stream leaves the sample PARTIAL and raises EngineError, and the
@@ -34,11 +34,7 @@ from rlkit.rollout.engine_api import EngineError, WorkerLost
 from rlkit.rollout.protocol import (
     ENGINE_URL_HEADER,
     LOADS_PATHS,
-    MODEL_INFO_PATHS,
-    SERVER_INFO_PATHS,
-    WEIGHT_VERSION_PATHS,
     GenerateRequest,
-    PauseMode,
     ProtocolError,
     SamplingParams,
     error_message,
@@ -68,15 +64,9 @@ class RetryPolicy:
 
 _SERVER_ERRORS = frozenset({500, 502, 503, 504})
 DEFAULT_RETRY_POLICIES: dict[str, RetryPolicy] = {
-    "health": RetryPolicy(attempts=2, backoff_s=0.1, retry_statuses=_SERVER_ERRORS, timeout_s=5.0),
     "info": RetryPolicy(attempts=3, retry_statuses=_SERVER_ERRORS),
     "loads": RetryPolicy(attempts=3, retry_statuses=_SERVER_ERRORS, timeout_s=10.0),
     "abort": RetryPolicy(attempts=3, retry_statuses=_SERVER_ERRORS, timeout_s=10.0),
-    "pause": RetryPolicy(attempts=3, retry_statuses=_SERVER_ERRORS, timeout_s=120.0),
-    "continue": RetryPolicy(attempts=3, retry_statuses=_SERVER_ERRORS, timeout_s=30.0),
-    "flush": RetryPolicy(attempts=60, backoff_s=0.5, max_backoff_s=1.0,
-                         retry_statuses=frozenset({400}) | _SERVER_ERRORS),
-    "weights": RetryPolicy(attempts=1, timeout_s=None),
     "generate": RetryPolicy(attempts=3, backoff_s=0.5, retry_statuses=frozenset({502, 503}),
                             timeout_s=None),
 }
@@ -214,14 +204,13 @@ class EngineClient:
         raise EngineError(f"{base} has none of the endpoints {tried}")
 
     async def _fanout(self, method: str, path: str, body: dict[str, Any] | None, *, policy: str,
-                      workers: Sequence[str] | None = None,
-                      bodies: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+                      workers: Sequence[str] | None = None) -> dict[str, Any]:
         """The same call to every worker at once; EngineError names every worker that failed."""
         targets = list(workers if workers is not None else self._workers)
         if not targets:
             raise EngineError(f"no workers to send {path} to")
         results = await asyncio.gather(
-            *(self._call(method, w, path, (bodies or {}).get(w, body), policy=policy) for w in targets),
+            *(self._call(method, w, path, body, policy=policy) for w in targets),
             return_exceptions=True,
         )
         failures = {w: r for w, r in zip(targets, results) if isinstance(r, BaseException)}
@@ -505,90 +494,6 @@ class EngineClient:
             await asyncio.to_thread(self.router_admin.add_worker, worker)
         if worker not in self._workers:
             self._workers.append(worker)
-
-    # -- control ----------------------------------------------------------------------------------
-    async def health(self) -> dict[str, bool]:
-        """Each worker's /health (False when it fails or cannot be reached)."""
-        async def one(w: str) -> bool:
-            try:
-                await self._call("GET", w, "/health", policy="health")
-                return True
-            except (EngineError, _NotFound):
-                return False
-        results = await asyncio.gather(*(one(w) for w in self._workers))
-        return dict(zip(self._workers, results))
-
-    async def server_info(self, worker: str) -> dict[str, Any]:
-        return await self._call_first("GET", worker, SERVER_INFO_PATHS, policy="info")
-
-    async def model_info(self, worker: str) -> dict[str, Any]:
-        return await self._call_first("GET", worker, MODEL_INFO_PATHS, policy="info")
-
-    async def weight_versions(self) -> dict[str, str]:
-        out = {}
-        for w in self._workers:
-            body = await self._call_first("GET", w, WEIGHT_VERSION_PATHS, policy="info")
-            out[w] = str(body.get("weight_version"))
-        return out
-
-    async def pause(self, mode: PauseMode) -> dict[str, Any]:
-        """Pause every worker. The mode is explicit on purpose (SGLang's default is abort)."""
-        return await self._fanout("POST", "/pause_generation", {"mode": mode}, policy="pause")
-
-    async def continue_generation(self) -> dict[str, Any]:
-        return await self._fanout("POST", "/continue_generation", {}, policy="continue")
-
-    async def flush_cache(self) -> None:
-        """Flush every worker; retried while a worker refuses because requests hold KV."""
-        await self._fanout("POST", "/flush_cache", None, policy="flush")
-
-    async def update_weights_from_disk(self, model_path: str, version: int, *,
-                                       abort_all_requests: bool = False) -> dict[str, Any]:
-        """Every worker loads the HF checkpoint at `model_path` and stamps `version`.
-        The caller pauses and flushes first (pause -> flush -> update -> continue)."""
-        return await self._fanout("POST", "/update_weights_from_disk", {
-            "model_path": model_path, "weight_version": str(version),
-            "abort_all_requests": abort_all_requests, "flush_cache": False,
-        }, policy="weights")
-
-    async def init_weights_update_group(self, master_address: str, master_port: int, *,
-                                        group_name: str = "weight_update_group",
-                                        backend: str = "gloo",
-                                        ranks_per_worker: int = 1) -> dict[str, Any]:
-        """Every worker joins a group of 1 + workers x ranks_per_worker ranks; worker i takes
-        rank offset 1 + i x ranks_per_worker (the trainer is rank 0). Returns when every rank
-        joined, so run it concurrently with the trainer's own join (rank 0)."""
-        world = 1 + len(self._workers) * ranks_per_worker
-        bodies = {
-            w: {"master_address": master_address, "master_port": master_port,
-                "rank_offset": 1 + i * ranks_per_worker, "world_size": world,
-                "group_name": group_name, "backend": backend}
-            for i, w in enumerate(self._workers)
-        }
-        return await self._fanout("POST", "/init_weights_update_group", None, policy="weights",
-                                  bodies=bodies)
-
-    async def begin_weight_update(self) -> dict[str, Any]:
-        return await self._fanout("POST", "/begin_weight_update", {}, policy="weights")
-
-    async def end_weight_update(self) -> dict[str, Any]:
-        return await self._fanout("POST", "/end_weight_update", {}, policy="weights")
-
-    async def update_weights_from_distributed(
-        self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]], *,
-        version: int | None, group_name: str = "weight_update_group", flush_cache: bool = False,
-    ) -> dict[str, Any]:
-        """Announce one bucket to every worker; they receive it from rank 0's broadcasts, which
-        the trainer runs concurrently with this call. Returns when every worker applied it."""
-        return await self._fanout("POST", "/update_weights_from_distributed", {
-            "names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
-            "group_name": group_name, "flush_cache": flush_cache,
-            "weight_version": None if version is None else str(version),
-        }, policy="weights")
-
-    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
-        return await self._fanout("POST", "/destroy_weights_update_group",
-                                  {"group_name": group_name}, policy="weights")
 
 
 def _worker_of(flight: _Inflight, router_url: str | None) -> str | None:

@@ -6,7 +6,7 @@ one-token generation sent straight to it (`Engines.probe`), because an engine ca
 the first probe; `hung_after_timeouts` probes in a row without an answer declare it hung.
 
 A lost engine leaves the router first (no new request goes there; sglang-router 0.3.2 would
-keep choosing it, FACTS.md), then every request this client may have on it ends at once
+keep choosing it, docs/facts.md), then every request this client may have on it ends at once
 (`Engines.abort_worker`): its sample keeps the tokens it streamed and the manager sends it
 again to the engines left (rollout.manager). Then, within the engine's restart budget and
 after a backoff, the `Restarter` kills what is left of it (a hung process too) and starts it

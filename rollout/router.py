@@ -1,4 +1,4 @@
-"""Lifecycle of the real `sglang-router` process (sglang-router 0.3.2, see FACTS.md).
+"""Lifecycle of the real `sglang-router` process (sglang-router 0.3.2, see docs/facts.md).
 
     with Router(RouterConfig()) as router:
         router.start([engine.url for engine in engines])

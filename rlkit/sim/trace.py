@@ -24,7 +24,7 @@ The generator (`generate_trace`) draws per-prompt difficulty from a two-componen
 (most prompts easy and short, a minority hard with lengths up to the cap), then each
 response's length around its prompt's mean, so that lengths vary far more across prompts
 than within a group. Its defaults are fitted at a 16k cap to the distributions reported in
-FACTS.md (P75 755-1.1k tokens, maxima at the cap, standard deviation 4,000-4,500 across a
+docs/facts.md (P75 755-1.1k tokens, maxima at the cap, standard deviation 4,000-4,500 across a
 batch, under 1,500 within a group) and scale with the cap. Optional growth multiplies every
 prompt's mean length by (1 + growth_per_step) per training step (lengths grow as RL training
 goes on).
@@ -302,7 +302,7 @@ def generate_trace(spec: TraceSpec, name: str | None = None) -> Trace:
 
 # -- statistics -----------------------------------------------------------------------------
 def length_stats(trace: Trace, *, batch_groups: int | None = None) -> dict[str, float]:
-    """Length figures to compare with FACTS.md: over the first group_size responses of every
+    """Length figures to compare with docs/facts.md: over the first group_size responses of every
     prompt (what a synchronous run trains on); `batch_std` is the mean, over batches of
     `batch_groups` consecutive draws, of the standard deviation inside the batch."""
     g = trace.group_size

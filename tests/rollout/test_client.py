@@ -14,7 +14,8 @@ from rlkit.rollout.config import SamplingConfig
 from rlkit.rollout.engine_api import EngineError, Engines
 from rlkit.rollout.engines.process import free_port
 from tests.rollout.fake_worker import FakeWorker, answer_json, answer_sse, tokens_chunk
-from tests.rollout.helpers import fixture_json, fixture_text
+from rlkit.train.weight_sync.engine_control import EngineControlError
+from tests.rollout.helpers import EngineControls, fixture_json, fixture_text
 
 SAMPLING = SamplingConfig(max_new_tokens=64)
 
@@ -205,18 +206,21 @@ async def test_a_refused_request_raises_with_the_engines_message(worker):
         await c.close()
 
 
-async def test_control_calls_fan_out_to_every_worker():
+async def test_control_calls_reach_every_worker_through_the_one_control_client():
+    """The weight sync's control calls go through train.weight_sync.engine_control (the one
+    control client) to each worker itself; the EngineClient speaks generation only."""
     a, b = await FakeWorker().start(), await FakeWorker().start()
+    ctl = EngineControls([a.url, b.url], timeout_s=10)
     c = await client_for(a, b)
     try:
-        await c.pause("retract")
-        await c.flush_cache()
-        await c.update_weights_from_disk("/ckpt/v3", 3)
-        await c.init_weights_update_group("10.0.0.1", 29500, group_name="g", backend="gloo")
-        await c.update_weights_from_distributed(["w"], ["float32"], [[2, 2]], version=3, group_name="g")
-        await c.continue_generation()
+        await ctl.pause("retract")
+        await ctl.flush_cache()
+        await ctl.update_weights_from_disk("/ckpt/v3", 3)
+        await ctl.init_weights_update_group("10.0.0.1", 29500, group_name="g", backend="gloo")
+        await ctl.update_weights_from_distributed(["w"], ["float32"], [[2, 2]], version=3, group_name="g")
+        await ctl.continue_generation()
         assert await c.loads() == {a.url: 0, b.url: 0}
-        assert await c.health() == {a.url: True, b.url: True}
+        assert await ctl.health() == {a.url: True, b.url: True}
     finally:
         await c.close()
         await a.stop()
@@ -229,17 +233,15 @@ async def test_control_calls_fan_out_to_every_worker():
     ranks = [w.calls("/init_weights_update_group")[0]["rank_offset"] for w in (a, b)]
     assert ranks == [1, 2]
     assert a.calls("/init_weights_update_group")[0]["world_size"] == 3
+    assert not hasattr(EngineClient, "pause") and not hasattr(EngineClient, "update_weights_from_disk")
 
 
 async def test_a_failing_worker_is_named(worker):
     dead = f"http://127.0.0.1:{free_port()}"
-    c = await EngineClient(None, worker_urls=[worker.url, dead]).connect()
-    try:
-        with pytest.raises(EngineError, match=dead.replace(".", r"\.")):
-            await c.continue_generation()
-        assert await c.health() == {worker.url: True, dead: False}
-    finally:
-        await c.close()
+    ctl = EngineControls([worker.url, dead], timeout_s=5)
+    with pytest.raises(EngineControlError, match=dead.replace(".", r"\.")):
+        await ctl.continue_generation()
+    assert await ctl.health() == {worker.url: True, dead: False}
 
 
 # -- engine faults (rollout.health) ---------------------------------------------------------------

@@ -1,6 +1,8 @@
 """The real sglang-router in front of two built-in engine servers on the tiny model, over
 loopback: generation, abort with partial tokens, resume, weight updates, pause, bad requests,
-a killed worker. One fleet per module keeps CI time down."""
+a killed worker. Generation goes through the EngineClient, control calls through the one
+control client (the weight sender's HttpEngineControl, as EngineControls). One fleet per module
+keeps CI time down."""
 
 from __future__ import annotations
 
@@ -13,14 +15,15 @@ import pytest
 import torch
 
 from rlkit.buffers.sample import Sample, SampleStatus
-from rlkit.rollout.client import DEFAULT_RETRY_POLICIES, EngineClient, RetryPolicy
+from rlkit.rollout.client import EngineClient
 from rlkit.rollout.config import SamplingConfig
 from rlkit.rollout.engine_api import EngineError
 from rlkit.rollout.engines.config import EngineConfig, RouterConfig
 from rlkit.rollout.engines.fleet import EngineFleet
 from rlkit.rollout.engines.process import free_port
 from rlkit.rollout.engines.builtin.weight_receiver import create_group, destroy_group
-from tests.rollout.helpers import LOGPROB_TOLERANCE, teacher_forced_logprobs
+from rlkit.train.weight_sync.engine_control import EngineControlError
+from tests.rollout.helpers import LOGPROB_TOLERANCE, EngineControls, teacher_forced_logprobs
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -38,10 +41,6 @@ def fleet(tiny_model_dir, tmp_path_factory):
 
 def samples(n: int, start: int = 0) -> list[Sample]:
     return [Sample(index=start + i, group_id=i, prompt_ids=PROMPTS[i % len(PROMPTS)]) for i in range(n)]
-
-
-def no_flush_retries() -> dict[str, RetryPolicy]:
-    return {**DEFAULT_RETRY_POLICIES, "flush": RetryPolicy(attempts=1)}
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -101,35 +100,37 @@ async def test_trace_replay_lengths_are_exact_through_the_router(fleet):
 
 async def test_pause_in_place_freezes_and_continue_resumes(fleet):
     sampling = SamplingConfig(max_new_tokens=400, ignore_eos=True)
-    async with fleet.client(retry_policies=no_flush_retries()) as c:
+    ctl = EngineControls(fleet.worker_urls)
+    async with fleet.client() as c:
         s = samples(1)[0]
         worker = fleet.worker_urls[0]
         task = asyncio.create_task(c.generate(s, sampling, max_new_tokens=400, version=0, worker=worker))
         while len(s.response_ids) < 5:
             await asyncio.sleep(0.01)
-        await c.pause("in_place")
+        await ctl.pause("in_place")
         frozen = len(s.response_ids)
         await asyncio.sleep(0.3)
         assert len(s.response_ids) == frozen and not task.done()
         assert (await c.loads())[worker] == 1
-        with pytest.raises(EngineError, match="flush_cache"):  # KV held in place: refused
-            await c.flush_cache()
-        await c.continue_generation()
+        with pytest.raises(EngineControlError, match="flush_cache"):  # KV held in place: refused
+            await ctl.flush_cache()
+        await ctl.continue_generation()
         await task
     assert s.status is SampleStatus.TRUNCATED and len(s.response_ids) == 400
 
 
 async def test_pause_retract_frees_kv_and_continues_the_same_request(fleet):
     sampling = SamplingConfig(max_new_tokens=300, ignore_eos=True)
-    async with fleet.client(retry_policies=no_flush_retries()) as c:
+    ctl = EngineControls(fleet.worker_urls)
+    async with fleet.client() as c:
         s = samples(1)[0]
         task = asyncio.create_task(c.generate(s, sampling, max_new_tokens=300, version=0,
                                               worker=fleet.worker_urls[1]))
         while len(s.response_ids) < 5:
             await asyncio.sleep(0.01)
-        await c.pause("retract")
-        await c.flush_cache()  # nothing holds KV any more
-        await c.continue_generation()
+        await ctl.pause("retract")
+        await ctl.flush_cache()  # nothing holds KV any more
+        await ctl.continue_generation()
         await task
     assert s.status is SampleStatus.TRUNCATED and len(s.response_ids) == 300 and s.requests == 1
 
@@ -157,21 +158,22 @@ async def _greedy(c: EngineClient, n: int = 2) -> list[Sample]:
 
 async def test_weight_update_from_disk_changes_outputs_and_version(fleet, tiny_model_dir, tmp_path):
     new_weights = _perturbed_copy(tiny_model_dir, tmp_path / "v5")
+    ctl = EngineControls(fleet.worker_urls)
     async with fleet.client() as c:
         before = await _greedy(c)
-        await c.pause("abort")
-        await c.flush_cache()
-        await c.update_weights_from_disk(new_weights, 5)
-        await c.continue_generation()
+        await ctl.pause("abort")
+        await ctl.flush_cache()
+        await ctl.update_weights_from_disk(new_weights, 5)
+        await ctl.continue_generation()
         after = await _greedy(c)
-        assert await c.weight_versions() == {w: "5" for w in fleet.worker_urls}
+        assert await ctl.weight_versions() == {w: "5" for w in fleet.worker_urls}
         # restore the original weights for the other tests
-        await c.pause("abort")
-        await c.update_weights_from_disk(str(tiny_model_dir), 6)
-        await c.continue_generation()
+        await ctl.pause("abort")
+        await ctl.update_weights_from_disk(str(tiny_model_dir), 6)
+        await ctl.continue_generation()
         restored = await _greedy(c)
-        with pytest.raises(EngineError, match="does not exist"):
-            await c.update_weights_from_disk(str(tmp_path / "nope"), 7)
+        with pytest.raises(EngineControlError, match="does not exist"):
+            await ctl.update_weights_from_disk(str(tmp_path / "nope"), 7)
     assert [s.response_ids for s in after] != [s.response_ids for s in before]
     assert all(s.versions == [5] * 12 for s in after)
     assert [s.response_ids for s in restored] == [s.response_ids for s in before]
@@ -199,38 +201,39 @@ async def test_distributed_weight_update_in_buckets(fleet, tiny_model, tmp_path)
     buckets = [names[i:i + 7] for i in range(0, len(names), 7)]
 
     async def push(tensors: dict[str, torch.Tensor], version: int) -> None:
-        await c.begin_weight_update()
+        await ctl.begin_weight_update()
         for bucket in buckets:
             thread = threading.Thread(target=broadcast, args=([tensors[n] for n in bucket],))
             thread.start()
-            await c.update_weights_from_distributed(
+            await ctl.update_weights_from_distributed(
                 bucket, ["float32"] * len(bucket), [list(tensors[n].shape) for n in bucket],
                 version=version, group_name=group_name)
             thread.join()
-        await c.end_weight_update()
+        await ctl.end_weight_update()
 
+    ctl = EngineControls(fleet.worker_urls)
     async with fleet.client() as c:
         before = await _greedy(c)
         joiner = threading.Thread(target=join)
         joiner.start()
-        await c.init_weights_update_group("127.0.0.1", port, group_name=group_name, backend="gloo")
+        await ctl.init_weights_update_group("127.0.0.1", port, group_name=group_name, backend="gloo")
         joiner.join()
-        await c.pause("abort")
+        await ctl.pause("abort")
         await push(new_state, 8)
-        await c.continue_generation()
+        await ctl.continue_generation()
         after = await _greedy(c)
 
         # A bucket naming an unknown parameter is drained (no hang) and refused.
         thread = threading.Thread(target=broadcast, args=([torch.zeros(3)],))
         thread.start()
-        with pytest.raises(EngineError, match="unknown parameter"):
-            await c.update_weights_from_distributed(["not.a.weight"], ["float32"], [[3]],
-                                                    version=None, group_name=group_name)
+        with pytest.raises(EngineControlError, match="unknown parameter"):
+            await ctl.update_weights_from_distributed(["not.a.weight"], ["float32"], [[3]],
+                                                      version=8, group_name=group_name)
         thread.join()
 
         await push(state, 9)  # restore
         restored = await _greedy(c)
-        await c.destroy_weights_update_group(group_name)
+        await ctl.destroy_weights_update_group(group_name)
     destroy_group(holder["pg"])
     assert [s.response_ids for s in after] != [s.response_ids for s in before]
     assert all(s.versions == [8] * 12 for s in after)
@@ -299,9 +302,10 @@ async def test_router_worker_management(fleet):
 async def test_a_killed_worker_is_reported_and_the_router_retries_elsewhere(tiny_model_dir, tmp_path):
     with EngineFleet(str(tiny_model_dir), ENGINE, ROUTER, log_dir=tmp_path) as f:
         victim, survivor = f.engines[0], f.worker_urls[1]
+        ctl = EngineControls(f.worker_urls)
         async with f.client() as c:
             victim.kill()
-            assert await c.health() == {victim.url: False, survivor: True}
+            assert await ctl.health() == {victim.url: False, survivor: True}
             batch = samples(6)
             served = await asyncio.gather(*(c.generate(s, SamplingConfig(max_new_tokens=5),
                                                        max_new_tokens=5, version=0) for s in batch))
@@ -353,21 +357,22 @@ async def test_each_token_carries_the_version_of_the_weights_that_made_it(fleet,
     new_dir = _perturbed_copy(tiny_model_dir, tmp_path / "v77")
     new_model = AutoModelForCausalLM.from_pretrained(new_dir, dtype=torch.float32).eval()
     sampling = SamplingConfig(max_new_tokens=160, ignore_eos=True)
+    ctl = EngineControls(fleet.worker_urls)
     async with fleet.client() as c:
-        old_version = int((await c.weight_versions())[fleet.worker_urls[0]])
+        old_version = int((await ctl.weight_versions())[fleet.worker_urls[0]])
         s = samples(1)[0]
         task = asyncio.create_task(c.generate(s, sampling, max_new_tokens=160, version=0,
                                               worker=fleet.worker_urls[0]))
         while len(s.response_ids) < 20:
             await asyncio.sleep(0.005)
-        await c.pause("retract")
-        await c.flush_cache()
-        await c.update_weights_from_disk(new_dir, 77)
-        await c.continue_generation()
+        await ctl.pause("retract")
+        await ctl.flush_cache()
+        await ctl.update_weights_from_disk(new_dir, 77)
+        await ctl.continue_generation()
         await task
-        await c.pause("abort")  # restore the original weights for the other tests
-        await c.update_weights_from_disk(str(tiny_model_dir), old_version + 1)
-        await c.continue_generation()
+        await ctl.pause("abort")  # restore the original weights for the other tests
+        await ctl.update_weights_from_disk(str(tiny_model_dir), old_version + 1)
+        await ctl.continue_generation()
     k = s.versions.index(77)
     assert k >= 20 and s.versions == [old_version] * k + [77] * (160 - k)
     old_ref = teacher_forced_logprobs(tiny_model, s.prompt_ids, s.response_ids[:k])

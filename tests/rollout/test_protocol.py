@@ -73,7 +73,7 @@ def test_bad_generate_requests_are_rejected_with_the_field_named(bad, where):
 
 
 def test_router_added_keys_are_ignored():
-    # sglang-router 0.3.2 re-serialises /generate with these defaults (measured, FACTS.md).
+    # sglang-router 0.3.2 re-serialises /generate with these defaults (measured, docs/facts.md).
     body = {"input_ids": [1, 2], "model": None, "return_text_in_logprobs": False,
             "log_metrics": True, "return_hidden_states": False, "background": False,
             "no_logs": False, "return_bytes": False, "return_entropy": False, "stream": False}

@@ -16,7 +16,7 @@ def trace16k() -> Trace:
 
 
 def test_lengths_match_the_published_distributions_at_a_16k_cap(trace16k):
-    """FACTS.md: P75 755-1.1k, maxima at the cap, std 4,000-4,500 across a batch and under
+    """docs/facts.md: P75 755-1.1k, maxima at the cap, std 4,000-4,500 across a batch and under
     1,500 within one prompt's group."""
     s = length_stats(trace16k)
     assert 755 <= s["p75"] <= 1100

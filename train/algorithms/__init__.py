@@ -1,6 +1,6 @@
 """Advantages and policy losses, in pure torch (no megatron import), so they test in milliseconds.
 
-DESIGN.md lists algorithms under rlkit/; they live here because `train` must not import `rlkit`
+The first plan put algorithms under rlkit/; they live here because `train` must not import `rlkit`
 (dependencies point rlkit -> train -> buffers) and the trainer is their only consumer.
 """
 

@@ -10,7 +10,7 @@ megatron-core assumes CUDA in two ways that matter for the local (non-TE) GPT la
    the inference tracker instead, which forks nothing; with dropout 0 no random numbers are drawn
    inside the model.
 
-What still fails on CPU and is therefore avoided rather than shimmed (see ../shared/FACTS.md):
+What still fails on CPU and is therefore avoided rather than shimmed (see docs/facts.md):
 ``get_megatron_optimizer`` and the distributed optimizer (hard-coded ``device='cuda'``), the
 pipeline schedules from ``get_forward_backward_func`` (also for PP=1) and
 ``get_default_causal_mask`` (we always pass our own attention mask). The CPU path calls the

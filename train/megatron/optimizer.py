@@ -4,7 +4,7 @@ CUDA: megatron's own optimizer (`get_megatron_optimizer`: fp32 master weights fo
 gradient clipping across TP ranks). Run on one H100 at TP=1 (docs/gpu.md;
 tests/train/test_megatron_cuda.py, which skips without a GPU); CI runs the CPU path below.
 
-CPU: `get_megatron_optimizer` hard-codes CUDA tensors (FACTS.md), so a torch AdamW steps the
+CPU: `get_megatron_optimizer` hard-codes CUDA tensors (docs/facts.md), so a torch AdamW steps the
 parameters after `param.grad = param.main_grad` (megatron's DDP accumulates into main_grad; without
 that line a torch optimizer silently does nothing). The gradient norm is computed TP-aware:
 tensor-parallel shards are summed across the TP group, replicated parameters (norms) counted once.

@@ -1,6 +1,8 @@
-"""The engine control calls a weight update needs, over SGLang's HTTP protocol.
+"""rlkit's one client of SGLang's control API: the calls a weight update needs (pause, flush,
+weight updates, continue), over SGLang's HTTP protocol. (Generation and its aborts are the
+EngineClient's, rollout/client.py.)
 
-Sent to each engine worker itself: the sglang-router forwards none of them (FACTS.md). stdlib
+Sent to each engine worker itself: the sglang-router forwards none of them (docs/facts.md). stdlib
 HTTP only, so `train` depends on no rollout code; one call per method, no retries (a weight
 update that half-applied must not be retried blindly). Every body states the flags whose SGLang
 defaults would surprise: `mode` for pause, `abort_all_requests` and `flush_cache` for updates.

@@ -1,4 +1,4 @@
-"""WeightSender: the trainer side of a weight update (FACTS.md, slime.md 3.6).
+"""WeightSender: the trainer side of a weight update (docs/facts.md; as slime does it).
 
 Sequence for every method: [stage weights] -> pause(mode) -> flush_cache -> update -> continue,
 with the new policy version sent along, so engines stamp it on every token generated afterwards.
