@@ -142,3 +142,13 @@ def test_the_graph_sees_lazy_and_type_only_imports_and_finds_a_cycle():
     assert "rlkit.driver.cluster" in imports_of("rlkit.driver.run", modules["rlkit.driver.run"], modules)
     # the folders map into the one namespace
     assert modules["rlkit.buffers.buffer"] == ROOT / "buffers" / "buffer.py"
+
+
+def test_every_source_folder_is_a_package_that_setup_py_installs():
+    """setup.py finds packages by their __init__.py: a folder without one would work in an
+    editable install (as a namespace folder) and be missing from a wheel."""
+    missing = sorted(
+        str(d.relative_to(ROOT)) for folder in FOLDERS.values() for d in (ROOT / folder).rglob("*")
+        if d.is_dir() and d.name != "__pycache__" and any(d.glob("*.py"))
+        and not (d / "__init__.py").exists())
+    assert missing == []
