@@ -7,10 +7,11 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from rlkit.buffers import Group
+from rlkit.rollout.rankers.basic import Stateless
 from rlkit.sim.trace import Trace
 
 
-class OracleRanker:
+class OracleRanker(Stateless):
     """Knows every response's length from a trace (benchmarks only: the upper bound a ranker
     can reach). `trace`: a `rlkit.sim.trace.Trace` or the path of a trace file."""
 
@@ -28,12 +29,3 @@ class OracleRanker:
             lengths = [self.trace.length(src, epoch, s.slot) for s in g.samples]
             out.append(sum(lengths) / len(lengths))
         return out
-
-    def observe(self, group: Group) -> None:
-        pass
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass

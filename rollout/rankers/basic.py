@@ -12,13 +12,8 @@ from rlkit.buffers.group import Group
 from rlkit.rollout.rankers.lengths import group_lengths, prompt_key
 
 
-class PromptLengthRanker:
-    """Longer prompts, longer answers: the baseline every other ranker must beat."""
-
-    name = "prompt_length"
-
-    def predict(self, groups: Sequence[Group]) -> list[float]:
-        return [float(len(g.prompt.ids)) for g in groups]
+class Stateless:
+    """The learning half of the LengthRanker protocol for a ranker that learns nothing."""
 
     def observe(self, group: Group) -> None:
         pass
@@ -28,6 +23,15 @@ class PromptLengthRanker:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+
+class PromptLengthRanker(Stateless):
+    """Longer prompts, longer answers: the baseline every other ranker must beat."""
+
+    name = "prompt_length"
+
+    def predict(self, groups: Sequence[Group]) -> list[float]:
+        return [float(len(g.prompt.ids)) for g in groups]
 
 
 @dataclass

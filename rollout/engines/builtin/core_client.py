@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlkit.rollout.engines.builtin.requests import DecodeParams, DecodeRequest
+from rlkit.rollout.engines.builtin.requests import DecodeRequest
 from rlkit.rollout.engines.builtin.engine_core import CoreConfig, run_engine_core
 from rlkit.rollout.protocol import FinishReason
 
@@ -34,21 +34,11 @@ class CoreDied(CoreError):
 
 
 @dataclass(eq=False)
-class RemoteRequest:
-    """The HTTP side's view of one request: the same fields the handlers read on a
-    DecodeRequest, filled from the core's progress messages. `progressed` is set whenever new
-    tokens or the finish reason arrive."""
+class RemoteRequest(DecodeRequest):
+    """The HTTP side's view of one request: a DecodeRequest (the fields the handlers read),
+    filled from the core's progress messages. `progressed` is set whenever new tokens or the
+    finish reason arrive."""
 
-    rid: str
-    input_ids: list[int]
-    params: DecodeParams
-    stream: bool = False
-    output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
-    output_versions: list[str] = field(default_factory=list)
-    weight_version: str = "0"
-    finish_reason: FinishReason | None = None
-    created: float = field(default_factory=time.monotonic)
     progressed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
