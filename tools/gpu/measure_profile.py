@@ -227,7 +227,7 @@ def write_profile(path: Path, model: str, decode, prefill, serving, command: str
     data["device"] = f"{gpu} (1 GPU, {os.cpu_count()} CPU cores; engines share the GPU, not cores)"
     data["model"] = model
     data["source"] = (
-        f"hf engine (rollout.engines.hf_server) on one {gpu}, bfloat16, 1 torch thread per "
+        f"hf engine (rlkit.rollout.engines.builtin.hf_server) on one {gpu}, bfloat16, 1 torch thread per "
         "engine: decode-loop wall time per step of engine 0 in a fleet of two behind "
         "sglang-router and EngineClient, prefill forwards of BatchedDecoder timed between CUDA "
         "synchronisations, request and control round trips through the real server: `python3 "
