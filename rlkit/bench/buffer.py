@@ -65,12 +65,17 @@ def bench_buffer(groups: int, samples: int, tokens: int, rounds: int) -> dict:
     per_op: dict[str, list[float]] = {k: [] for k in
                                        ("acquire", "requeue", "resume", "put", "take", "stream")}
     for _ in range(rounds):
-        source = ListPromptSource(records_from_token_lists([[1, 2, 3]] * 64), seed=0)
+        # One row per group: all `groups` are out at once (in flight, then partial), and the
+        # buffer never hands out a row that is already out (a prompt is never out twice), so
+        # fewer rows than groups would leave `acquire` with nothing to give.
+        source = ListPromptSource(records_from_token_lists([[1, 2, 3]] * groups), seed=0)
         buf = RolloutBuffer(source, n_samples_per_prompt=samples)
         box: dict = {}
 
         def acquire_one_by_one() -> None:
-            box["g"] = [buf.acquire(1)[0] for _ in range(groups)]
+            box["g"] = [g for _ in range(groups) for g in buf.acquire(1)]
+            if len(box["g"]) != groups:
+                raise RuntimeError(f"bench buffer: acquired {len(box['g'])} of {groups} groups")
 
         per_op["acquire"].append(timed(acquire_one_by_one, groups))  # fresh prompts
         fill(box["g"], done=False)
@@ -81,6 +86,8 @@ def bench_buffer(groups: int, samples: int, tokens: int, rounds: int) -> dict:
         per_op["take"].append(timed(lambda: [buf.take(1) for _ in range(groups)], groups))
 
         box["g"] = buf.acquire(groups)
+        if len(box["g"]) != groups:  # stream(groups) below would wait for the rest forever
+            raise RuntimeError(f"bench buffer: acquired {len(box['g'])} of {groups} groups")
         fill(box["g"], done=True)
         for g in box["g"]:
             buf.complete(g)
