@@ -17,6 +17,8 @@ import statistics
 import time
 from typing import Callable
 
+from rlkit.bench.report import add_out_argument, out_folder, write_report
+
 TARGET_OPS_PER_S = 50_000
 # The operations the target is stated for (issue 2); acquire/resume are reported beside them.
 TARGET_OPS = ("put", "requeue", "take", "stream")
@@ -28,14 +30,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=4096, help="response tokens per sample")
     parser.add_argument("--rounds", type=int, default=5, help="rounds; the median is reported")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_out_argument(parser, "buffer")
 
 
 def run(args: argparse.Namespace) -> int:
+    out = out_folder(args.out)
     result = bench_buffer(args.groups, args.samples, args.tokens, args.rounds)
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        print(format_table(result))
+    table = format_table(result)
+    print(json.dumps(result, indent=2) if args.json else table)
+    write_report(out, "buffer", result, table)
     return 0
 
 

@@ -20,6 +20,8 @@ import statistics
 import time
 from pathlib import Path
 
+from rlkit.bench.report import add_out_argument, out_folder, write_report
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipe", default="recipes/grpo_tiny_ci.yaml", help="the recipe run")
@@ -28,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=1, help="runs per mode (alternated)")
     parser.add_argument("--max-staleness", type=int, default=1,
                         help="rollout.max_staleness (async overlaps only with >= 1)")
-    parser.add_argument("--out", default="runs/bench-e2e", help="output folder")
+    add_out_argument(parser, "e2e")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, key=value")
 
 
@@ -40,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     modes = [m.strip() for m in args.mode.split(",") if m.strip()]
     if bad := [m for m in modes if m not in MODES]:
         raise SystemExit(f"--mode: unknown {', '.join(bad)} (modes: {', '.join(MODES)})")
-    out = Path(args.out)
+    out = out_folder(args.out)
     results: dict[str, list[dict]] = {m: [] for m in modes}
     for rep in range(args.repeats):
         for mode in modes:
@@ -60,9 +62,8 @@ def run(args: argparse.Namespace) -> int:
                                   "train_s": statistics.mean(r["train/seconds"] for r in rows),
                                   "rollout_s": statistics.mean(r["rollout/seconds"] for r in rows)})
     table = format_table(results, args)
-    (out / "e2e.md").write_text(table + "\n")
-    (out / "e2e.json").write_text(json.dumps(results, indent=1) + "\n")
     print(table)
+    write_report(out, "e2e", results, table)
     return 0
 
 

@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlkit.bench.report import add_out_argument, out_folder, write_report
+
 DEFAULT_NEW_TOKENS = {"tiny": 128, "tiny-llama": 128, "smollm2": 32}
 
 
@@ -68,17 +70,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stream-interval", type=int, default=None,
                         help="tokens per streamed chunk (default: EngineConfig's, 8; SGLang's is 1)")
     parser.add_argument("--profile-batch-sizes", default="1,2,4,8,16,32,64")
-    parser.add_argument("--profile-dir", default="runs/bench-engine",
-                        help="where PTL profiles are written ('' to skip the profile pass). Not "
+    parser.add_argument("--profile-dir", default=None,
+                        help="where PTL profiles are written (default: the --out folder; '' to "
+                        "skip the profile pass). Not "
                         "docs/profiles by default: the committed profiles also carry prefill and "
                         "serving costs measured by `python -m rlkit.sim.measure_hf` "
                         "(docs/simulation.md), which this pass would drop")
-    parser.add_argument("--out", default=None, help="also write all measurements as JSON here")
+    add_out_argument(parser, "engine")
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    out = out_folder(args.out)
+    if args.profile_dir is None:
+        args.profile_dir = str(out)
     torch.set_num_threads(args.threads)
     results: list[Measurement] = []
     profiles: list[str] = []
@@ -103,13 +109,12 @@ def run(args: argparse.Namespace) -> int:
         "results": [asdict(r) | {"ratio": r.ratio} for r in results],
         "profiles": profiles,
     }
-    print("\n" + render_table(results))
+    table = render_table(results)
+    print("\n" + table)
     print(f"\nload conditions: {json.dumps(report['conditions'])}")
     for p in profiles:
         print(f"PTL profile: {p}")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_report(out, "engine", report, table)
     return 0
 
 

@@ -35,8 +35,9 @@ import json
 import logging
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
+
+from rlkit.bench.report import add_out_argument, out_folder, write_report
 
 SCENARIOS = ("baseline", "kill", "hang", "mixed", "all-down")
 DEFAULT_POLICIES = ("sync", "partial@1.5")
@@ -69,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--hung-after", type=int, default=h.hung_after_timeouts,
                    help="timed-out probes in a row that declare an engine hung")
     r.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    r.add_argument("--out", help="also write the JSON here")
+    add_out_argument(r, "faults")
 
 
 @dataclass
@@ -112,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
     from rlkit.rollout.config import HealthConfig
     from rlkit.sim.trace import Trace, TraceSpec, generate_trace
 
+    out = out_folder(args.out)
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     if bad := [s for s in scenarios if s not in SCENARIOS]:
         raise SystemExit(f"--scenarios: unknown {', '.join(bad)} (of: {', '.join(SCENARIOS)})")
@@ -130,10 +132,9 @@ def run(args: argparse.Namespace) -> int:
     rows = bench.run(policies, scenarios)
     wall = time.perf_counter() - t0
     result = {"setup": bench.describe(), "wall_s": wall, "rows": [r.to_json() for r in rows]}
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result, indent=1) if args.json else
-          format_table(rows, bench.describe() + f" Simulated in {wall:.0f} s of wall time."))
+    table = format_table(rows, bench.describe() + f" Simulated in {wall:.0f} s of wall time.")
+    print(json.dumps(result, indent=1) if args.json else table)
+    write_report(out, "faults", result, table)
     return 0
 
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from rlkit.bench.report import add_out_argument, out_folder, write_report
+
 DEFAULT_RANKERS = ("history", "learned", "prompt_length", "oracle")
 
 
@@ -43,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=32, help="groups per step (traces)")
     parser.add_argument("--warmup", type=int, default=4,
                         help="first-pass steps not scored (a learned ranker needs data to fit)")
-    parser.add_argument("--out", help="write the results as JSON here")
+    add_out_argument(parser, "ranker")
 
 
 @dataclass
@@ -58,6 +60,7 @@ class StepGroups:
 def run(args: argparse.Namespace) -> int:
     from rlkit.plugins import PluginNotFound
 
+    out = out_folder(args.out)
     names = [r.strip() for r in args.rankers.split(",") if r.strip()]
     if args.run:
         steps, source = run_steps(args.run), f"run {args.run}"
@@ -71,9 +74,9 @@ def run(args: argparse.Namespace) -> int:
     except PluginNotFound as e:
         raise SystemExit(f"rlkit: {e}") from None
     result["source"] = source
-    print(format_table(result))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2))
+    table = format_table(result)
+    print(table)
+    write_report(out, "ranker", result, table)
     return 0
 
 

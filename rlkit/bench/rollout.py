@@ -28,6 +28,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from rlkit.bench.report import add_out_argument, out_folder, write_report
 from rlkit.rollout.policy_names import describe_specs
 
 
@@ -65,11 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "cpu or the GPU's model, e.g. h100) and report both partial/sync ratios (the "
         "simulator's validation)",
     )
-    parser.add_argument("--out", help="write the results as JSON here")
+    add_out_argument(parser, "rollout")
 
 
 def run(args: argparse.Namespace) -> int:
-    specs = policy_specs(args)  # a bad spec or trace fails before any engine starts
+    out = out_folder(args.out)  # a bad folder, spec or trace fails before any engine starts
+    specs = policy_specs(args)
     if args.trace:
         from rlkit.sim.trace import Trace
 
@@ -79,9 +81,9 @@ def run(args: argparse.Namespace) -> int:
     result = asyncio.run(bench_rollout(args))
     if args.simulate:
         result["simulated"] = simulate_same(args, result)
-    print(format_table(result))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2))
+    table = format_table(result)
+    print(table)
+    write_report(out, "rollout", result, table)
     return 0
 
 

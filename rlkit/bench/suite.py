@@ -38,7 +38,6 @@ Policies are specs of the policy list (rollout/policy_names.py).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import time
@@ -46,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlkit.bench.report import add_out_argument, out_folder, write_report
 from rlkit.config.modes import MODE_NAMES as MODES
 from rlkit.rollout.policy_names import describe_specs
 
@@ -107,7 +107,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--steps", type=int, default=30, help="steps measured")
     r.add_argument("--max-staleness", type=int, default=1000,
                    help="buffer staleness bound (default: unbounded, as APRIL)")
-    r.add_argument("--out", default="runs/bench-suite", help="output folder")
+    add_out_argument(r, "suite")
     r.add_argument("--no-timelines", action="store_true", help="do not write timelines")
 
 
@@ -143,8 +143,7 @@ def cluster_of(args: argparse.Namespace) -> tuple[Any, Any]:
 def run(args: argparse.Namespace) -> int:
     from rlkit.sim.trace import Trace, TraceSpec, generate_trace
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_folder(args.out)
     cluster, train = cluster_of(args)
     profile = cluster.profile
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -175,12 +174,10 @@ def run(args: argparse.Namespace) -> int:
                      timelines=None if args.no_timelines else out / "timelines", modes=modes)
     wall = time.perf_counter() - t0
     table = format_table(rows, describe(suite, traces, wall))
-    (out / "suite.md").write_text(table + "\n")
-    (out / "suite.json").write_text(json.dumps([r.to_json() for r in rows], indent=1) + "\n")
     plot_suite(rows, out / "suite.png", title=f"{profile.name} x {cluster.engines}, "
                f"{args.batch_size} groups x {traces[0].group_size}")
     print(table)
-    print(f"\nwrote {out / 'suite.md'}, {out / 'suite.png'}, {out / 'suite.json'}")
+    write_report(out, "suite", [r.to_json() for r in rows], table)
     return 0
 
 

@@ -35,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from rlkit.bench.report import add_out_argument, out_folder, write_report
+
 MODELS = ("tiny", "smollm2", "smollm2-shaped")
 SHAPES = {  # (samples, prompt tokens, median response, max response)
     "tiny": (32, 32, 64, 512),
@@ -58,9 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "started here), or engine worker URLs given as url1+url2",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_out_argument(parser, "train")
 
 
 def run(args: argparse.Namespace) -> int:
+    out = out_folder(args.out)
     result = bench_train(
         models=[m for m in args.models.split(",") if m],
         tps=[int(t) for t in args.tp.split(",") if t],
@@ -72,7 +76,9 @@ def run(args: argparse.Namespace) -> int:
         sync_rounds=args.sync_rounds,
         sync_receivers=[r.replace("+", ",") for r in args.sync_receivers.split(",") if r],
     )
-    print(json.dumps(result, indent=2) if args.json else format_table(result))
+    table = format_table(result)
+    print(json.dumps(result, indent=2) if args.json else table)
+    write_report(out, "train", result, table)
     return 0
 
 

@@ -118,7 +118,7 @@ def test_every_engine_down_mid_step_stops_with_every_group_parked(tiny):
 
 
 def test_the_cli_prints_the_table_and_writes_json(tmp_path, capsys):
-    out = tmp_path / "faults.json"
+    out = tmp_path / "report"  # --out is a folder (created): faults.json and faults.md in it
     code = main(["bench", "faults", "--cap", "2048", "--prompts", "256", "--batch-size", "8",
                  "--group-size", "4", "--engines", "3", "--profile", PROFILE, "--steps", "3",
                  "--train-gpus", "1", "--policies", "sync", "--scenarios", "baseline,kill",
@@ -126,7 +126,8 @@ def test_the_cli_prints_the_table_and_writes_json(tmp_path, capsys):
     assert code == 0
     text = capsys.readouterr().out
     assert "| sync | baseline |" in text and "| sync | kill |" in text
-    rows = json.loads(out.read_text())["rows"]
+    rows = json.loads((out / "faults.json").read_text())["rows"]
+    assert "| sync | kill |" in (out / "faults.md").read_text()
     assert [r["scenario"] for r in rows] == ["baseline", "kill"]
     assert all(invariants_ok(r) for r in rows)
 

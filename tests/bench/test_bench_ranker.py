@@ -35,6 +35,7 @@ def test_a_runs_recorded_groups_are_scored_step_by_step(tmp_path, capsys):
     steps = run_steps(tmp_path)
     assert [s.first_pass for s in steps] == [True] * 3 + [False] * 3
     assert main(["bench", "ranker", "--run", str(tmp_path), "--rankers", "history",
-                 "--warmup", "0"]) == 0
+                 "--warmup", "0", "--out", str(tmp_path / "report")]) == 0
     out = capsys.readouterr().out
     assert "| history | " in out and "| 1.00 |" in out  # seen before: the longest is known
+    assert "| history | " in (tmp_path / "report" / "ranker.md").read_text()

@@ -21,10 +21,10 @@ def test_bench_engine_smoke(tiny_model_dir, tmp_path, capsys):
     args = parser.parse_args([
         "--models", str(tiny_model_dir), "--concurrency", "1,4", "--new-tokens", "12",
         "--rounds", "1", "--profile-batch-sizes", "1,2,4", "--profile-dir", str(tmp_path / "p"),
-        "--out", str(tmp_path / "r.json"),
+        "--out", str(tmp_path / "r"),
     ])
     assert bench.run(args) == 0
-    report = json.loads((tmp_path / "r.json").read_text())
+    report = json.loads((tmp_path / "r" / "engine.json").read_text())
     assert [r["concurrency"] for r in report["results"]] == [1, 4]
     assert all(r["generate_tok_s"][0] > 0 and r["engine_tok_s"][0] > 0 for r in report["results"])
     assert report["conditions"]["stream_interval"] == 8

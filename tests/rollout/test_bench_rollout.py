@@ -55,9 +55,9 @@ def test_a_trace_file_is_replayed_on_the_real_engines(tiny_model_dir, tmp_path, 
     path = trace.save(tmp_path / "t.jsonl")
     args = parse("--trace", str(path), "--model", str(tiny_model_dir), "--engines", "1",
                  "--batch-size", "2", "--policy", "sync,tail_batching@1.5", "--steps", "3",
-                 "--warmup-steps", "0", "--out", str(tmp_path / "r.json"))
+                 "--warmup-steps", "0", "--out", str(tmp_path / "r"))
     assert bench.run(args) == 0
-    result = json.loads((tmp_path / "r.json").read_text())
+    result = json.loads((tmp_path / "r" / "rollout.json").read_text())
     assert result["trace"] == trace.name and result["config"]["cap"] == 48
     sync, tail = result["policies"]["sync"], result["policies"]["tail_batching@1.5"]
     assert sync["groups"] == tail["groups"] == 6

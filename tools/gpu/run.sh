@@ -41,14 +41,14 @@ PY
     ;;
   cudatests) stage cudatests 150 python3 -m pytest tests/train/test_megatron_cuda.py -q -p no:cacheprovider -rs ;;
   tput05b) stage tput05b 200 python3 tools/gpu/train_cuda.py throughput --model llama-0.5b --out $R/tput-llama-0.5b.json ;;
-  enginetiny) stage enginetiny 120 $CLI bench engine --models tiny --concurrency 1,16 --new-tokens 32 --rounds 1 --profile-dir "" --out $R/engine-tiny.json ;;
+  enginetiny) stage enginetiny 120 $CLI bench engine --models tiny --concurrency 1,16 --new-tokens 32 --rounds 1 --profile-dir "" --out $R/engine-tiny ;;
   prepare) stage prepare 120 $CLI prepare-model smollm2 ;;
   profile) stage profile 300 python3 tools/gpu/measure_profile.py --model smollm2 --out $PROFILE; cp $PROFILE $R/ 2>/dev/null ;;
-  engine) stage engine 240 $CLI bench engine --models smollm2 --concurrency 1,2,4,8,16,32,64 --new-tokens 64 --rounds 2 --profile-dir $R --out $R/engine-smollm2.json ;;
+  engine) stage engine 240 $CLI bench engine --models smollm2 --concurrency 1,2,4,8,16,32,64 --new-tokens 64 --rounds 2 --profile-dir $R --out $R/engine-smollm2 ;;
   rollout0|rollout1)
     seed=${st#rollout}
     sim=""; [ -f $PROFILE ] && sim="--simulate $PROFILE"
-    stage $st 330 $CLI bench rollout --model smollm2 --engines 2 --policy sync,partial,tail_batching --steps 5 --warmup-steps 1 --cap ${CAP:-256} --seed $seed --trace-out $R/trace-s$seed.jsonl --out $R/rollout-s$seed.json $sim ;;
+    stage $st 330 $CLI bench rollout --model smollm2 --engines 2 --policy sync,partial,tail_batching --steps 5 --warmup-steps 1 --cap ${CAP:-256} --seed $seed --trace-out $R/trace-s$seed.jsonl --out $R/rollout-s$seed $sim ;;
   parity) stage parity 150 python3 tools/gpu/train_cuda.py parity --model smollm2 --out $R/parity-smollm2.json ;;
   grpo) stage grpo 150 python3 tools/gpu/train_cuda.py grpo --model smollm2 --out $R/grpo-smollm2.json ;;
   tputsmol) stage tputsmol 120 python3 tools/gpu/train_cuda.py throughput --model smollm2 --out $R/tput-smollm2.json ;;

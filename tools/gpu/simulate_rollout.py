@@ -1,5 +1,6 @@
-"""Re-run the simulated side of a `rlkit bench rollout --out FILE` result with an engine profile,
-on any machine (the simulator is pure Python): the same trace, policies and step counts.
+"""Re-run the simulated side of a `rlkit bench rollout` result (the rollout.json in its `--out`
+folder) with an engine profile, on any machine (the simulator is pure Python): the same trace,
+policies and step counts.
 
     python tools/gpu/simulate_rollout.py RESULT.json --trace TRACE.jsonl \
         --profile docs/profiles/h100-smollm2-t1.json [--out SIMULATED.json]
@@ -17,7 +18,7 @@ from pathlib import Path
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("result", help="JSON written by rlkit bench rollout --out")
+    p.add_argument("result", help="rollout.json that rlkit bench rollout wrote into its --out folder")
     p.add_argument("--trace", required=True, help="the trace the real run replayed (--trace-out)")
     p.add_argument("--profile", required=True, help="engine profile file or packaged name")
     p.add_argument("--out", help="write the result with its new 'simulated' part here")

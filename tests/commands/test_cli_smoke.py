@@ -1,0 +1,290 @@
+"""Every `rlkit` command runs as documented: one row per command of rlkit/cli.py COMMANDS, run
+through the real entry point (`rlkit.cli.main`, in this process) with its defaults, scaled down
+by arguments where they are slow, asserting what it produced (exit code, report files that
+parse, a figure in them). `test_the_table_covers_every_command` fails for a command without a
+row.
+
+Rows that start engines, Ray or megatron-core are marked slow and integration. `train`,
+`export` and `eval` share one run: the session's `tiny_run` is `rlkit train` on the CI recipe
+(one step, one checkpoint), which `export` then writes as an HF folder and `eval` evaluates.
+Demo models are built once per session into a temporary RLKIT_CACHE.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from rlkit.cli import COMMANDS, main
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY_RECIPE = ROOT / "recipes" / "grpo_tiny_ci.yaml"
+SIM_PROFILE = "h100-qwen3-4b-tp1"
+HEAVY = (pytest.mark.slow, pytest.mark.integration)
+
+
+@dataclass
+class Ctx:
+    tmp: Path
+    capsys: pytest.CaptureFixture
+    request: pytest.FixtureRequest
+
+    def run(self, *argv: str) -> str:
+        """`rlkit ARGV` through the CLI entry point; asserts exit 0; returns its stdout."""
+        self.capsys.readouterr()
+        rc = main(list(argv))
+        out, err = self.capsys.readouterr()
+        assert rc == 0, f"rlkit {' '.join(argv)} exited {rc}\n{out[-2000:]}\n{err[-2000:]}"
+        return out
+
+    def report(self, folder: Path, name: str) -> dict | list:
+        """A bench's report: NAME.md (its table) and NAME.json (parsed) in its --out folder."""
+        assert (folder / f"{name}.md").read_text().strip()
+        return json.loads((folder / f"{name}.json").read_text())
+
+
+def png(path: Path) -> None:
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
+
+
+# -- the rows --------------------------------------------------------------------------------
+def config_show(c: Ctx) -> None:
+    out = c.run("config", "show", str(TINY_RECIPE), "run.num_steps=2")
+    assert "num_steps: 2" in out and "name: grpo-tiny" in out
+
+
+def config_docs(c: Ctx) -> None:
+    c.run("config", "docs", "--out", str(c.tmp / "reference.md"))
+    assert (c.tmp / "reference.md").read_text() == (ROOT / "docs" / "recipe-reference.md").read_text()
+
+
+def prepare_model(c: Ctx) -> None:
+    out = c.run("prepare-model", "tiny")
+    folder = Path(out.strip().splitlines()[-1])
+    assert folder == Path(os.environ["RLKIT_CACHE"]) / "models" / "tiny"
+    assert json.loads((folder / "config.json").read_text())["num_hidden_layers"] >= 1
+    assert list(folder.glob("*.safetensors")) and (folder / "tokenizer.json").is_file()
+
+
+def check_reward(c: Ctx) -> None:
+    out = c.run("check-reward", "math")  # the default recipe's reward
+    assert "FAIL" not in out
+
+
+def plot_metrics(c: Ctx) -> None:
+    # the default run's rows, committed beside the README's chart
+    c.run("plot", "metrics", str(ROOT / "docs" / "default-run" / "grpo_smollm2_cpu_metrics.jsonl"),
+          "--out", str(c.tmp / "metrics.png"))
+    png(c.tmp / "metrics.png")
+
+
+def plot_timeline(c: Ctx) -> None:
+    from rlkit.rollout.engines.profile import constant_profile
+    from rlkit.rollout.policies import PartialPolicy
+    from rlkit.sim.engine import SimConfig
+    from rlkit.sim.simulate import run_simulation
+    from rlkit.sim.trace import TraceSpec, generate_trace
+
+    trace = generate_trace(TraceSpec(rows=32, epochs=2, cap=256, group_size=2, batch_size=4))
+    cluster = SimConfig(2, constant_profile([0.005, 0.01], [1, 32], prefill_s_per_token=1e-5))
+    run_simulation(cluster, trace, PartialPolicy(2.0), steps=2, batch_size=4,
+                   timeline_path=c.tmp / "timeline.jsonl")
+    out = c.run("plot", "timeline", str(c.tmp))  # --step last
+    assert f"wrote {c.tmp / 'timeline_step1.png'}" in out
+    png(c.tmp / "timeline_step1.png")
+
+
+def plan(c: Ctx) -> None:
+    out = c.run("plan", "--gpus", "8", "--json", "--profile", "h100-qwen2.5-7b-tp1", "--cap", "2048",
+                "--prompts", "128", "--params", "7.6e9", "--warmup", "1", "--steps", "2")
+    p = json.loads(out)
+    assert p["chosen"]["gen_gpus"] + p["chosen"]["train_gpus"] <= 8 and p["chosen"]["gen_gpus"] >= 1
+
+
+def bench_buffer(c: Ctx) -> None:
+    out = c.tmp / "buffer"
+    c.run("bench", "buffer", "--groups", "300", "--tokens", "256", "--rounds", "1", "--out", str(out))
+    r = c.report(out, "buffer")
+    assert r["groups"] == 300 and min(r["ops_per_s"].values()) > 0
+
+
+def bench_suite(c: Ctx) -> None:
+    out = c.tmp / "suite"
+    c.run("bench", "suite", "--caps", "1024", "--policies", "sync,partial@1.5", "--batch-size", "4",
+          "--group-size", "4", "--prompts", "64", "--engines", "2", "--profile", SIM_PROFILE,
+          "--warmup", "1", "--steps", "2", "--out", str(out))
+    rows = c.report(out, "suite")
+    assert [r["policy"] for r in rows] == ["sync", "partial@1.5"]
+    assert all(len(r["steps"]) == 2 for r in rows)
+    png(out / "suite.png")
+
+
+def bench_faults(c: Ctx) -> None:
+    out = c.tmp / "faults"
+    c.run("bench", "faults", "--cap", "1024", "--prompts", "64", "--batch-size", "4",
+          "--group-size", "4", "--engines", "2", "--profile", SIM_PROFILE, "--steps", "2",
+          "--train-gpus", "1", "--policies", "sync", "--scenarios", "baseline,kill", "--out", str(out))
+    rows = c.report(out, "faults")["rows"]
+    assert [r["scenario"] for r in rows] == ["baseline", "kill"]
+    assert all(r["groups_lost"] == 0 and r["problems"] == [] for r in rows)
+
+
+def bench_ranker(c: Ctx) -> None:
+    out = c.tmp / "ranker"
+    c.run("bench", "ranker", "--rows", "16", "--epochs", "2", "--batch-size", "8", "--warmup", "1",
+          "--out", str(out))
+    r = c.report(out, "ranker")
+    assert set(r["rankers"]) == {"history", "learned", "prompt_length", "oracle"}
+    assert "oracle" in (out / "ranker.md").read_text()
+
+
+def bench_engine(c: Ctx) -> None:
+    from rlkit.rollout.engines.profile import load_profile
+
+    out = c.tmp / "engine"
+    c.run("bench", "engine", "--models", "tiny", "--concurrency", "2", "--new-tokens", "8",
+          "--rounds", "1", "--profile-batch-sizes", "1,2", "--out", str(out))
+    r = c.report(out, "engine")
+    (m,) = r["results"]
+    assert m["concurrency"] == 2 and m["engine_tok_s"][0] > 0 and m["ratio"] > 0
+    (profile,) = r["profiles"]
+    assert Path(profile).parent == out and load_profile(profile).batch_sizes == (1, 2)
+
+
+def bench_train(c: Ctx) -> None:
+    out = c.tmp / "train"
+    c.run("bench", "train", "--models", "tiny", "--tp", "1", "--steps", "1", "--cpus", "1",
+          "--no-padding-compare", "--sync-model", "tiny", "--sync-rounds", "1",
+          "--sync-receivers", "loopback", "--out", str(out))
+    r = c.report(out, "train")
+    (t,) = r["training"]
+    assert t["model"] == "tiny" and t["train_tokens_per_s"] > 0
+    assert {s["method"] for s in r["weight_sync"]} == {"distributed", "disk"}
+
+
+def bench_rollout(c: Ctx) -> None:
+    out = c.tmp / "rollout"
+    c.run("bench", "rollout", "--model", "tiny", "--engines", "1", "--batch-size", "2", "--n", "2",
+          "--cap", "16", "--steps", "1", "--warmup-steps", "0", "--out", str(out))
+    r = c.report(out, "rollout")
+    assert set(r["policies"]) == {"sync", "partial"}
+    # a step trains the batch (2 groups); partial may complete more, which it carries over
+    assert all(p["groups"] >= 2 and p["tokens"] > 0 for p in r["policies"].values())
+
+
+def bench_e2e(c: Ctx) -> None:
+    out = c.tmp / "e2e"
+    c.run("bench", "e2e", "--recipe", str(TINY_RECIPE), "--mode", "sync", "--steps", "1",
+          "--out", str(out), "rollout.engine.num_engines=1")
+    r = c.report(out, "e2e")
+    (sync,) = r["sync"]
+    assert sync["wall_s"] > 0 and sync["step_s"] > 0
+    assert (out / "sync-0" / "metrics.jsonl").is_file()
+
+
+@dataclass
+class TinyRun:
+    path: Path  # the run folder
+    seconds: float
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, smoke_cache) -> TinyRun:
+    """`rlkit train` on the CI recipe, scaled down: one step, one engine, a checkpoint."""
+    out = tmp_path_factory.mktemp("smoke-train")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RLKIT_CACHE", str(smoke_cache))
+        t0 = time.perf_counter()
+        rc = main(["train", str(TINY_RECIPE), f"run.output_dir={out}", "run.num_steps=1",
+                   "rollout.engine.num_engines=1", "checkpoint.every_steps=1",
+                   "tracking.progress=false"])
+        seconds = time.perf_counter() - t0
+    assert rc == 0
+    return TinyRun(out / "grpo-tiny", seconds)
+
+
+def train(c: Ctx) -> None:
+    run = c.request.getfixturevalue("tiny_run")
+    rows = [json.loads(x) for x in (run.path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1] and rows[0]["version"] == 1
+    assert rows[0]["batch/groups"] == 4 and rows[0]["buffer/balanced"]
+    assert (run.path / "checkpoints").is_dir() and (run.path / "timeline.jsonl").stat().st_size
+
+
+def export(c: Ctx) -> None:
+    from safetensors.torch import load_file
+
+    run = c.request.getfixturevalue("tiny_run")
+    (ckpt,) = sorted((run.path / "checkpoints").iterdir())
+    out = c.tmp / "exported"
+    c.run("export", str(ckpt), str(out))
+    assert json.loads((out / "config.json").read_text())["model_type"]
+    (weights,) = out.glob("*.safetensors")
+    assert len(load_file(str(weights))) > 0 and (out / "tokenizer.json").is_file()
+
+
+def evaluate(c: Ctx) -> None:
+    run = c.request.getfixturevalue("tiny_run")
+    out = c.tmp / "eval.json"
+    c.run("eval", str(run.path), "builtin:arithmetic?split=test&rows=4", "--engines", "1",
+          "--set", "rollout.sampling.max_new_tokens=8", "--out", str(out))
+    report = json.loads(out.read_text())
+    assert report["version"] == 1  # the run's latest checkpoint, after its one step
+    (greedy,) = report["results"]
+    assert greedy["prompts"] == 4 and greedy["failures"] == 0 and 0 <= greedy["pass@1"] <= 1
+
+
+# command words -> (row, marks); fast rows first, the heavy ones share one tiny run
+SMOKE: dict[tuple[str, ...], tuple[Callable[[Ctx], None], tuple]] = {
+    ("config", "show"): (config_show, ()),
+    ("config", "docs"): (config_docs, ()),
+    ("check-reward",): (check_reward, ()),
+    ("plot", "metrics"): (plot_metrics, ()),
+    ("plot", "timeline"): (plot_timeline, ()),
+    ("plan",): (plan, ()),
+    ("bench", "buffer"): (bench_buffer, ()),
+    ("bench", "suite"): (bench_suite, ()),
+    ("bench", "faults"): (bench_faults, ()),
+    ("bench", "ranker"): (bench_ranker, ()),
+    ("prepare-model",): (prepare_model, ()),
+    ("bench", "engine"): (bench_engine, HEAVY),
+    ("bench", "rollout"): (bench_rollout, HEAVY),
+    ("bench", "train"): (bench_train, HEAVY),
+    ("train",): (train, HEAVY),
+    ("export",): (export, HEAVY),
+    ("eval",): (evaluate, HEAVY),
+    ("bench", "e2e"): (bench_e2e, HEAVY),
+}
+
+
+def test_the_table_covers_every_command():
+    commands = [words for words, _, _ in COMMANDS]
+    assert sorted(SMOKE) == sorted(commands), (
+        f"without a smoke row: {sorted(set(commands) - set(SMOKE))}; "
+        f"rows of no command: {sorted(set(SMOKE) - set(commands))}")
+
+
+@pytest.fixture(scope="session")
+def smoke_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("rlkit-cache")
+
+
+@pytest.mark.parametrize("words", [
+    pytest.param(words, marks=marks, id=" ".join(words)) for words, (_, marks) in SMOKE.items()
+])
+def test_command_runs_as_documented(words, smoke_cache, tmp_path, monkeypatch, capsys, request):
+    import torch
+
+    threads = torch.get_num_threads()  # `bench engine` sets this process's torch threads
+    monkeypatch.setenv("RLKIT_CACHE", str(smoke_cache))
+    monkeypatch.chdir(tmp_path)  # any default output lands here, not in the repository
+    try:
+        SMOKE[words][0](Ctx(tmp_path, capsys, request))
+    finally:
+        torch.set_num_threads(threads)
