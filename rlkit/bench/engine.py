@@ -319,7 +319,7 @@ def write_profile(fleet: Any, model_name: str, prompts: list[list[int]], n: int,
         device_text = f"cpu ({platform.machine()}, {os.cpu_count()} cores)"
     profile = EngineProfile(
         name=f"{device_tag(device)}-{label}-t{args.threads}",
-        source=(f"rlkit bench engine: hf engine (rollout.engines.hf_server), {args.threads} torch "
+        source=(f"rlkit bench engine: hf engine (rlkit.rollout.engines.builtin.hf_server), {args.threads} torch "
                 f"thread(s), {where}, load avg "
                 f"{os.getloadavg()[0]:.2f}; ptl_s = median decode-step seconds at each batch size "
                 f"(prompt {args.prompt_len} tokens, {n} new) minus kv_s_per_token x context; "

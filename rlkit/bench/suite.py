@@ -197,7 +197,7 @@ class SuiteSpec:
 class SuiteRow:
     cap: int
     policy: str
-    steps: list[Any]  # StepResult of the measured steps
+    steps: list[Any]  # SimulatedStep of the measured steps
     mode: str = "sync"
 
     def _sum(self, field: str) -> float:
