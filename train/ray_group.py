@@ -15,12 +15,14 @@ replicas does not change the gradient.
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
 from rlkit.buffers.control_token import CONTROL_TOKEN_ENV
+from rlkit.buffers.fault_switch import TRAINER_FAULT_ENV, FaultSwitch, FaultSwitchError
 from rlkit.train.batch import TrainBatch
 from rlkit.train.config import TrainConfig
 
@@ -36,6 +38,36 @@ def split_for_data_parallel(batch: TrainBatch, dp: int) -> list[list[int]]:
     return [sorted(p) for p in parts]
 
 
+class TrainerFault:
+    """The trainer's test-only fault switch ($RLKIT_TEST_TRAINER_FAULT, rlkit.buffers.fault_switch):
+
+        RLKIT_TEST_TRAINER_FAULT="action=kill,step=K,dir=FOLDER[,rank=R][,hold=1]"
+
+    Rank R (0) records the fault in FOLDER/fired.json and SIGKILLs itself (as the OOM killer
+    would) when it begins the batch of its K-th optimizer step: step K of a run with one
+    optimizer step per rollout step, as every recipe here. With hold=1 it first waits there
+    until the test creates FOLDER/release, so the test can look at the live run. Once per
+    folder. None unless the variable is set; never set it outside tests."""
+
+    def __init__(self, switch: FaultSwitch) -> None:
+        self.switch = switch
+        self.step = switch.number("step")
+        if self.step is None or self.step < 1:
+            raise FaultSwitchError(f"${TRAINER_FAULT_ENV}: step must be >= 1")
+
+    @classmethod
+    def from_env(cls, rank: int) -> "TrainerFault | None":
+        switch = FaultSwitch.from_env(TRAINER_FAULT_ENV, ("kill",), required=("step",),
+                                      optional=("rank", "hold"))
+        return cls(switch) if switch is not None and switch.number("rank", 0) == rank else None
+
+    def at_batch(self, steps_taken: int) -> None:
+        if steps_taken + 1 == self.step and self.switch.claim(step=self.step):
+            if self.switch.number("hold", 0):
+                self.switch.wait_for_release()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 class TrainWorker:
     """One trainer rank inside a Ray actor (wrapped with ray.remote by TrainerGroup)."""
 
@@ -49,6 +81,7 @@ class TrainWorker:
         self.trainer = None
         self.config: TrainConfig | None = None
         self.batch = None  # the rollout batch being trained (train.stream.RolloutBatchStep)
+        self.fault = TrainerFault.from_env(rank)  # test-only: None unless a test set it
 
     def master_address(self) -> tuple[str, int]:
         import ray
@@ -93,6 +126,8 @@ class TrainWorker:
     def begin_batch(self, version: int, rollout_samples: int) -> None:
         from rlkit.train.stream import RolloutBatchStep
 
+        if self.fault is not None:
+            self.fault.at_batch(self.trainer.step_count)
         self.batch = RolloutBatchStep.for_config(
             self.trainer, self.config, policy_version=version, rollout_samples=rollout_samples,
             dp_rank=self.trainer.rank.dp_rank, dp_size=self.config.parallelism.data)

@@ -2,14 +2,19 @@
 one engine is killed (SIGKILL) or hung (SIGSTOP) while it serves requests of step 2. The step
 completes on the other engine, the lost requests go on there with their tokens, the engine is
 restarted, given the current weights before the router lists it again, and serves in the
-following steps; nothing is dropped and accounting balances; no process is left."""
+following steps; nothing is dropped and accounting balances; no process is left.
+
+The faults come from the engines' test-only switch ($RLKIT_TEST_ENGINE_FAULT,
+rollout/engines/builtin/fault.py), not from a thread that polls loads and signals a process:
+the first engine to stream its N-th token of weight version 1 (step 2's rollout) kills or stops
+itself right there, once per run (it writes FOLDER/fired.json: the victim), and the engine
+rollout.health restarts in its place runs clean. So the fault lands in step 2, on a request
+that streamed tokens, every time, however loaded the machine."""
 
 from __future__ import annotations
 
 import json
 import os
-import re
-import signal
 import threading
 import time
 import urllib.request
@@ -18,14 +23,25 @@ from pathlib import Path
 import psutil
 import pytest
 
+from rlkit.buffers.fault_switch import ENGINE_FAULT_ENV, read_fired
 from rlkit.config import load_recipe
 from rlkit.driver.run import train
-from rlkit.rollout.protocol import total_requests
 from tests.e2e.test_train_tiny import processes_with, rows
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 STEPS = 30
+FAULT_STEP = 2  # its rollout runs at weight version FAULT_STEP - 1 (sync mode)
+SERVER = "rlkit.rollout.engines.builtin.hf_server"
+
+
+def set_engine_fault(monkeypatch, folder: Path, action: str, tokens: int, **more: object) -> None:
+    """Arm the engines of the next run (Ray's workers, hence the engine servers, inherit the
+    driver's environment): `action` on the first engine to stream `tokens` tokens of step
+    FAULT_STEP."""
+    extra = "".join(f",{k}={v}" for k, v in more.items())
+    monkeypatch.setenv(ENGINE_FAULT_ENV, f"action={action},tokens={tokens},"
+                                         f"version={FAULT_STEP - 1}{extra},dir={folder}")
 
 
 def _get(url: str, timeout: float = 2.0):
@@ -44,23 +60,22 @@ def _arg(argv: list[str], flag: str) -> str | None:
     return argv[argv.index(flag) + 1] if flag in argv else None
 
 
-class Injector(threading.Thread):
-    """Waits for step `at_step` to run, then hits an engine serving requests; afterwards
-    watches the restarted engine: its weight version when the router first lists it."""
+class RestartWatcher(threading.Thread):
+    """Watches, never acts: once the fault fired (its record appears), finds the engine server
+    started after it (a process not seen before) and reads its weight version when the router
+    first lists it."""
 
-    def __init__(self, model_dir: str, run_dir: Path, fault: str, at_step: int = 2) -> None:
+    def __init__(self, model_dir: str, folder: Path) -> None:
         super().__init__(daemon=True)
-        self.model_dir, self.run_dir, self.fault, self.at_step = model_dir, run_dir, fault, at_step
-        self.victim: tuple[int, str] | None = None  # (pid, url)
+        self.model_dir, self.folder = model_dir, folder
         self.listed_version: str | None = None  # the restarted engine's, when first routed to
-        self.version_at_fault: int | None = None
         self.error: str | None = None
 
     def engines(self) -> dict[int, str]:
         out = {}
         for pid in processes_with(self.model_dir):
             argv = _cmdline(pid)
-            if "rlkit.rollout.engines.builtin.hf_server" not in argv:
+            if SERVER not in argv:
                 continue
             try:  # it binds a free port (--port 0): the one it listens on
                 ports = [c.laddr.port for c in psutil.Process(pid).net_connections("tcp")
@@ -86,45 +101,19 @@ class Injector(threading.Thread):
 
     def _run(self) -> None:
         deadline = time.monotonic() + 600
-        metrics = self.run_dir / "metrics.jsonl"
-        while time.monotonic() < deadline:  # step at_step - 1 done: step at_step runs
-            if metrics.is_file() and len(metrics.read_text().splitlines()) >= self.at_step - 1:
-                break
+        first: set[int] = set()  # engine servers started before the fault
+        while read_fired(self.folder) is None and time.monotonic() < deadline:
+            first |= set(processes_with(SERVER))
             time.sleep(0.05)
-        self.version_at_fault = self.at_step - 1
-        used_before: dict[str, int] = {}
-        while time.monotonic() < deadline and self.victim is None:
-            for pid, url in self.engines().items():
-                try:
-                    loads = _get(f"{url}/v1/loads")
-                except Exception:  # noqa: BLE001
-                    continue
-                busy = total_requests(loads)
-                used = sum(e.get("num_used_tokens", 0) for e in loads.get("loads", []))
-                # More than a health probe (one one-token request at a time, also between
-                # rollouts): the step's requests, which the fault must catch; and decoding
-                # since the last look (its KV grew), so the running ones have streamed tokens:
-                # a request killed before its first token is retried by the client unseen.
-                decoding = used > used_before.get(url, used)
-                used_before[url] = used
-                if busy >= 2 and (decoding or self.fault == "kill_all"):
-                    targets = self.engines() if self.fault == "kill_all" else {pid: url}
-                    for p in targets:
-                        os.kill(p, signal.SIGSTOP if self.fault == "hang" else signal.SIGKILL)
-                    self.victim = (pid, url)
-                    break
-            time.sleep(0.02)
-        assert self.victim is not None, "no engine ever had load"
-        first = set(self.engines().values()) | {self.victim[1]}
-        router = self.router()
-        while time.monotonic() < deadline and router:
-            new = [u for u in self.engines().values() if u != self.victim[1]]
+        first |= {read_fired(self.folder)["pid"]} if read_fired(self.folder) else set()
+        while time.monotonic() < deadline and (router := self.router()):
+            new = [u for pid, u in self.engines().items() if pid not in first]
             try:
                 listed = {w["url"].rstrip("/") for w in _get(f"{router}/workers")["workers"]}
             except Exception:  # noqa: BLE001 - the router is gone: the run ended
                 return
             for u in new:
-                if u in listed and u not in first:
+                if u in listed:
                     self.listed_version = str(_get(f"{u}/get_weight_version")["weight_version"])
                     return
             time.sleep(0.05)
@@ -139,79 +128,100 @@ def test_an_engine_lost_mid_step_is_survived_and_restarted(tmp_path, monkeypatch
         # take ~1.5 s here and a restart ~10-30 s (model load on two busy cores): 30 steps
         f"run.output_dir={out}", "tracking.progress=false", f"run.num_steps={STEPS}",
         "rollout.policy=sync", "rollout.sampling.max_new_tokens=48",
-        "rlkit.rollout.health.interval_s=1", "rlkit.rollout.health.probe_timeout_s=4",
-        "rlkit.rollout.health.hung_after_timeouts=2", "rlkit.rollout.health.restart_backoff_s=0.5",
+        # every response runs to 48 tokens: step 2 streams 8 x 48, so some engine gets to the
+        # fault's 16th token with requests still running
+        "rollout.sampling.ignore_eos=true",
+        "rollout.health.interval_s=1", "rollout.health.probe_timeout_s=4",
+        "rollout.health.hung_after_timeouts=2", "rollout.health.restart_backoff_s=0.5",
         # the router would itself retry, from scratch, a killed request that had streamed
-        # nothing yet (most of them, early in a step), and rlkit would never see it lost
+        # nothing yet, and rlkit would never see it lost (the one the fault strikes has tokens)
         "rollout.router.max_retries=0", "rollout.engine.stream_interval=1",
     ])
     run_dir = out / r.run.name
     model_dir = str(Path(os.environ["RLKIT_CACHE"]) / "models" / "tiny")
-    injector = Injector(model_dir, run_dir, fault)
-    injector.start()
+    folder = tmp_path / "fault"
+    # the first engine to stream 16 tokens of step 2 fails at its next chunk of a request that
+    # goes on (that request is lost with its tokens); once: the restarted engine runs clean
+    set_engine_fault(monkeypatch, folder, fault, 16, unfinished=1)
+    watcher = RestartWatcher(model_dir, folder)
+    watcher.start()
     state = train(r)
-    injector.join(timeout=30)
-    assert injector.error is None, injector.error
-    assert injector.victim is not None
-    victim_url = injector.victim[1]
+    watcher.join(timeout=30)
+    assert watcher.error is None, watcher.error
+    fired = read_fired(folder)
+    assert fired is not None and fired["action"] == fault
+    assert fired["weight_version"] == str(FAULT_STEP - 1) and fired["streamed_tokens"] >= 16
+    victim_url = fired["url"]
     assert (state.step, state.version) == (STEPS, STEPS)
     m = rows(run_dir)
     assert all(x["buffer/balanced"] for x in m) and not any(
         k.startswith("rollout/dropped/") for x in m for k in x)
     assert all(x["batch/groups"] == r.rollout.batch_size for x in m)
-    # The lost engine's unfinished requests went on elsewhere, in the step it was lost in: the
-    # injector waits for step at_step, but the engine it finds busy may already serve the next
+    # The lost engine's unfinished requests went on elsewhere, in the step it was lost in, and
+    # in no other: the fault struck in step FAULT_STEP, once.
     relaunched = [x["step"] for x in m if x["rollout/requests_relaunched"] > 0]
-    assert relaunched and relaunched[0] >= injector.at_step
-    step = m[relaunched[0] - 1]
+    assert relaunched == [FAULT_STEP]
+    step = m[FAULT_STEP - 1]
     assert step["rollout/requests_relaunched"] > 0 and step["rollout/engine_failures"] == 0
     timeline = [json.loads(x) for x in (run_dir / "timeline.jsonl").read_text().splitlines()]
-    spans = [s for s in timeline if s.get("step") == relaunched[0] and s.get("kind") != "step"]
+    spans = [s for s in timeline if s.get("step") == FAULT_STEP and s.get("kind") != "step"]
     lost = [s for s in spans if s.get("outcome") == "lost"]
     assert lost and {s["worker"] for s in lost} <= {victim_url, None}
     with_tokens = [s for s in lost if s["response_before"] + s["tokens"] > 0]
+    assert with_tokens  # the request the fault struck in had streamed tokens
     for s in with_tokens:  # resumed on the other engine from where it stopped
         after = [x for x in spans if (x["group_id"], x["sample_index"]) == (s["group_id"], s["sample_index"])
                  and x["start"] >= s["end"]]
         assert after and after[0]["response_before"] == s["response_before"] + s["tokens"]
         assert after[0]["worker"] != victim_url
-    # Restarted, given the weights before it was routed to again, and serving at the end.
+    # Restarted once (the restarted engine does not inherit the fault), given the weights
+    # before it was routed to again, and serving at the end.
     last = m[-1]
-    assert last["engines/lost"] >= 1 and last["engines/restarted"] >= 1
+    assert (last["engines/lost"], last["engines/restarted"]) == (1, 1)
+    assert last["engines/restart_failed"] == last["engines/gave_up"] == 0
     assert last["engines/serving"] == 2
-    if injector.listed_version is not None:
-        assert int(injector.listed_version) >= injector.version_at_fault
+    if watcher.listed_version is not None:
+        assert int(watcher.listed_version) >= int(fired["weight_version"])
+    # No token of a trained group came from weights older than its step's (sync): none from
+    # the restarted engine's initial weights, before or after it was listed.
+    groups = rows(run_dir, "groups.jsonl")
+    assert len(groups) == STEPS * r.rollout.batch_size
+    assert all(g["oldest_version"] == g["step"] - 1 for g in groups)
     # No process of the run is left, the stopped one included.
     assert processes_with(model_dir) == []
 
 
 def test_every_engine_down_parks_everything_and_resume_continues(tmp_path, monkeypatch):
     """Both engines killed in step 2 with no restart allowed: the run stops with a message
-    naming the checkpoint it wrote (every unfinished group parked with its tokens); resumed
-    with resume=auto it finishes, and no group is trained twice or lost."""
+    naming the checkpoint it wrote, of step 1 (every unfinished group parked with its tokens);
+    resumed with resume=auto it finishes, and no group is trained twice or lost."""
     from rlkit.rollout.health import EnginesDown
 
     monkeypatch.setenv("RLKIT_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "runs"
     base = [f"run.output_dir={out}", "tracking.progress=false", "run.num_steps=4",
-            "checkpoint.every_steps=1", "rlkit.rollout.health.interval_s=1"]
-    r = load_recipe(ROOT / "recipes" / "grpo_tiny_ci.yaml", [*base, "rlkit.rollout.health.max_restarts=0"])
+            "checkpoint.every_steps=1", "rollout.health.interval_s=1"]
+    r = load_recipe(ROOT / "recipes" / "grpo_tiny_ci.yaml", [*base, "rollout.health.max_restarts=0"])
     run_dir = out / r.run.name
     model_dir = str(Path(os.environ["RLKIT_CACHE"]) / "models" / "tiny")
-    injector = Injector(model_dir, run_dir, "kill_all")
-    injector.start()
-    # the injector waits for step 2, but the kill may land in a later step (its rollout had
-    # ended when the loads were polled): the checkpoint is of the steps done before it
-    with pytest.raises(EnginesDown, match=r"parked .* checkpoint of step (\d+) .*resume=auto") as down:
+    folder = tmp_path / "fault"
+    # the first token of step 2 streamed anywhere kills both engines at once (step 2 must
+    # generate: the ready queue holds at most 3 groups, fewer than its batch of 4)
+    set_engine_fault(monkeypatch, folder, "kill_all", 1)
+    with pytest.raises(EnginesDown, match=r"parked .* checkpoint of step 1 .*resume=auto"):
         train(r)
-    injector.join(timeout=30)
     assert processes_with(model_dir) == []
-    done = int(re.search(r"checkpoint of step (\d+)", str(down.value)).group(1))
-    assert 1 <= done < 4
-    parked = json.loads((run_dir / "checkpoints" / f"step_{done:06d}" / "state.json").read_text())
-    assert parked["step"] == done
-    state = train(load_recipe(ROOT / "recipes" / "grpo_tiny_ci.yaml", base))  # resume: auto
+    fired = read_fired(folder)
+    assert fired["action"] == "kill_all" and fired["weight_version"] == str(FAULT_STEP - 1)
+    assert len(list(folder.glob("armed-*"))) == 2  # both engines were armed, and killed
+    parked = json.loads((run_dir / "checkpoints" / "step_000001" / "state.json").read_text())
+    assert parked["step"] == 1
+    assert not (run_dir / "checkpoints" / "step_000002").exists()
+    # resume: auto, with the switch still set: it fired (the record is there), so the
+    # resumed run's engines run clean
+    state = train(load_recipe(ROOT / "recipes" / "grpo_tiny_ci.yaml", base))
     assert (state.step, state.version) == (4, 4)
+    assert read_fired(folder) == fired
     m = rows(run_dir)
     assert [x["step"] for x in m] == [1, 2, 3, 4] and all(x["buffer/balanced"] for x in m)
     ids = [json.loads(x)["group_id"] for x in (run_dir / "groups.jsonl").read_text().splitlines()]

@@ -2,6 +2,12 @@
 naming what died, in which step, and the checkpoint `run.resume=auto` continues from; no process
 or port of the run is left; the resumed run trains exactly the groups an uninterrupted run does.
 
+The kill comes from the trainer's test-only switch ($RLKIT_TEST_TRAINER_FAULT, TrainerFault in
+train/ray_group.py), not from the test at a moment it guessed: rank 0 stops as it begins step
+2's batch, holds there while the test records the live run's processes and ports, and SIGKILLs
+itself once released. So it dies in step 2, during training, after step 1's checkpoint, every
+time.
+
 The runs use the `sync` policy (exactly the batch's groups, no over-provisioning): which groups a
 step trains then depends only on the data order and the buffer's state, so an uninterrupted run
 is a reference the interrupted + resumed pair must equal as a multiset of group ids (nothing
@@ -13,7 +19,6 @@ test_partial_run_killed_and_resumed_trains_each_group_at_most_once checks what h
 import gzip
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -22,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from rlkit.buffers.fault_switch import RELEASE, TRAINER_FAULT_ENV, read_fired
 from tests.e2e.test_interrupt import listening_ports
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,28 +112,38 @@ def train_cmd(out: Path, *overrides: str) -> list[str]:
             "tracking.progress=false", "mode=sync", "run.seed=7", *overrides]
 
 
-def run_killing_the_trainer(cmd: list[str], env: dict, run_dir: Path,
-                            after_step: int) -> tuple[subprocess.CompletedProcess, int]:
-    """Start the run in a session of its own, SIGKILL its TrainWorker once the checkpoint of
-    `after_step` is written (the driver is then in the next step), wait for the run to end, and
-    check that nothing of it is left: no process of its tree (as it was before the kill) or of its
-    session, no port it listened on. Returns the finished run and the killed pid."""
+def trainer_fault(env: dict, folder: Path, step: int) -> dict:
+    """`env` with rank 0 armed to die (SIGKILL) as it begins step `step`'s batch, holding there
+    until the test releases it; once per folder."""
+    return {**env, TRAINER_FAULT_ENV: f"action=kill,step={step},hold=1,dir={folder}"}
+
+
+def run_killing_the_trainer(cmd: list[str], env: dict, run_dir: Path, folder: Path,
+                            at_step: int) -> tuple[subprocess.CompletedProcess, int]:
+    """Start the run in a session of its own with its TrainWorker armed (`trainer_fault`) to
+    die as it begins step `at_step`'s batch; once it holds there, record the run's process tree
+    and ports, release it, wait for the run to end, and check that nothing of it is left: no
+    process of its tree (as it was before the kill) or of its session, no port it listened on.
+    Returns the finished run and the killed pid."""
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    marker = run_dir / "checkpoints" / f"step_{after_step:06d}" / "state.json"
     deadline = time.monotonic() + 400
-    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+    while read_fired(folder) is None and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert proc.poll() is None and marker.exists(), proc.communicate()
+    fired = read_fired(folder)
+    assert proc.poll() is None and fired is not None, proc.communicate()
+    assert fired["step"] == at_step
+    marker = run_dir / "checkpoints" / f"step_{at_step - 1:06d}" / "state.json"
+    assert marker.exists()  # the steps before it are checkpointed
     tree = process_tree(proc.pid)
     workers = [pid for pid in tree if cmdline(pid).startswith("ray::TrainWorker")]
-    assert len(workers) == 1, [cmdline(p) for p in tree]
+    assert workers == [fired["pid"]], [cmdline(p) for p in tree]
     ports = listening_ports(set(tree))
     assert ports, "no listening port found in the run's processes"
-    os.kill(workers[0], signal.SIGKILL)
+    (folder / RELEASE).touch()  # it SIGKILLs itself now
     stdout, stderr = proc.communicate(timeout=300)
     assert_nothing_left(proc.pid, tree, ports)
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr), workers[0]
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr), fired["pid"]
 
 
 def assert_nothing_left(sid: int, tree: dict, ports: set[int]) -> None:
@@ -152,17 +168,22 @@ def test_trainer_killed_mid_run_resumes_to_the_groups_of_an_uninterrupted_run(tm
     out = tmp_path / "runs"
     run_dir = out / "grpo-tiny"
     cmd = train_cmd(out, f"run.num_steps={steps}", "rollout.policy=sync")
-    killed, pid = run_killing_the_trainer(cmd, env, run_dir, after_step=1)
+    folder = tmp_path / "fault"
+    env = trainer_fault(env, folder, step=2)
+    killed, pid = run_killing_the_trainer(cmd, env, run_dir, folder, at_step=2)
     done = len((run_dir / "metrics.jsonl").read_text().splitlines())  # steps it completed
+    assert done == 1
     assert killed.returncode == 1, killed.stderr
     assert "Traceback" not in killed.stderr, killed.stderr
-    assert f"rlkit: trainer rank 0 (pid {pid}) died during " in killed.stderr
-    assert f", in step {done + 1} of {steps}. The run stopped (all its processes)" in killed.stderr
-    assert (f"run the same command again (run.resume=auto) to continue from the checkpoint of "
-            f"step {done}") in killed.stderr
+    assert f"rlkit: trainer rank 0 (pid {pid}) died during training (" in killed.stderr
+    assert f", in step 2 of {steps}. The run stopped (all its processes)" in killed.stderr
+    assert ("run the same command again (run.resume=auto) to continue from the checkpoint of "
+            "step 1") in killed.stderr
 
+    # the same environment: the fault fired (its record is there), so the resumed run is clean
     resumed = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert resumed.returncode == 0, resumed.stderr
+    assert read_fired(folder)["pid"] == pid
     rows = trained(run_dir)
     assert [r["step"] for r in rows] == sorted(r["step"] for r in rows)
     assert Counter(r["group_id"] for r in rows) == expected  # none twice, none lost
@@ -178,10 +199,12 @@ def test_partial_run_killed_and_resumed_trains_each_group_at_most_once(tmp_path)
     out = tmp_path / "runs"
     run_dir = out / "grpo-tiny"
     cmd = train_cmd(out, f"run.num_steps={steps}", "rollout.policy=partial")
-    killed, _ = run_killing_the_trainer(cmd, env, run_dir, after_step=1)
+    env = trainer_fault(env, tmp_path / "fault", step=2)
+    killed, _ = run_killing_the_trainer(cmd, env, run_dir, tmp_path / "fault", at_step=2)
     assert killed.returncode == 1 and "run.resume=auto" in killed.stderr, killed.stderr
     ckpt = max((run_dir / "checkpoints").glob("step_*"))
     done = json.loads((ckpt / "state.json").read_text())["step"]
+    assert done == 1
     saved = buffer_state(ckpt)
     parked = {g["group_id"] for g in saved["partial"] + saved["long"]}
     assert parked, "the checkpoint holds no partial group to resume"

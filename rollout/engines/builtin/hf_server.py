@@ -36,6 +36,7 @@ from rlkit.rollout.engines.builtin.requests import DecodeParams
 from rlkit.rollout.engines.builtin.core_client import CoreDied, CoreError, CoreRefused, EngineCoreClient, RemoteRequest
 from rlkit.rollout.engines.builtin.detokenizer import IncrementalDetokenizer, load_tokenizer
 from rlkit.rollout.engines.builtin.engine_core import CoreConfig
+from rlkit.rollout.engines.builtin.fault import EngineFault
 from rlkit.rollout.protocol import (
     ENGINE_URL_HEADER,
     AbortRequest,
@@ -145,6 +146,8 @@ class EngineServer:
         self.control_token = control_token_from_env()  # read once, at start (rollout.auth)
         self.public_url = ""  # set once bound; sent as X-Engine-Url so clients behind the
         # router can tell which worker served them (the router passes worker headers through)
+        # Test-only ($RLKIT_TEST_ENGINE_FAULT, fault.py): None unless a test set it.
+        self.fault = EngineFault.from_env()
 
     @property
     def vocab_size(self) -> int:
@@ -408,6 +411,9 @@ class EngineServer:
                 chunk = self._payload(r, req, upto, sent if incremental else 0,
                                       finished and last, text)
                 await resp.write(b"data: " + dumps(chunk) + b"\n\n")
+                if self.fault is not None and upto > sent and not self.fault.streamed(
+                        upto - sent, versions[upto - 1], finished and last):
+                    self.fault = None  # spent: another engine fired it
                 sent = upto
             if finished:
                 break
@@ -567,6 +573,8 @@ async def _serve(server: EngineServer, host: str, port: int, port_file: str | No
     await site.start()
     bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     server.public_url = f"http://{host}:{bound}"
+    if server.fault is not None:
+        server.fault.arm(server.public_url, server.core.info.get("pid"))
     if port_file:
         tmp = f"{port_file}.tmp"
         Path(tmp).write_text(str(bound))

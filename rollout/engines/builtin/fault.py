@@ -1,0 +1,110 @@
+"""The built-in engine's test-only fault switch ($RLKIT_TEST_ENGINE_FAULT, rlkit.buffers.fault_switch):
+the engine server fails right after it has streamed its N-th token, so a test's fault lands at
+an exact, reproducible point of a run. Off (None) unless the variable is set; never set it
+outside tests.
+
+    RLKIT_TEST_ENGINE_FAULT="action=kill,tokens=N[,version=V][,unfinished=1],dir=FOLDER"
+
+- `tokens=N`: fire right after the stream chunk that carries the engine's N-th streamed token
+  goes out (health probes are not streamed and do not count). With `version=V`, only tokens
+  generated at weight version V count: in a `sync` run, step K's rollout runs at version K-1,
+  so `version=1` puts the fault in step 2, on the first engine to stream N tokens of it. With
+  `unfinished=1`, from the N-th token on it fires at the first chunk that leaves its request
+  unfinished: that request is then surely lost with the tokens it streamed.
+- `action`: `kill`: the server and its engine core die at once (SIGKILL, as a crash or the OOM
+  killer); `hang`: both stop (SIGSTOP): nothing streams, /health and probes get no answer, as
+  a stuck process; `kill_all`: every engine server started with this folder (each registers
+  itself there, `armed-<pid>`) is killed at that same instant, this one last.
+- Once per folder: only the first engine to get there fires (it writes `FOLDER/fired.json`:
+  its pid, URL, weight version, tokens streamed); an engine started afterwards, such as one
+  rollout.health restarted, finds the record and runs clean.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+from rlkit.buffers.fault_switch import ENGINE_FAULT_ENV, FaultSwitch, FaultSwitchError
+
+ACTIONS = ("kill", "hang", "kill_all")
+SERVER_MODULE = "rlkit.rollout.engines.builtin.hf_server"
+
+
+class EngineFault:
+    def __init__(self, switch: FaultSwitch) -> None:
+        self.switch = switch
+        self.tokens = switch.number("tokens")
+        if self.tokens is None or self.tokens < 1:
+            raise FaultSwitchError(f"${ENGINE_FAULT_ENV}: tokens must be >= 1")
+        self.version = switch.params.get("version")
+        self.unfinished = bool(switch.number("unfinished", 0))
+        self.streamed_tokens = 0
+        self.url = ""
+        self.core_pid: int | None = None
+
+    @classmethod
+    def from_env(cls) -> EngineFault | None:
+        switch = FaultSwitch.from_env(ENGINE_FAULT_ENV, ACTIONS, required=("tokens",),
+                                      optional=("version", "unfinished"))
+        return cls(switch) if switch is not None else None
+
+    def arm(self, url: str, core_pid: int | None) -> None:
+        """Once the server listens: what the record names, and (kill_all) its registration."""
+        self.url, self.core_pid = url, core_pid
+        if self.switch.action == "kill_all":
+            self.switch.dir.mkdir(parents=True, exist_ok=True)
+            (self.switch.dir / f"armed-{os.getpid()}").write_text(url)
+
+    def streamed(self, n: int, version: str, finished: bool) -> bool:
+        """A chunk of `n` tokens at weight `version` just went out on a stream (`finished`: the
+        request's last). False once spent (another engine fired first): the server then drops
+        the switch."""
+        if self.version is not None and version != self.version:
+            return True
+        self.streamed_tokens += n
+        if self.streamed_tokens < self.tokens or (self.unfinished and finished):  # type: ignore[operator]
+            return True
+        if not self.switch.claim(url=self.url, weight_version=version,
+                                 streamed_tokens=self.streamed_tokens, core_pid=self.core_pid):
+            return False
+        if self.switch.action == "hang":
+            self._signal(self.core_pid, signal.SIGSTOP)
+            os.kill(os.getpid(), signal.SIGSTOP)  # stops here; nothing continues it
+            return False
+        if self.switch.action == "kill_all":
+            for f in self.switch.dir.glob("armed-*"):
+                pid = int(f.name.removeprefix("armed-"))
+                if pid != os.getpid() and _is_engine_server(pid):
+                    _kill_group(pid)
+        self._signal(self.core_pid, signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+        return False  # not reached
+
+    @staticmethod
+    def _signal(pid: int | None, sig: int) -> None:
+        if pid:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def _is_engine_server(pid: int) -> bool:
+    try:
+        return SERVER_MODULE in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL an engine server and its core: its process group when it leads one (started in a
+    session of its own, as rollout.engines.process does), else the server alone."""
+    try:
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, signal.SIGKILL)
+        else:
+            os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
