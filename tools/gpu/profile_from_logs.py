@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
 
     profile = {
         "name": Path(args.out).stem,
-        "source": (
-            "hf engine (rlkit.rollout.engines.builtin.hf_server) on one NVIDIA H100 80GB HBM3, bfloat16, 1 torch "
+        "source": (  # as recorded with the committed profile (the module's name at the time)
+            "hf engine (rollout.engines.hf_server) on one NVIDIA H100 80GB HBM3, bfloat16, 1 torch "
             "thread per engine, measured by tools/gpu/measure_profile.py (decode-loop wall time per "
             "step of engine 0 in a fleet of two behind sglang-router and EngineClient, difference of "
             "16- and 80-token runs; BatchedDecoder prefill forwards between CUDA synchronisations; "
