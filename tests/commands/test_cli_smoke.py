@@ -145,37 +145,64 @@ def bench_ranker(c: Ctx) -> None:
 
 
 def bench_engine(c: Ctx) -> None:
+    """Also the bench's own test: it writes a profile the simulator loads."""
     from rlkit.rollout.engines.profile import load_profile
 
     out = c.tmp / "engine"
-    c.run("bench", "engine", "--models", "tiny", "--concurrency", "2", "--new-tokens", "8",
-          "--rounds", "1", "--profile-batch-sizes", "1,2", "--out", str(out))
+    stdout = c.run("bench", "engine", "--models", "tiny", "--concurrency", "1,4", "--new-tokens",
+                   "12", "--rounds", "1", "--profile-batch-sizes", "1,2,4", "--out", str(out))
     r = c.report(out, "engine")
-    (m,) = r["results"]
-    assert m["concurrency"] == 2 and m["engine_tok_s"][0] > 0 and m["ratio"] > 0
-    (profile,) = r["profiles"]
-    assert Path(profile).parent == out and load_profile(profile).batch_sizes == (1, 2)
+    assert [m["concurrency"] for m in r["results"]] == [1, 4]
+    assert all(m["generate_tok_s"][0] > 0 and m["engine_tok_s"][0] > 0 and m["ratio"] > 0
+               for m in r["results"])
+    assert r["conditions"]["stream_interval"] == 8
+    (path,) = r["profiles"]
+    profile = load_profile(path)
+    assert Path(path).parent == out and profile.batch_sizes == (1, 2, 4)
+    assert all(p > 0 for p in profile.ptl_s) and profile.prefill_s_per_token > 0
+    assert "| engine / generate |" in stdout
 
 
 def bench_train(c: Ctx) -> None:
+    """Also the bench's own test: training, packing layouts and both weight-sync methods to a
+    loopback receiver and to a real engine."""
     out = c.tmp / "train"
-    c.run("bench", "train", "--models", "tiny", "--tp", "1", "--steps", "1", "--cpus", "1",
-          "--no-padding-compare", "--sync-model", "tiny", "--sync-rounds", "1",
-          "--sync-receivers", "loopback", "--out", str(out))
+    stdout = c.run("bench", "train", "--models", "tiny", "--tp", "1", "--steps", "1", "--cpus", "2",
+                   "--packing-rounds", "2", "--sync-model", "tiny", "--sync-rounds", "2",
+                   "--sync-receivers", "loopback,engine", "--out", str(out))
     r = c.report(out, "train")
     (t,) = r["training"]
-    assert t["model"] == "tiny" and t["train_tokens_per_s"] > 0
-    assert {s["method"] for s in r["weight_sync"]} == {"distributed", "disk"}
+    assert t["model"] == "tiny" and t["train_tokens_per_s"] > 0 and 0.0 <= t["padding_fraction"] < 0.3
+    (packing,) = r["packing"]
+    layouts = packing["layouts"]
+    assert layouts["padded"]["padding_fraction"] > 0.3
+    assert layouts["packed-longest"]["padding_fraction"] < layouts["padded"]["padding_fraction"]
+    assert layouts["packed-2048"]["padding_fraction"] < 0.05
+    assert {(w["method"], w["receivers"]) for w in r["weight_sync"]} == {
+        (m, rc) for m in ("distributed", "disk") for rc in ("loopback", "engine")}
+    assert all(w["gb"] > 0 and w["seconds_per_gb"] > 0 for w in r["weight_sync"])
+    assert "train tok/s" in stdout
 
 
 def bench_rollout(c: Ctx) -> None:
+    """Also the bench's own test: a trace file replayed on the real engines, exactly."""
+    from rlkit.sim.trace import TraceSpec, generate_trace
+
+    trace = generate_trace(TraceSpec(rows=32, epochs=2, group_size=2, cap=48, batch_size=2,
+                                     prompt_median=8, prompt_min=4, prompt_max=16, vocab_size=500))
+    path = trace.save(c.tmp / "t.jsonl")
     out = c.tmp / "rollout"
-    c.run("bench", "rollout", "--model", "tiny", "--engines", "1", "--batch-size", "2", "--n", "2",
-          "--cap", "16", "--steps", "1", "--warmup-steps", "0", "--out", str(out))
+    stdout = c.run("bench", "rollout", "--trace", str(path), "--model", "tiny", "--engines", "1",
+                   "--batch-size", "2", "--policy", "sync,tail_batching@1.5", "--steps", "3",
+                   "--warmup-steps", "0", "--out", str(out))
     r = c.report(out, "rollout")
-    assert set(r["policies"]) == {"sync", "partial"}
-    # a step trains the batch (2 groups); partial may complete more, which it carries over
-    assert all(p["groups"] >= 2 and p["tokens"] > 0 for p in r["policies"].values())
+    assert r["trace"] == trace.name and r["config"]["cap"] == 48
+    sync, tail = r["policies"]["sync"], r["policies"]["tail_batching@1.5"]
+    assert sync["groups"] == tail["groups"] == 6
+    # every sync response is exactly as long as the trace says: the replay is exact
+    assert sync["tokens"] == sum(row["trained_tokens"] for row in sync["per_step"])
+    assert {x["round"] for x in tail["per_step"]} <= {"short", "long"}
+    assert "| tail_batching@1.5 |" in stdout
 
 
 def bench_e2e(c: Ctx) -> None:

@@ -199,14 +199,17 @@ def test_every_engine_down_parks_everything_and_resume_continues(tmp_path, monke
 
     monkeypatch.setenv("RLKIT_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "runs"
+    # sync: each step launches exactly its batch and waits for all of it, so nothing is left
+    # ready after a step and step 2 must generate. (Under partial, groups completing during
+    # step 1's abort could fill step 2's batch: it then generated nothing and the fault, tied
+    # to step 2's tokens, never fired; seen once in five runs beside a CPU burner.)
     base = [f"run.output_dir={out}", "tracking.progress=false", "run.num_steps=4",
-            "checkpoint.every_steps=1", "rollout.health.interval_s=1"]
+            "checkpoint.every_steps=1", "rollout.health.interval_s=1", "rollout.policy=sync"]
     r = load_recipe(ROOT / "recipes" / "grpo_tiny_ci.yaml", [*base, "rollout.health.max_restarts=0"])
     run_dir = out / r.run.name
     model_dir = str(Path(os.environ["RLKIT_CACHE"]) / "models" / "tiny")
     folder = tmp_path / "fault"
-    # the first token of step 2 streamed anywhere kills both engines at once (step 2 must
-    # generate: the ready queue holds at most 3 groups, fewer than its batch of 4)
+    # the first token of step 2 streamed anywhere kills both engines at once
     set_engine_fault(monkeypatch, folder, "kill_all", 1)
     with pytest.raises(EnginesDown, match=r"parked .* checkpoint of step 1 .*resume=auto"):
         train(r)
