@@ -93,17 +93,22 @@ def test_grpo_with_partial_rollouts_end_to_end_and_resume(tmp_path, monkeypatch)
     last = rows(run_dir)[-1]
     assert last["step"] == 4 and last["buffer/balanced"]
     assert [e["step"] for e in rows(run_dir, "eval.jsonl")] == [0, 2, 4]  # not step 3's again
-    # The parked groups go out first: each is trained in step 4 or parked again with at least
-    # the tokens it had (one aborted before its first token has none, so is not "resumed").
+    # The parked groups go out first: each is trained in step 4, finished and queued ready, or
+    # parked again with at least the tokens it had (one aborted before its first token has
+    # none, so is not "resumed").
     with_tokens = {g["group_id"]: sum(len(s["response_ids"]) for s in g["samples"])
                    for g in parked if any(s["response_ids"] for s in g["samples"])}
     assert last["rollout/groups_resumed"] >= min(1, len(with_tokens))
     trained4 = {json.loads(x)["group_id"] for x in (run_dir / "groups.jsonl").read_text().splitlines()
                 if json.loads(x)["step"] == 4}
-    again = {g["group_id"]: sum(len(s["response_ids"]) for s in g["samples"]) for g in json.loads(
-        __import__("gzip").open(latest_checkpoint(run_dir).buffer_file).read())["partial"]}
+    final = json.loads(__import__("gzip").open(latest_checkpoint(run_dir).buffer_file).read())
+    again = {g["group_id"]: sum(len(s["response_ids"]) for s in g["samples"]) for g in final["partial"]}
+    # or it finished during step 4's abort, beyond the batch: queued ready for the next step
+    # (seen once in five runs beside a CPU burner; test_trainer_crash counts it the same way)
+    ready = {g["group_id"] for g in final["ready"]}
     for g in parked:
-        assert g["group_id"] in trained4 or again.get(g["group_id"], -1) >= with_tokens.get(g["group_id"], 0)
+        assert (g["group_id"] in trained4 or g["group_id"] in ready
+                or again.get(g["group_id"], -1) >= with_tokens.get(g["group_id"], 0))
     assert processes_with(str(model_dir)) == []
 
 
