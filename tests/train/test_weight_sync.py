@@ -14,18 +14,20 @@ from rlkit.train.weight_sync.sender import WeightSender, WeightSyncError, bucket
 class RecordingEngine:
     """An EngineControl that records calls (and optionally fails one)."""
 
-    def __init__(self, url: str, log: list, fail_on: str | None = None) -> None:
-        self.url, self.log, self.fail_on = url, log, fail_on
+    def __init__(self, url: str, log: list, fail_on: str | None = None, tp: int = 1) -> None:
+        self.url, self.log, self.fail_on, self.tp = url, log, fail_on, tp
 
     def _rec(self, *call):
         self.log.append((self.url, *call))
         if self.fail_on == call[0]:
             raise RuntimeError(f"{call[0]} refused")
 
+    def tp_size(self): return self.tp
     def pause(self, mode): self._rec("pause", mode)
     def flush_cache(self): self._rec("flush")
     def continue_generation(self): self._rec("continue")
-    def update_from_disk(self, path, version): self._rec("disk", path, version)
+    def update_from_disk(self, path, version, *, flush_cache=True):
+        self._rec("disk", path, version) if flush_cache else self._rec("disk", path, version, "no flush")
     def init_group(self, *a): self._rec("init_group", *a)
     def begin_update(self): self._rec("begin")
     def update_from_distributed(self, names, dtypes, shapes, group, version): self._rec("bucket", tuple(names), version)
@@ -105,7 +107,84 @@ def test_an_unreachable_engine_fails_the_group_at_once_naming_it():
 
     sender = WeightSender(timeout_s=120, control_factory=lambda u: HttpEngineControl(u, timeout_s=5))
     t0 = time.perf_counter()
-    with pytest.raises(WeightSyncError, match=r"init_weights_update_group failed on http://127.0.0.1:9: .*refused"):
+    # the first call of forming a group reads each engine's TP size
+    with pytest.raises(WeightSyncError, match=r"server_info \(tp_size\) failed on 1 engine\(s\): http://127.0.0.1:9: .*refused"):
         sender.sync_distributed(["http://127.0.0.1:9/"], [("w", torch.zeros(3))], version=1)
     assert time.perf_counter() - t0 < 20  # not the 120 s rendezvous timeout
     sender.close()
+
+
+class SGLangCacheRules(RecordingEngine):
+    """An EngineControl that keeps SGLang 0.5.23's cache rule (srt/managers/scheduler.py
+    `flush_cache`: refused unless the scheduler is idle; a paused engine's waiting queue is
+    ignored): requests are running until a pause; `abort` ends them, `retract` moves them back
+    to the waiting queue and frees their KV, `in_place` keeps them and their KV. A flush, or an
+    update asked to flush, while any request holds KV fails, as SGLang's 400 does."""
+
+    def __init__(self, url: str, log: list) -> None:
+        super().__init__(url, log)
+        self.holding_kv = True  # requests are in flight when the update begins
+
+    def pause(self, mode):
+        super().pause(mode)
+        self.holding_kv = mode == "in_place"
+
+    def _refuse_if_holding(self, what):
+        if self.holding_kv:
+            raise RuntimeError(f"{what}: cache not flushed, requests are still running")
+
+    def flush_cache(self):
+        self._refuse_if_holding("flush_cache")
+        super().flush_cache()
+
+    def update_from_disk(self, path, version, *, flush_cache=True):
+        if flush_cache:
+            self._refuse_if_holding("update_weights_from_disk")
+        super().update_from_disk(path, version, flush_cache=flush_cache)
+
+
+@pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
+def test_every_pause_mode_completes_a_sync_under_sglangs_cache_rule(tmp_path, mode):
+    """in_place keeps the paused requests' KV, so it must neither flush nor ask the update to:
+    a flush would be refused (400) and the sync would always fail."""
+    log: list = []
+    sender = WeightSender(pause_mode=mode, control_factory=lambda u: SGLangCacheRules(u, log))
+    sender.sync_from_disk(["http://a"], tmp_path / "v1", 1, write=lambda p: p.mkdir())
+    steps = [c[0] for _, *c in log]
+    if mode == "in_place":
+        assert steps == ["pause", "disk", "continue"] and log[1][-1] == "no flush"
+    else:
+        assert steps == ["pause", "flush", "disk", "continue"]
+
+
+def test_rank_offsets_follow_sglangs_tp_layout():
+    from rlkit.train.weight_sync.sender import rank_offsets
+
+    assert rank_offsets([1, 1]) == ([1, 2], 3)
+    assert rank_offsets([2, 1, 4]) == ([1, 3, 4], 8)  # engine i's TP rank r is offset_i + r
+    with pytest.raises(WeightSyncError, match="tp_size 0"):
+        rank_offsets([1, 0])
+
+
+@pytest.mark.integration
+def test_distributed_group_with_tensor_parallel_engines_in_place():
+    """Engines of TP size 2 and 1 (every TP rank a process joining as rank_offset + tp_rank, as
+    SGLang's do): the group forms with world 1 + 3, every rank receives every tensor, and an
+    in_place sync never flushes."""
+    from rlkit.train.weight_sync.loopback import LoopbackEngines
+
+    weights = {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(5, dtype=torch.bfloat16)}
+    with LoopbackEngines(2, tp_sizes=[2, 1]) as engines:
+        sender = WeightSender(bucket_mb=1, pause_mode="in_place", control_factory=engines.control)
+        try:
+            sender.sync_distributed(engines.urls, weights.items(), version=1)
+        finally:
+            sender.close()
+        for url, ranks in zip(engines.urls, (2, 1)):
+            for r in range(ranks):
+                got, log = engines.received(url, tp_rank=r)
+                assert all(torch.equal(got[k], v) for k, v in weights.items())
+                assert "flush" not in [c[0] for c in log]
+        _, first = engines.received(engines.urls[0])
+        _, second = engines.received(engines.urls[1])
+        assert first[0][3:5] == (1, 4) and second[0][3:5] == (3, 4)  # (rank_offset, world_size)

@@ -3,7 +3,8 @@ weight update, for tests and `rlkit bench train` when no engine server is at han
 
 Each receiver joins the weight-update group exactly as an engine does (train/weight_sync/group.py)
 and receives every broadcast tensor into a fresh buffer of the announced dtype and shape; a disk
-update reads the safetensors folder. It generates nothing and speaks no HTTP: it checks the
+update reads the safetensors folder. An engine of TP size k is k receiver processes, joining as
+rank_offset + tp_rank the way SGLang's TP ranks do. It generates nothing and speaks no HTTP: it checks the
 trainer's half of the protocol (order of calls, versions, bytes on the wire), not an engine.
 """
 
@@ -15,7 +16,7 @@ from typing import Any, Sequence
 import torch
 
 
-def _receiver_main(conn) -> None:
+def _receiver_main(conn, tp_rank: int) -> None:
     import torch.distributed as dist
 
     from rlkit.train.hf_io import load_hf_state_dict
@@ -39,7 +40,7 @@ def _receiver_main(conn) -> None:
                 addr, port, rank_offset, world, name, backend = args
                 group = join_weight_group(
                     backend=backend, master_address=addr, master_port=port, world_size=world,
-                    rank=rank_offset, group_name=name, timeout_s=600,
+                    rank=rank_offset + tp_rank, group_name=name, timeout_s=600,
                 )
             elif cmd == "bucket":
                 names, dtypes, shapes, version = args
@@ -49,7 +50,7 @@ def _receiver_main(conn) -> None:
                     dist.broadcast(t, src=0, group=group)
                     received[n] = t
             elif cmd == "disk":
-                path, version = args
+                path, version, _flush = args
                 # materialise every tensor (safetensors maps the file lazily), as loading would
                 received = {k: v.clone() for k, v in load_hf_state_dict(path).items()}
             elif cmd == "destroy" and group is not None:
@@ -61,18 +62,21 @@ def _receiver_main(conn) -> None:
 
 
 class LoopbackControl:
-    """EngineControl for one loopback receiver."""
+    """EngineControl for one loopback engine: its TP ranks' receivers, told the same thing."""
 
-    def __init__(self, url: str, conn) -> None:
-        self.url, self._conn = url, conn
+    def __init__(self, url: str, conns: Sequence[Any]) -> None:
+        self.url, self._conns = url, list(conns)
 
     def _ask(self, cmd: str, *args: Any) -> Any:
-        self._conn.send((cmd, args))
-        status, payload = self._conn.recv()
-        if status != "ok":
-            raise RuntimeError(f"{self.url} {cmd}: {payload}")
-        return payload
+        for conn in self._conns:  # all first: the ranks of a broadcast receive together
+            conn.send((cmd, args))
+        answers = [conn.recv() for conn in self._conns]
+        for status, payload in answers:
+            if status != "ok":
+                raise RuntimeError(f"{self.url} {cmd}: {payload}")
+        return answers[0][1]
 
+    def tp_size(self) -> int: return len(self._conns)
     def pause(self, mode: str) -> None: self._ask("pause", mode)
     def flush_cache(self) -> None: self._ask("flush")
     def continue_generation(self) -> None: self._ask("continue")
@@ -80,8 +84,8 @@ class LoopbackControl:
     def end_update(self) -> None: self._ask("end")
     def destroy_group(self, group_name: str) -> None: self._ask("destroy", group_name)
 
-    def update_from_disk(self, model_path: str, version: int) -> None:
-        self._ask("disk", model_path, version)
+    def update_from_disk(self, model_path: str, version: int, *, flush_cache: bool = True) -> None:
+        self._ask("disk", model_path, version, flush_cache)
 
     def init_group(self, master_address, master_port, rank_offset, world_size, group_name, backend) -> None:
         self._ask("init_group", master_address, master_port, rank_offset, world_size, group_name, backend)
@@ -91,23 +95,34 @@ class LoopbackControl:
 
 
 class LoopbackEngines:
-    """`n` receiver processes with URLs loopback://0 .. loopback://n-1."""
+    """`n` engines with URLs loopback://0 .. loopback://n-1; engine i has `tp_sizes[i]` receiver
+    processes (default 1 each)."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, tp_sizes: Sequence[int] | None = None) -> None:
         ctx = mp.get_context("spawn")
-        self._pipes = [ctx.Pipe() for _ in range(n)]
-        self._procs = [ctx.Process(target=_receiver_main, args=(child,), daemon=True) for _, child in self._pipes]
-        for p in self._procs:
-            p.start()
+        sizes = list(tp_sizes) if tp_sizes is not None else [1] * n
+        if len(sizes) != n:
+            raise ValueError(f"{n} engines but {len(sizes)} TP sizes")
         self.urls = [f"loopback://{i}" for i in range(n)]
-        self._controls = {u: LoopbackControl(u, parent) for u, (parent, _) in zip(self.urls, self._pipes)}
+        self._procs, self._controls = [], {}
+        for url, size in zip(self.urls, sizes):
+            pipes = [ctx.Pipe() for _ in range(size)]
+            for r, (_, child) in enumerate(pipes):
+                self._procs.append(ctx.Process(target=_receiver_main, args=(child, r), daemon=True))
+                self._procs[-1].start()
+            self._controls[url] = LoopbackControl(url, [parent for parent, _ in pipes])
 
     def control(self, url: str) -> LoopbackControl:
         return self._controls[url]
 
-    def received(self, url: str) -> tuple[dict[str, torch.Tensor], list[tuple]]:
-        """(tensors received by the last update, log of control calls) of one receiver."""
-        return self._controls[url]._ask("dump")
+    def received(self, url: str, tp_rank: int = 0) -> tuple[dict[str, torch.Tensor], list[tuple]]:
+        """(tensors received by the last update, log of control calls) of one engine's TP rank."""
+        conn = self._controls[url]._conns[tp_rank]
+        conn.send(("dump", ()))
+        status, payload = conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"{url} rank {tp_rank} dump: {payload}")
+        return payload
 
     def close(self) -> None:
         for c in self._controls.values():

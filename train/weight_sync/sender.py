@@ -2,11 +2,18 @@
 
 Sequence for every method: [stage weights] -> pause(mode) -> flush_cache -> update -> continue,
 with the new policy version sent along, so engines stamp it on every token generated afterwards.
+Under `pause_mode: in_place` there is no flush: the paused requests keep their KV cache, and
+SGLang (and the built-in engine) refuse a flush while any does (400; sglang
+srt/managers/scheduler.py `flush_cache` needs the scheduler idle), so the updates are sent with
+`flush_cache: false` too. The cache computed by the old weights is kept: that is in_place's
+trade (no recomputation), and each token still carries the version that produced it.
 
 - disk: the HF weights are written as a safetensors folder (before pausing, so engines keep
   generating meanwhile), then each engine loads it with /update_weights_from_disk.
-- distributed: a process group trainer(rank 0) + engines(ranks 1..N) is formed once per set of
-  engines (/init_weights_update_group, joined concurrently by the trainer). Each update is
+- distributed: a process group trainer(rank 0) + every TP rank of every engine is formed once per
+  set of engines (/init_weights_update_group, joined concurrently by the trainer). SGLang joins
+  TP rank r of an engine as `rank_offset + r`, so engine i gets rank_offset 1 + the TP sizes of
+  engines 0..i-1 (each engine's TP size read from its /server_info) and the world is 1 + them all. Each update is
   /begin_weight_update, then per bucket one /update_weights_from_distributed per engine (names,
   dtypes, shapes) while the trainer broadcasts the bucket's tensors one by one from rank 0, then
   /end_weight_update. gloo on CPU, NCCL when the tensors are on a GPU.
@@ -24,7 +31,7 @@ import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -76,6 +83,18 @@ def bucketize(tensors: NamedTensors, bucket_bytes: int) -> Iterator[list[tuple[s
         yield bucket
 
 
+def rank_offsets(tp_sizes: Sequence[int]) -> tuple[list[int], int]:
+    """(rank_offset of each engine, world size) of a broadcast group of the trainer (rank 0) and
+    engines of these TP sizes, each TP rank joining as rank_offset + tp_rank (SGLang's layout)."""
+    offsets, next_rank = [], 1
+    for n in tp_sizes:
+        if n < 1:
+            raise WeightSyncError(f"an engine reports tp_size {n}")
+        offsets.append(next_rank)
+        next_rank += n
+    return offsets, next_rank
+
+
 class WeightSender:
     """Pushes weights to a set of engines. One per trainer process (it holds the group)."""
 
@@ -99,25 +118,32 @@ class WeightSender:
         self._group_backend = ""
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="weight-sync")
 
+    @property
+    def flushes(self) -> bool:
+        """Whether an update flushes the engines' cache: always, except under in_place (above)."""
+        return self.pause_mode != "in_place"
+
     # -- helpers -------------------------------------------------------------------------------
     def _controls(self, engines: Sequence[str]) -> list[EngineControl]:
         if not engines:
             raise WeightSyncError("no engines to update")
         return [self._control_factory(u) for u in engines]
 
-    def _on_all(self, controls: Sequence[EngineControl], step: str, call: Callable[[EngineControl], None]) -> None:
-        self._wait([(c, self._pool.submit(call, c)) for c in controls], step)
+    def _on_all(self, controls: Sequence[EngineControl], step: str, call: Callable[[EngineControl], Any]) -> list:
+        """`call` on every engine at once; their answers, in order."""
+        return self._wait([(c, self._pool.submit(call, c)) for c in controls], step)
 
-    def _wait(self, futures: Sequence[tuple[EngineControl, Future]], step: str) -> None:
+    def _wait(self, futures: Sequence[tuple[EngineControl, Future]], step: str) -> list:
         """Wait for every engine's call; raise naming each engine that failed."""
-        errors = []
+        errors, answers = [], []
         for c, f in futures:
             try:
-                f.result(timeout=self.timeout_s)
+                answers.append(f.result(timeout=self.timeout_s))
             except Exception as e:  # noqa: BLE001 - reported with the engine and step
                 errors.append(f"{c.url}: {e}")
         if errors:
             raise WeightSyncError(f"{step} failed on {len(errors)} engine(s): " + "; ".join(errors))
+        return answers
 
     # -- disk ----------------------------------------------------------------------------------
     def sync_from_disk(
@@ -141,9 +167,11 @@ class WeightSender:
         t_staged = time.perf_counter()
         self._on_all(controls, "pause_generation", lambda c: c.pause(self.pause_mode))
         t_paused = time.perf_counter()
-        self._on_all(controls, "flush_cache", lambda c: c.flush_cache())
+        if self.flushes:
+            self._on_all(controls, "flush_cache", lambda c: c.flush_cache())
         self._on_all(
-            controls, "update_weights_from_disk", lambda c: c.update_from_disk(str(path.resolve()), version)
+            controls, "update_weights_from_disk",
+            lambda c: c.update_from_disk(str(path.resolve()), version, flush_cache=self.flushes),
         )
         self._on_all(controls, "continue_generation", lambda c: c.continue_generation())
         t_end = time.perf_counter()
@@ -174,10 +202,10 @@ class WeightSender:
         t0 = time.perf_counter()
         port = free_port(self.master_address)
         name = f"rlkit-weights-{uuid.uuid4().hex[:8]}"
-        world = 1 + len(controls)
+        offsets, world = rank_offsets(self._on_all(controls, "server_info (tp_size)", lambda c: c.tp_size()))
         futures = [
-            (c, self._pool.submit(c.init_group, self.master_address, port, 1 + i, world, name, backend))
-            for i, c in enumerate(controls)
+            (c, self._pool.submit(c.init_group, self.master_address, port, offset, world, name, backend))
+            for c, offset in zip(controls, offsets)
         ]
         # Join in a thread so that an engine whose init call fails is reported at once instead of
         # after the rendezvous timeout (the abandoned join then times out on its own).
@@ -248,7 +276,8 @@ class WeightSender:
         report.seconds_stage = seconds_connect
         self._on_all(controls, "pause_generation", lambda c: c.pause(self.pause_mode))
         t_paused = time.perf_counter()
-        self._on_all(controls, "flush_cache", lambda c: c.flush_cache())
+        if self.flushes:
+            self._on_all(controls, "flush_cache", lambda c: c.flush_cache())
         self._on_all(controls, "begin_weight_update", lambda c: c.begin_update())
 
         def chained() -> Iterator[tuple[str, torch.Tensor]]:
