@@ -27,10 +27,11 @@ class EngineControl(Protocol):
 
     url: str
 
+    def tp_size(self) -> int: ...
     def pause(self, mode: str) -> None: ...
     def flush_cache(self) -> None: ...
     def continue_generation(self) -> None: ...
-    def update_from_disk(self, model_path: str, version: int) -> None: ...
+    def update_from_disk(self, model_path: str, version: int, *, flush_cache: bool = True) -> None: ...
     def init_group(
         self, master_address: str, master_port: int, rank_offset: int, world_size: int,
         group_name: str, backend: str,
@@ -53,28 +54,34 @@ class HttpEngineControl:
         self.timeout_s = timeout_s
         self.control_token = control_token if control_token is not None else control_token_from_env()
 
-    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    def _post(self, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
+        """POST `body` as JSON (None: a GET)."""
         req = urllib.request.Request(
             self.url + path,
-            data=json.dumps(body).encode(),
+            data=None if body is None else json.dumps(body).encode(),
             headers={"Content-Type": "application/json", **auth_headers(self.control_token)},
-            method="POST",
+            method="GET" if body is None else "POST",
         )
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                 raw = resp.read()
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")[:500]
-            raise EngineControlError(f"POST {self.url}{path}: HTTP {e.code}: {detail}") from e
+            raise EngineControlError(f"{req.method} {self.url}{path}: HTTP {e.code}: {detail}") from e
         except (urllib.error.URLError, OSError) as e:
-            raise EngineControlError(f"POST {self.url}{path}: {e}") from e
+            raise EngineControlError(f"{req.method} {self.url}{path}: {e}") from e
         try:
             answer = json.loads(raw) if raw.strip() else {}
         except json.JSONDecodeError:
             answer = {"raw": raw.decode(errors="replace")}
         if isinstance(answer, dict) and answer.get("success") is False:
-            raise EngineControlError(f"POST {self.url}{path}: {answer.get('message', answer)}")
+            raise EngineControlError(f"{req.method} {self.url}{path}: {answer.get('message', answer)}")
         return answer if isinstance(answer, dict) else {"answer": answer}
+
+    def tp_size(self) -> int:
+        """The engine's tensor-parallel size, from /server_info (SGLang lists its server
+        arguments there): each TP rank joins a weight-update group as rank_offset + tp_rank."""
+        return int(self._post("/server_info", None).get("tp_size") or 1)
 
     def pause(self, mode: str) -> None:
         self._post("/pause_generation", {"mode": mode})
@@ -85,14 +92,14 @@ class HttpEngineControl:
     def continue_generation(self) -> None:
         self._post("/continue_generation", {})
 
-    def update_from_disk(self, model_path: str, version: int) -> None:
+    def update_from_disk(self, model_path: str, version: int, *, flush_cache: bool = True) -> None:
         self._post(
             "/update_weights_from_disk",
             {
                 "model_path": model_path,
                 "weight_version": str(version),
                 "abort_all_requests": False,
-                "flush_cache": True,
+                "flush_cache": flush_cache,
             },
         )
 
