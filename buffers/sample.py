@@ -115,6 +115,21 @@ class Sample:
         elif self.status is SampleStatus.PENDING or self.status is SampleStatus.PARTIAL:
             self.status = SampleStatus.RUNNING
 
+    def restamp(self, start: int, versions: Sequence[int]) -> None:
+        """Correct the versions of the response tokens from `start` on with the engine's exact
+        per-token ones (SGLang 0.5.23's `weight_versions` spans, sent on a request's final chunk:
+        a chunk's own stamp is the version when it was sent, so under a retract/in_place update
+        up to stream_interval - 1 tokens the old weights made carry the new version)."""
+        end = start + len(versions)
+        if start < 0 or end > len(self.versions):
+            raise SampleError(f"sample {self.index}: restamp of tokens {start}..{end} of a "
+                              f"{len(self.versions)}-token response")
+        stamped = [*self.versions[:start], *map(int, versions), *self.versions[end:]]
+        if any(v < 0 for v in versions) or any(b < a for a, b in zip(stamped, stamped[1:])):
+            raise SampleError(f"sample {self.index}: restamp to {list(versions)} at {start} would "
+                              "make versions decrease along the response")
+        self.versions = stamped
+
     # -- status transitions around generation -----------------------------------------
     def start_request(self) -> None:
         """A request for this sample is about to be sent (fresh or resumed)."""

@@ -383,6 +383,13 @@ class EngineClient:
                 raise EngineError(f"/generate at {flight.url}: {e}") from None
             received += len(ids)
             flight.tokens += len(ids)
+        try:
+            exact = chunk.versions_by_token(version, received)
+            if exact is not None:  # the final chunk: its spans replace the chunks' own stamps
+                sample.restamp(len(sample.response_ids) - received, exact)
+        except (ProtocolError, SampleError) as e:
+            sample.interrupt()
+            raise EngineError(f"/generate at {flight.url}: {e}") from None
         finish = chunk.finish
         if finish is not None:
             if finish.type == "abort":

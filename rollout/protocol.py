@@ -11,6 +11,9 @@ Version quirks handled here and nowhere else:
 - `/v1/loads` answers `{"loads": [{num_running_reqs, num_waiting_reqs, ...}, ...]}` (one entry
   per DP rank); older servers answer a list or a dict with `num_reqs` / `num_total_reqs`:
   `total_requests`.
+- A request's final chunk carries `weight_versions`, exact per-token spans
+  `[{"version", "start", "end"}, ...]` over its output (0.5.23); a chunk's `weight_version` is
+  only the version when it was sent: `OutputChunk.versions_by_token`.
 - An aborted non-streaming `/generate` answers HTTP 200 with `finish_reason.type == "abort"` and
   the partial tokens on most versions, but an HTTP error (400/500/503) on some:
   `is_abort_failure`. `weight_version` may be missing on aborted outputs.
@@ -206,6 +209,8 @@ class MetaInfo(BaseModel):
     # [[logprob, token_id, text_or_null], ...]: the output tokens only (logprob_start_len=-1)
     output_token_logprobs: list[list[Any]] | None = None
     weight_version: str | None = None
+    # final chunk only: [{"version": str, "start": int, "end": int}, ...] over the output tokens
+    weight_versions: list[dict[str, Any]] | None = None
 
     @field_validator("weight_version", mode="before")
     @classmethod
@@ -239,9 +244,28 @@ class OutputChunk:
     completion_tokens: int
     finish: FinishReason | None
     weight_version: str | None
+    # the final chunk's exact spans: ((version, start, end), ...) over this request's output
+    weight_versions: tuple[tuple[str, int, int], ...] | None = None
 
     def weight_version_int(self, default: int) -> int:
         return _version_int(self.weight_version, default)
+
+    def versions_by_token(self, default: int, tokens: int) -> list[int] | None:
+        """The version of each of this request's first `tokens` output tokens, from the spans
+        (None without spans). Spans must tile 0..tokens; a token past the last span keeps the
+        last span's version (SGLang clips spans to the output it counted)."""
+        if not self.weight_versions:
+            return None
+        out: list[int] = []
+        for version, start, end in self.weight_versions:
+            if start != len(out) or end < start:
+                raise ProtocolError(f"weight_versions spans {list(self.weight_versions)} do not "
+                                    f"tile the output")
+            out.extend([_version_int(version, default)] * (end - start))
+        if len(out) > tokens:
+            raise ProtocolError(f"weight_versions spans cover {len(out)} tokens of a "
+                                f"{tokens}-token output")
+        return out + out[-1:] * (tokens - len(out)) if out else None
 
 
 def _version_int(version: str | None, default: int) -> int:
@@ -272,14 +296,23 @@ def parse_output(payload: Any) -> OutputChunk:
         ids, lps = _output_entries(meta.get("output_token_logprobs"), payload.get("output_ids"))
         fr = meta.get("finish_reason")
         version = meta.get("weight_version")
+        spans = meta.get("weight_versions")
         return OutputChunk(
             ids=ids, logprobs=lps, completion_tokens=int(meta.get("completion_tokens") or 0),
             finish=FinishReason.model_validate(fr) if fr is not None else None,
             weight_version=None if version is None else str(version),
+            weight_versions=None if spans is None else tuple(_span(x) for x in spans),
         )
     except (KeyError, TypeError, ValueError, IndexError) as e:
         raise ProtocolError(f"unparseable /generate answer ({type(e).__name__}: {e}): "
                             f"{str(payload)[:200]}") from None
+
+
+def _span(x: Any) -> tuple[str, int, int]:
+    """One `weight_versions` span: a {"version", "start", "end"} object (SGLang's JSON) or a
+    [version, start, end] array (its msgspec struct is array_like)."""
+    v, a, b = (x["version"], x["start"], x["end"]) if isinstance(x, dict) else x
+    return str(v), int(a), int(b)
 
 
 def new_output_entries(chunk: OutputChunk, received: int) -> tuple[list[int], list[float]]:

@@ -110,3 +110,18 @@ def test_versions_only_move_forward_but_an_empty_finishing_span_stamps_none():
         s.append([7], [-0.3], 2)
     s.append([], [], 2, finish_reason="stop")  # no tokens, no version: nothing to order
     assert s.versions == [3, 3] and s.status is SampleStatus.DONE
+
+
+def test_restamp_corrects_versions_and_keeps_them_non_decreasing():
+    s = Sample(index=0, group_id=0, prompt_ids=[1])
+    s.append([5, 6], [-0.1, -0.2], 2)
+    s.append([7, 8, 9], [-0.1] * 3, 4)
+    s.restamp(2, [3, 4, 4])  # the engine's exact per-token versions of the last request
+    assert s.versions == [2, 2, 3, 4, 4]
+    with pytest.raises(SampleError, match="decrease"):
+        s.restamp(2, [1, 4, 4])  # older than the token before it
+    with pytest.raises(SampleError, match="decrease"):
+        s.restamp(2, [4, 3, 4])
+    with pytest.raises(SampleError, match="restamp of tokens 4..6"):
+        s.restamp(4, [4, 4])
+    assert s.versions == [2, 2, 3, 4, 4]  # a refused restamp changes nothing

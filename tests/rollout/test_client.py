@@ -296,3 +296,45 @@ async def test_abort_worker_ends_its_requests_keeping_their_tokens(worker):
         await other.stop()
     assert s.response_ids == [11, 12] and s.status is SampleStatus.PARTIAL
     assert len(worker.calls("/generate")) == 1  # ended, never re-submitted by the client
+
+
+async def test_final_chunk_weight_version_spans_restamp_the_requests_tokens(worker):
+    """SGLang 0.5.23 stamps a chunk with the version when it is sent, and gives exact per-token
+    spans on the final chunk: a weight update (retract/in_place) between a token's generation
+    and its chunk must not credit the new version with the old weights' tokens. The spans count
+    this request's output only: a resumed sample's earlier tokens keep their stamps."""
+    import json
+
+    def chunk(ids, total, version, finish=None, spans=None):
+        meta = {"id": "x", "finish_reason": finish, "completion_tokens": total,
+                "weight_version": version,
+                "output_token_logprobs": [[-0.5, t, None] for t in ids]}
+        if spans is not None:
+            meta["weight_versions"] = spans
+        return "data: " + json.dumps({"text": "", "meta_info": meta})
+
+    stream = "\n".join([
+        chunk([11, 12], 2, "3"),
+        chunk([13], 3, "4"),  # sent after the update: token 13 is 4's, 14 and 15 too
+        chunk([14, 15], 5, "4", finish={"type": "stop"},
+              spans=[{"version": "3", "start": 0, "end": 3}, {"version": "4", "start": 3, "end": 5}]),
+    ])
+    worker.generate.append(answer_sse(stream))
+    c = await client_for(worker)
+    try:
+        s = fresh()
+        s.append([9], [-0.1], 2)  # a resumed sample: one token of version 2 from before
+        s.interrupt()
+        await c.generate(s, SAMPLING, max_new_tokens=10, version=3, worker=worker.url)
+        assert s.response_ids == [9, 11, 12, 13, 14, 15]
+        assert s.versions == [2, 3, 3, 3, 4, 4]  # token 13 was 3's, though its chunk said 4
+        assert s.status is SampleStatus.DONE
+
+        worker.generate.append(answer_sse(chunk([21, 22], 2, "5", finish={"type": "stop"},
+                                                spans=[["5", 0, 1], ["4", 1, 2]])))
+        bad = fresh()
+        with pytest.raises(EngineError, match="decrease"):
+            await c.generate(bad, SAMPLING, max_new_tokens=10, version=5, worker=worker.url)
+        assert bad.status is SampleStatus.PARTIAL  # tokens kept, resumable
+    finally:
+        await c.close()

@@ -217,3 +217,22 @@ def test_sse_decoder_is_indifferent_to_block_boundaries(cuts):
         pos += cut
     got += decoder.feed(raw[pos:]) + decoder.close()
     assert got == whole
+
+
+def test_weight_version_spans_give_each_token_its_version():
+    from rlkit.rollout.protocol import ProtocolError, parse_output
+
+    def meta(spans):
+        return {"meta_info": {"completion_tokens": 4, "weight_version": "7", "weight_versions": spans,
+                              "output_token_logprobs": [[-0.1, t, None] for t in range(4)]}}
+
+    chunk = parse_output(meta([{"version": "6", "start": 0, "end": 1}, {"version": "7", "start": 1, "end": 4}]))
+    assert chunk.versions_by_token(default=0, tokens=4) == [6, 7, 7, 7]
+    assert parse_output(meta([["default", 0, 4]])).versions_by_token(default=2, tokens=4) == [2] * 4
+    # SGLang clips spans to the output it counted: a token past the last span keeps its version
+    assert parse_output(meta([["6", 0, 3]])).versions_by_token(default=0, tokens=4) == [6, 6, 6, 6]
+    assert parse_output({"meta_info": {"completion_tokens": 1}}).versions_by_token(0, 1) is None
+    with pytest.raises(ProtocolError, match="tile"):
+        parse_output(meta([["6", 1, 4]])).versions_by_token(default=0, tokens=4)
+    with pytest.raises(ProtocolError, match="cover 5 tokens"):
+        parse_output(meta([["6", 0, 5]])).versions_by_token(default=0, tokens=4)
