@@ -7,7 +7,8 @@ Field names and defaults follow SGLang 0.5.x (`io_struct.py`, `sampling_params.p
 
 Version quirks handled here and nowhere else:
 - `/server_info` and `/model_info` are newer spellings of `/get_server_info` / `/get_model_info`
-  (try the new one, fall back on 404): `SERVER_INFO_PATHS`, `MODEL_INFO_PATHS`.
+  (try the new one, fall back on 404): `SERVER_INFO_PATHS`, `MODEL_INFO_PATHS`. An engine's
+  weight version is `/model_info`'s `weight_version` (0.5.23 has no `/get_weight_version`).
 - `/v1/loads` answers `{"loads": [{num_running_reqs, num_waiting_reqs, ...}, ...]}` (one entry
   per DP rank); older servers answer a list or a dict with `num_reqs` / `num_total_reqs`:
   `total_requests`.
@@ -33,7 +34,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 SERVER_INFO_PATHS = ("/server_info", "/get_server_info")
 MODEL_INFO_PATHS = ("/model_info", "/get_model_info")
-WEIGHT_VERSION_PATHS = ("/get_weight_version", "/weight_version")
 LOADS_PATHS = ("/v1/loads", "/get_load")
 # rlkit's hf engine names itself on /generate answers (the router passes worker headers through)
 ENGINE_URL_HEADER = "X-Engine-Url"

@@ -87,18 +87,24 @@ def sglang_server_argv(model_path: str, config: EngineConfig, *, index: int, por
     return argv
 
 
-def sglang_auth_flag() -> str:
-    """How the installed SGLang takes the control token. '--admin-api-key' where it has one
-    (sglang/srt/utils/auth.py: weight updates, abort, pause/continue, flush_cache and the other
-    admin endpoints need `Bearer <key>`; /generate, /health*, /metrics stay open); else
-    '--api-key' (older SGLang: every endpoint but /health* and /metrics needs it, /generate
-    included; rlkit's client sends it on every request, and sglang-router 0.3.2 passes the
-    client's Authorization header through on /generate). Read from the source, not by importing
-    sglang (a slow, GPU-initialising import)."""
-    spec = importlib.util.find_spec("sglang")
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        server_args = Path(root) / "srt" / "server_args.py"
-        if server_args.is_file() and "admin_api_key" in server_args.read_text(errors="replace"):
+def sglang_auth_flag(package_root: str | Path | None = None) -> str:
+    """How the installed SGLang (or the one unpacked at `package_root`) takes the control
+    token. '--admin-api-key' where it has one (sglang/srt/utils/auth.py: weight updates, abort,
+    pause/continue, flush_cache and the other admin endpoints need `Bearer <key>`; /generate,
+    /health*, /metrics stay open); else '--api-key' (older SGLang: every endpoint but /health*
+    and /metrics needs it, /generate included; rlkit's client sends it on every request, and
+    sglang-router 0.3.2 passes the client's Authorization header through on /generate). Read
+    from the source, not by importing sglang (a slow, GPU-initialising import): the server
+    arguments sat in srt/server_args.py until 0.5.x, and 0.5.23 declares them per group in
+    srt/arg_groups/fields/*.py (admin_api_key in serving.py)."""
+    if package_root is None:
+        spec = importlib.util.find_spec("sglang")
+        roots = list(spec.submodule_search_locations or []) if spec else []
+    else:
+        roots = [package_root]
+    for root in map(Path, roots):
+        sources = [root / "srt" / "server_args.py", *sorted((root / "srt" / "arg_groups").rglob("*.py"))]
+        if any(f.is_file() and "admin_api_key" in f.read_text(errors="replace") for f in sources):
             return "--admin-api-key"
     return "--api-key"
 

@@ -114,7 +114,7 @@ class RestartWatcher(threading.Thread):
                 return
             for u in new:
                 if u in listed:
-                    self.listed_version = str(_get(f"{u}/get_weight_version")["weight_version"])
+                    self.listed_version = str(_get(f"{u}/model_info")["weight_version"])
                     return
             time.sleep(0.05)
 

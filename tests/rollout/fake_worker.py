@@ -19,6 +19,7 @@ class FakeWorker:
     generate: list[Script] = field(default_factory=list)  # one per call, in order
     loads_sequence: list[int] = field(default_factory=lambda: [0])  # last one repeats
     requests: list[tuple[str, Any]] = field(default_factory=list)
+    methods: list[tuple[str, str]] = field(default_factory=list)  # (method, path) of each request
     server: TestServer | None = None
 
     @property
@@ -45,21 +46,25 @@ class FakeWorker:
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
-        self.requests.append(("/generate", body))
+        self._record(request, body)
         script = self.generate.pop(0)
         return await script(request, body)
 
     async def _loads(self, request: web.Request) -> web.Response:
-        self.requests.append(("/v1/loads", None))
+        self._record(request, None)
         n = self.loads_sequence.pop(0) if len(self.loads_sequence) > 1 else self.loads_sequence[0]
         return web.json_response({"loads": [{"dp_rank": 0, "num_running_reqs": n, "num_waiting_reqs": 0}]})
+
+    def _record(self, request: web.Request, body: Any) -> None:
+        self.requests.append((request.path, body))
+        self.methods.append((request.method, request.path))
 
     async def _ok(self, request: web.Request) -> web.Response:
         return web.Response(text="OK")
 
     async def _control(self, request: web.Request) -> web.Response:
         raw = await request.read()
-        self.requests.append((request.path, json.loads(raw) if raw else None))
+        self._record(request, json.loads(raw) if raw else None)
         return web.json_response({"success": True, "message": "ok"})
 
 

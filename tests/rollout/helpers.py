@@ -94,9 +94,10 @@ class EngineControls:
     async def weight_versions(self) -> dict[str, str]:
         import asyncio
 
-        from rlkit.rollout.protocol import WEIGHT_VERSION_PATHS
+        from rlkit.rollout.protocol import MODEL_INFO_PATHS
 
-        bodies = await asyncio.gather(*(asyncio.to_thread(_get_json, f"{u}{WEIGHT_VERSION_PATHS[0]}")
+        # SGLang 0.5.23 reports the version in /model_info only
+        bodies = await asyncio.gather(*(asyncio.to_thread(_get_json, f"{u}{MODEL_INFO_PATHS[0]}")
                                         for u in self.urls))
         return {u: str(b.get("weight_version")) for u, b in zip(self.urls, bodies)}
 
