@@ -118,18 +118,25 @@ class Run:
         """The one weight sync of every mode (and of a resume): trainer -> engines (those
         serving, and those restarted, which serve from now on), then the rollout box knows
         the version its engines generate with."""
-        for attempt in range(2):
+        failure: Exception | None = None
+        targets: list[str] = []
+        while True:
             serving, restarted = await self.rollout.engine_set()
+            if failure is not None and set([*serving, *restarted]) == set(targets):
+                raise failure  # the same engines failed again: not an engine lost
+            targets = [*serving, *restarted]
             # Every engine lost: the trainer still records the version (a checkpoint written
             # now must agree with the step's), and the next rollout step stops the run.
             try:
-                await self.trainer.push_weights(version, [*serving, *restarted])
+                await self.trainer.push_weights(version, targets)
                 break
-            except Exception:
-                # An engine that died since the last probe fails the sync: probe, and if that
-                # took one out of service, push to the ones left.
-                if attempt or not await self.rollout.check_engines():
-                    raise
+            except Exception as e:
+                # An engine that died during the sync fails it (the engines left stay paused):
+                # probe every engine (rollout.health takes the dead one out, and restarts it),
+                # then push again to the set as it is now, as a generation request is
+                # relaunched. The health monitor may have taken it out already.
+                failure = e
+                await self.rollout.check_engines()
         await self.rollout.set_version(version)
         if restarted:
             await self.rollout.admit_engines(restarted)

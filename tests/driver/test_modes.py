@@ -330,3 +330,63 @@ def test_a_weight_sync_with_every_engine_lost_still_moves_the_trainer_s_version(
     rollout, trainer = NoEngines(), Trainer()
     asyncio.run(Run(rollout, trainer, 1, 1, on_step=None).push_weights(3))
     assert trainer.pushed == [(3, [])] and rollout.version == 3
+
+
+@pytest.mark.parametrize("taken_out_by", ["the sweep", "the monitor"])
+def test_a_weight_sync_that_meets_a_dead_engine_goes_on_with_the_engines_left(taken_out_by):
+    """An engine killed during a weight sync fails it. Whoever takes the dead engine out of
+    service (the sweep the failure asks for, or the health monitor just before it: the race
+    that ended 1 run in 11 with WeightSyncError), the sync goes on with the engines left and
+    the restarted engine is admitted once it holds the weights. The same engines failing again
+    is not an engine lost: that error is raised."""
+    from rlkit.driver.loop import Run
+
+    class Engines:
+        def __init__(self):
+            self.serving, self.restarted, self.version, self.sweeps = ["a", "b"], [], None, 0
+            self.admitted = []
+
+        async def engine_set(self):
+            return list(self.serving), list(self.restarted)
+
+        async def check_engines(self):
+            self.sweeps += 1
+            lost = int("b" in self.serving)
+            self.serving = ["a"]
+            return lost
+
+        async def set_version(self, version):
+            self.version = version
+
+        async def admit_engines(self, urls):
+            self.admitted += urls
+
+    class Trainer:
+        def __init__(self, engines):
+            self.engines, self.pushed = engines, []
+
+        async def push_weights(self, version, urls):
+            self.pushed.append(list(urls))
+            if "b" in urls:  # b died during this sync
+                if taken_out_by == "the monitor":
+                    self.engines.serving = ["a"]
+                self.engines.restarted = ["b2"]  # rollout.health restarts it
+                raise RuntimeError("begin_weight_update failed on 1 engine(s): b")
+
+    engines = Engines()
+    trainer = Trainer(engines)
+    asyncio.run(Run(engines, trainer, 1, 1, on_step=None).push_weights(4))
+    assert trainer.pushed == [["a", "b"], ["a", "b2"]] and engines.sweeps == 1
+    assert engines.version == 4 and engines.admitted == ["b2"]
+
+    class Broken(Trainer):
+        async def push_weights(self, version, urls):
+            self.pushed.append(list(urls))
+            raise RuntimeError("the trainer's own error")
+
+    engines = Engines()
+    engines.serving = ["a"]
+    broken = Broken(engines)
+    with pytest.raises(RuntimeError, match="own error"):
+        asyncio.run(Run(engines, broken, 1, 1, on_step=None).push_weights(4))
+    assert broken.pushed == [["a"]] and engines.version is None
