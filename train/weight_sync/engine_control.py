@@ -1,6 +1,6 @@
 """rlkit's one client of SGLang's control API: the calls a weight update needs (pause, flush,
-weight updates, continue), over SGLang's HTTP protocol. (Generation and its aborts are the
-EngineClient's, rollout/client.py.)
+weight updates, continue) and sleep/wake (release and resume memory occupation), over SGLang's
+HTTP protocol. (Generation and its aborts are the EngineClient's, rollout/client.py.)
 
 Sent to each engine worker itself: the sglang-router forwards none of them (docs/facts.md). stdlib
 HTTP only, so `train` depends on no rollout code; one call per method, no retries (a weight
@@ -43,6 +43,8 @@ class EngineControl(Protocol):
     ) -> None: ...
     def end_update(self) -> None: ...
     def destroy_group(self, group_name: str) -> None: ...
+    def release_memory(self, tags: Sequence[str] | None = None) -> dict[str, Any]: ...
+    def resume_memory(self, tags: Sequence[str] | None = None) -> dict[str, Any]: ...
 
 
 class HttpEngineControl:
@@ -144,3 +146,23 @@ class HttpEngineControl:
 
     def destroy_group(self, group_name: str) -> None:
         self._post("/destroy_weights_update_group", {"group_name": group_name})
+
+    def release_memory(self, tags: Sequence[str] | None = None) -> dict[str, Any]:
+        """Sleep: SGLang's `/release_memory_occupation {"tags"}`; tags among "kv_cache",
+        "weights", "cuda_graph", None = all. SGLang requires the engine idle (nothing running;
+        queued requests only while paused): pause first. Released weights must be loaded again
+        by a weight update after `resume_memory(["weights"])` (SGLang keeps no copy unless
+        started with --enable-weights-cpu-backup). Returns the engine's answer: the built-in
+        engine reports `freed_bytes` per tag; SGLang answers with no body ({})."""
+        return self._memory_call("/release_memory_occupation", tags)
+
+    def resume_memory(self, tags: Sequence[str] | None = None) -> dict[str, Any]:
+        """Wake: SGLang's `/resume_memory_occupation {"tags"}` (None = all). Staged, as verl
+        does, to keep the peak low: resume_memory(["weights"]), the weight update, then
+        resume_memory(["kv_cache"]) (and "cuda_graph" if it was released). Returns the
+        engine's answer (the built-in engine's `resumed_bytes` per tag; {} from SGLang)."""
+        return self._memory_call("/resume_memory_occupation", tags)
+
+    def _memory_call(self, path: str, tags: Sequence[str] | None) -> dict[str, Any]:
+        answer = self._post(path, {"tags": list(tags) if tags is not None else None})
+        return {} if answer == {"answer": None} else answer  # SGLang's body is `null`
