@@ -15,6 +15,15 @@ calling `on_progress` from its thread with every request that got tokens or fini
 Pause modes follow SGLang: `abort` aborts everything then holds new requests; `retract` moves
 running requests back to the queue (their KV is dropped and recomputed on continue, the
 generated tokens are kept); `in_place` freezes decoding with the KV intact.
+
+Memory occupation (SGLang's release/resume_memory_occupation, tags `kv_cache`, `weights`,
+`cuda_graph`): `release_memory(tags)` frees the KV cache's buffers and/or the model's parameter
+storage, only while idle (nothing running; queued requests only while paused), as SGLang
+requires; `resume_memory(tags)` allocates them again. Re-allocated weights hold zeros (SGLang:
+undefined) unless `weights_cpu_backup` (SGLang's --enable-weights-cpu-backup) kept a host copy:
+they must be loaded again by a weight update. While asleep (weights or kv_cache released, or
+weights re-allocated and not yet loaded in full) requests wait in the queue and none is
+admitted; they start once the engine is awake again.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import logging
+import os
 import random
 import statistics
 import threading
@@ -78,6 +88,47 @@ class DecoderError(RuntimeError):
     """The decoder cannot accept a request or a command."""
 
 
+# SGLang's memory tags (sglang/srt/constants.py GPU_MEMORY_TYPE_*), in its release order.
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
+# What decoding needs resident: with either released the engine is asleep. (The built-in engine
+# captures no CUDA graph, so "cuda_graph" is accepted and tracked but holds no memory.)
+_NEEDED_TAGS = frozenset({"kv_cache", "weights"})
+# SGLang's assertion message when a release meets a busy scheduler (weight_updater.py).
+NOT_IDLE_MESSAGE = "release_memory_occupation should be called only when server is idle."
+
+
+def memory_tags(tags: list[str] | tuple[str, ...] | None) -> list[str]:
+    """SGLang's reading of a request's `tags`: None or empty means all of them. Unknown tags are
+    refused (ValueError; SGLang silently records them)."""
+    if not tags:
+        return list(MEMORY_TAGS)
+    unknown = [t for t in tags if t not in MEMORY_TAGS]
+    if unknown:
+        raise ValueError(f"unknown memory tags {unknown}; known: {list(MEMORY_TAGS)} "
+                         "(null or [] = all)")
+    return [t for t in MEMORY_TAGS if t in tags]
+
+
+def _trim_heap() -> None:
+    """Give freed heap memory back to the OS (glibc keeps it otherwise: a tensor under its
+    dynamic mmap threshold lives on the heap), so a CPU engine's release shows in its RSS."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc
+
+
+def _rss_bytes() -> int | None:
+    """Resident set size of this process (Linux), for the CPU side of a memory report."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class BatchedDecoder:
     """See the module docstring. `start()` launches the thread; `stop()` ends it."""
 
@@ -94,6 +145,7 @@ class BatchedDecoder:
         seed: int = 0,
         weight_version: str = "0",
         on_progress: Callable[[list[DecodeRequest]], None] | None = None,
+        weights_cpu_backup: bool = False,
     ) -> None:
         self.model = model
         # Called on the decoder thread once per loop iteration with every request that got
@@ -138,6 +190,14 @@ class BatchedDecoder:
             collections.deque()
         )
         self._pause_mode: PauseMode | None = None
+        # Memory occupation (see the module docstring): the released tags; the parameters whose
+        # storage was freed, with their shapes; those re-allocated and not loaded since (by
+        # id); host copies kept when weights_cpu_backup.
+        self.weights_cpu_backup = weights_cpu_backup
+        self.released: set[str] = set()
+        self._freed_params: list[tuple[torch.nn.Parameter, torch.Size]] = []
+        self._stale_params: set[int] = set()
+        self._weight_backup: dict[int, torch.Tensor] = {}
         self._stop = False
         self._thread: threading.Thread | None = None
         self.crashed: str | None = None
@@ -203,6 +263,55 @@ class BatchedDecoder:
     def set_weight_version(self, version: str) -> concurrent.futures.Future:
         return self.call(lambda: setattr(self, "weight_version", version))
 
+    def release_memory(self, tags: list[str] | None) -> concurrent.futures.Future:
+        """Free the memory of `tags` (None: all) between two steps; the future's result is the
+        report (`freed_bytes` per tag, memory figures before and after). Refused (ValueError)
+        unless idle: nothing running, and nothing queued unless generation is paused."""
+        tags = memory_tags(tags)
+        return self.call(lambda: self._release_memory(tags))
+
+    def resume_memory(self, tags: list[str] | None) -> concurrent.futures.Future:
+        """Allocate the memory of `tags` (None: all) again; result: `resumed_bytes` per tag and
+        the memory figures. A tag that is not released is left as it is (0 bytes)."""
+        tags = memory_tags(tags)
+        return self.call(lambda: self._resume_memory(tags))
+
+    def check_weights_resident(self) -> None:
+        """Raise ValueError if the weights are released (a weight update cannot land)."""
+        if "weights" in self.released:
+            raise ValueError("the weights are released (/release_memory_occupation): resume them "
+                             'with /resume_memory_occupation {"tags": ["weights"]} before a '
+                             "weight update")
+
+    def weights_loaded(self, names: Any) -> None:
+        """A weight update wrote these parameters (HF names): they are no longer stale."""
+        if not self._stale_params:
+            return
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        for name in names:
+            p = params.get(name)
+            if p is not None:
+                self._stale_params.discard(id(p))
+
+    @property
+    def asleep(self) -> bool:
+        """No request is admitted: weights or KV cache released, or weights not loaded since
+        they were re-allocated."""
+        return bool(self.released & _NEEDED_TAGS) or bool(self._stale_params)
+
+    def memory_state(self) -> dict[str, Any]:
+        """What is released and what is resident now (read from any thread)."""
+        params = self._unique_params()
+        return {
+            "released": [t for t in MEMORY_TAGS if t in self.released],
+            "asleep": self.asleep,
+            "weights_stale": bool(self._stale_params),
+            "stale_parameters": len(self._stale_params),
+            "weights_bytes": sum(p.numel() * p.element_size() for p in params),
+            "kv_cache_bytes": self.cache.nbytes,
+            "weights_cpu_backup": self.weights_cpu_backup,
+        }
+
     def loads(self) -> dict[str, Any]:
         running = list(self._running)
         with self._lock:
@@ -227,7 +336,8 @@ class BatchedDecoder:
                 with torch.inference_mode():  # dropping a middle row moves KV rows in place
                     self._apply_aborts()
                 self._report_progress()
-                if self._pause_mode is not None or (not self._running and not self._waiting):
+                if (self._pause_mode is not None or self.asleep
+                        or (not self._running and not self._waiting)):
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
@@ -486,7 +596,105 @@ class BatchedDecoder:
     def _flush(self) -> bool:
         if self._running:
             return False
+        if self.cache.released:  # nothing to free, and nothing may be allocated while released
+            return True
         self.cache = self._new_cache(slots=4, capacity=256)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         return True
+
+    # -- memory occupation (run on the decoder thread) ----------------------------------------
+    def _unique_params(self) -> list[torch.nn.Parameter]:
+        return list(self.model.parameters())  # tied weights are one Parameter: counted once
+
+    def _memory_figures(self) -> dict[str, int]:
+        figures: dict[str, int] = {}
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            figures["cuda_allocated"] = torch.cuda.memory_allocated(self.device)
+            figures["cuda_reserved"] = torch.cuda.memory_reserved(self.device)
+        rss = _rss_bytes()
+        if rss is not None:
+            figures["rss"] = rss
+        return figures
+
+    def _busy(self) -> str | None:
+        with self._lock:
+            waiting = len(self._waiting)
+        if self._running or self._admitting:
+            return f"{len(self._running) + len(self._admitting)} requests running" + (
+                f" (paused {self._pause_mode}: their KV is held)" if self._pause_mode else "")
+        if waiting and self._pause_mode is None:
+            return f"{waiting} requests waiting and generation is not paused"
+        return None
+
+    def _release_memory(self, tags: list[str]) -> dict[str, Any]:
+        busy = self._busy()
+        if busy is not None:
+            raise ValueError(f"{NOT_IDLE_MESSAGE} ({busy})")
+        before = self._memory_figures()
+        freed: dict[str, int] = {}
+        for tag in tags:
+            if tag in self.released:
+                freed[tag] = 0
+            elif tag == "kv_cache":
+                self.cache.clear()
+                freed[tag] = self.cache.release()
+            elif tag == "weights":
+                freed[tag] = self._release_weights()
+            else:  # cuda_graph: none captured
+                freed[tag] = 0
+            self.released.add(tag)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # give the freed blocks back to the driver (the trainer)
+        else:
+            _trim_heap()
+        return {"freed_bytes": freed, "before": before, "after": self._memory_figures()}
+
+    def _release_weights(self) -> int:
+        freed, seen = 0, set()
+        self._freed_params = []
+        for p in self._unique_params():
+            storage = p.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                freed += storage.nbytes()
+            if self.weights_cpu_backup:
+                self._weight_backup[id(p)] = p.detach().to("cpu", copy=True)
+            self._freed_params.append((p, p.shape))
+            # Drop the parameter's storage (it may be a read-only file mapping, which cannot be
+            # resized): the Parameter object stays, so tied names and module references hold.
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self._stale_params.clear()
+        return freed
+
+    def _resume_memory(self, tags: list[str]) -> dict[str, Any]:
+        before = self._memory_figures()
+        resumed: dict[str, int] = {}
+        for tag in reversed(tags):  # SGLang's resume order: cuda_graph, weights, kv_cache
+            if tag not in self.released:
+                resumed[tag] = 0
+                continue
+            if tag == "kv_cache":
+                resumed[tag] = self.cache.resume()
+            elif tag == "weights":
+                resumed[tag] = self._resume_weights()
+            else:
+                resumed[tag] = 0
+            self.released.discard(tag)
+        return {"resumed_bytes": {t: resumed[t] for t in tags}, "before": before,
+                "after": self._memory_figures()}
+
+    def _resume_weights(self) -> int:
+        total = 0
+        with torch.no_grad():
+            for p, shape in self._freed_params:
+                backup = self._weight_backup.pop(id(p), None)
+                if backup is not None:
+                    p.data = backup.to(self.device)  # on a CPU engine: the copy itself
+                else:
+                    p.data = torch.zeros(shape, dtype=p.dtype, device=p.device)
+                    self._stale_params.add(id(p))
+                total += p.numel() * p.element_size()
+        self._freed_params = []
+        return total

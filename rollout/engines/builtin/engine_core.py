@@ -53,6 +53,7 @@ class CoreConfig:
     weight_group_timeout_s: float = 600.0
     stream_interval: int = 1  # tokens per streamed chunk: the core reports no more often
     log_level: str = "warning"
+    weights_cpu_backup: bool = False  # keep a host copy of released weights (SGLang's flag)
 
 
 class EngineCore:
@@ -85,6 +86,7 @@ class EngineCore:
             seed=config.seed,
             weight_version=config.weight_version,
             on_progress=self._report,
+            weights_cpu_backup=config.weights_cpu_backup,
         )
         self.groups: dict[str, Any] = {}
         # Blocking command work (joining a group, receiving a bucket, reading a checkpoint) runs
@@ -204,12 +206,30 @@ class EngineCore:
     def cmd_set_weight_version(self, version: str) -> None:
         self.decoder.set_weight_version(version).result()
 
+    def cmd_memory(self) -> dict[str, Any]:
+        return self.decoder.memory_state()
+
+    def cmd_release_memory(self, tags: list[str] | None) -> dict[str, Any]:
+        report = self.decoder.release_memory(tags).result()
+        log.info("released memory %s: freed %s", list(report["freed_bytes"]), report["freed_bytes"])
+        return {**report, "memory": self.decoder.memory_state()}
+
+    def cmd_resume_memory(self, tags: list[str] | None) -> dict[str, Any]:
+        report = self.decoder.resume_memory(tags).result()
+        log.info("resumed memory %s: %s", list(report["resumed_bytes"]), report["resumed_bytes"])
+        return {**report, "memory": self.decoder.memory_state()}
+
     def _apply(self, tensors: dict[str, Any], version: str | None, abort_all: bool, flush: bool) -> str:
         from rlkit.rollout.engines.builtin.weight_receiver import load_into_model
 
+        def load() -> None:  # on the decoder thread, between two steps
+            self.decoder.check_weights_resident()
+            load_into_model(self.model, tensors)
+            self.decoder.weights_loaded(tensors)
+
         if abort_all:
             self.decoder.abort(abort_all=True)
-        self.decoder.call(lambda: load_into_model(self.model, tensors)).result()
+        self.decoder.call(load).result()
         message = f"Updated {len(tensors)} tensors."
         if version is not None:
             self.decoder.set_weight_version(version).result()
@@ -222,6 +242,7 @@ class EngineCore:
                              flush: bool) -> str:
         from rlkit.rollout.engines.builtin.weight_receiver import named_for_model, read_checkpoint
 
+        self.decoder.check_weights_resident()  # before reading the checkpoint (_apply checks again)
         tensors = named_for_model(self.model, read_checkpoint(model_path))
         return self._apply(tensors, version, abort_all, flush)
 
@@ -253,7 +274,7 @@ class EngineCore:
                            shapes: list[list[int]], version: str | None, abort_all: bool,
                            flush: bool) -> str:
         from rlkit.rollout.engines.builtin.weight_receiver import (
-            WeightUpdateError, check_named_shapes, parse_dtype, receive_bucket)
+            check_named_shapes, parse_dtype, receive_bucket)
 
         group = self.groups.get(group_name)
         if group is None:
@@ -264,8 +285,9 @@ class EngineCore:
         # Receive the whole bucket before judging it, so rank 0's broadcasts always complete.
         tensors = receive_bucket(group, names, dtypes, shapes, self.device)
         try:
+            self.decoder.check_weights_resident()
             check_named_shapes(self.model, ((n, tuple(s)) for n, s in zip(names, shapes)))
-        except WeightUpdateError as e:
+        except ValueError as e:  # WeightUpdateError is one
             raise ValueError(f"bucket received but not applied: {e}") from None
         return self._apply(tensors, version, abort_all, flush)
 

@@ -11,6 +11,10 @@ the other's core. Every answer carries `weight_version`. A bad request gets a 4x
 in SGLang's shape; an unexpected error gets a 500; neither stops the server. With a control
 token ($RLKIT_CONTROL_TOKEN, read at start) the control endpoints need `Authorization: Bearer
 <token>`; bound beyond loopback, the server refuses to start without one (rollout.auth).
+
+Sleep and wake are SGLang's `/release_memory_occupation` and `/resume_memory_occupation`
+(body `{"tags": [...]}`, null or [] = all of kv_cache, weights, cuda_graph): see
+`EngineServer.release_memory_occupation` and docs/engines.md, "Sleep and wake".
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ from rlkit.rollout.protocol import (
 )
 
 log = logging.getLogger("rlkit.hf_server")
+# Control endpoints of this engine beyond rollout.auth.CONTROL_PATHS (behind the token too).
+MEMORY_PATHS = frozenset({"/release_memory_occupation", "/resume_memory_occupation"})
 ENGINE_NAME = "rlkit-hf"
 ENGINE_VERSION = "0.1.0"
 
@@ -102,7 +108,7 @@ def _auth_middleware(token: str | None) -> Any:
 
     @web.middleware
     async def auth(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-        if token is not None and request.path in CONTROL_PATHS:
+        if token is not None and (request.path in CONTROL_PATHS or request.path in MEMORY_PATHS):
             status = check_authorization(request.headers.get("Authorization"), token)
             if status is not None:
                 what = "missing" if status == 401 else "wrong"
@@ -140,6 +146,7 @@ class EngineServer:
             weight_version=args.weight_version,
             weight_group_timeout_s=args.weight_group_timeout_s,
             stream_interval=args.stream_interval, log_level=args.log_level,
+            weights_cpu_backup=args.enable_weights_cpu_backup,
         ))
         self.weight_version = args.weight_version  # mirrors the core's (set only through it)
         self.update_session_open = False
@@ -161,8 +168,8 @@ class EngineServer:
         app = web.Application(middlewares=[_auth_middleware(self.control_token), _errors_middleware],
                               client_max_size=1 << 30)
         r = app.router
-        for path in ("/health", "/health_generate"):
-            r.add_get(path, self.health)
+        r.add_get("/health", self.health)
+        r.add_get("/health_generate", self.health_generate)
         for path in ("/server_info", "/get_server_info"):
             r.add_get(path, self.server_info)
         for path in ("/model_info", "/get_model_info"):
@@ -186,6 +193,9 @@ class EngineServer:
         r.add_post("/end_weight_update", self.end_weight_update)
         r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
         r.add_post("/update_weight_version", self.update_weight_version)
+        for method in ("GET", "POST"):  # SGLang serves both
+            r.add_route(method, "/release_memory_occupation", self.release_memory_occupation)
+            r.add_route(method, "/resume_memory_occupation", self.resume_memory_occupation)
         r.add_get("/rlkit/decode_stats", self.decode_stats)
         return app
 
@@ -214,8 +224,20 @@ class EngineServer:
 
     # -- info ---------------------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
+        """200 while the engine core lives, asleep or not (a sleeping engine is not a dead one:
+        the router and rlkit's health checks must not drop or restart it)."""
         if not self.core.alive:
             return _error(f"engine core not running: {self.core.crashed or 'stopped'}", 503)
+        return web.Response(text="OK")
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        """As /health, but 503 while asleep: the engine cannot generate a token then (SGLang's
+        one-token health request would wait behind the released memory and time out)."""
+        if not self.core.alive:
+            return _error(f"engine core not running: {self.core.crashed or 'stopped'}", 503)
+        state = await self.core.call("memory")
+        if state["asleep"]:
+            return _error(f"asleep, cannot generate: {_sleep_reason(state)}", 503)
         return web.Response(text="OK")
 
     async def server_info(self, request: web.Request) -> web.Response:
@@ -235,6 +257,7 @@ class EngineServer:
             "dp_size": 1,
             "tp_size": 1,
             "internal_states": [await self.core.call("loads")],
+            "memory_occupation": await self.core.call("memory"),
         })
 
     async def model_info(self, request: web.Request) -> web.Response:
@@ -444,6 +467,59 @@ class EngineServer:
         return web.Response(status=400, text="Cache not flushed: requests are holding KV cache "
                             "(pause with mode abort or retract first).\n")
 
+    # -- sleep / wake (memory occupation) ---------------------------------------------------------
+    async def _memory_tags(self, request: web.Request) -> list[str] | None:
+        body = await self._body(request, optional=True)
+        tags = body.get("tags")  # other fields (SGLang's rid, ...) are ignored, as SGLang does
+        if tags is not None and not (isinstance(tags, list) and all(isinstance(t, str) for t in tags)):
+            raise RequestError(f"{request.path}: tags must be null or a list of strings, got "
+                               f"{json.dumps(tags)[:100]}")
+        return tags
+
+    async def release_memory_occupation(self, request: web.Request) -> web.Response:
+        """SGLang's `/release_memory_occupation {"tags"}`: free the KV cache ("kv_cache"), the
+        model's parameter storage ("weights"; no copy is kept unless --enable-weights-cpu-backup)
+        and "cuda_graph" (none here: 0 bytes); null or [] = all three.
+
+        As SGLang, only when idle: nothing running, and nothing queued unless generation is
+        paused (retracted requests wait in the queue, holding no KV). Otherwise 400 with SGLang's
+        message (SGLang itself fails an assertion in its scheduler, which takes the server
+        down). Releasing a tag already released frees nothing and succeeds.
+
+        While weights or kv_cache are released the engine is asleep: /generate requests are
+        accepted and QUEUED (not refused); they start when the engine is awake again, i.e.
+        both are resumed and, if the weights were re-allocated without a backup, every
+        parameter was loaded again by a weight update. /health stays 200; /health_generate
+        answers 503 while asleep.
+
+        Answer 200: {"success", "message", "tags", "freed_bytes": {tag: bytes}, "before",
+        "after" (memory figures: rss, and cuda_allocated / cuda_reserved on CUDA), "memory"
+        (the state /server_info shows as memory_occupation)}. SGLang answers 200 with no body."""
+        tags = await self._memory_tags(request)
+        try:
+            report = await self.core.call("release_memory", tags=tags)
+        except CoreRefused as e:
+            return self._result(False, str(e), memory=await self.core.call("memory"))
+        return self._result(True, f"Released {list(report['freed_bytes'])}.",
+                            tags=list(report["freed_bytes"]), **report)
+
+    async def resume_memory_occupation(self, request: web.Request) -> web.Response:
+        """SGLang's `/resume_memory_occupation {"tags"}` (null or [] = all): allocate the tags'
+        memory again. The KV cache comes back empty at its former size; the weights come back
+        as zeros (SGLang: undefined content) and must be loaded by a weight update, which may
+        come while kv_cache is still released (verl's staged wake: weights, update, kv_cache,
+        so the peak stays low), unless --enable-weights-cpu-backup restored them. A tag that
+        is not released is left as it is (0 bytes; SGLang fails on it). Answer 200:
+        {"success", "message", "tags", "resumed_bytes": {tag: bytes}, "before", "after",
+        "memory"}."""
+        tags = await self._memory_tags(request)
+        report = await self.core.call("resume_memory", tags=tags)
+        message = f"Resumed {list(report['resumed_bytes'])}."
+        if report["memory"]["weights_stale"]:
+            message += (" The weights were re-allocated without their values: load them with a "
+                        "weight update before generating (requests wait until then).")
+        return self._result(True, message, tags=list(report["resumed_bytes"]), **report)
+
     # -- weight updates -------------------------------------------------------------------------------
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         req = UpdateWeightsFromDiskRequest.model_validate(await self._body(request))
@@ -522,6 +598,17 @@ class EngineServer:
                                   f"{req.new_version}", "new_version": req.new_version})
 
 
+def _sleep_reason(state: dict[str, Any]) -> str:
+    parts = []
+    if state["released"]:
+        parts.append(f"memory released ({', '.join(state['released'])}): "
+                     "/resume_memory_occupation first")
+    if state["weights_stale"]:
+        parts.append(f"{state['stale_parameters']} parameters re-allocated and not loaded "
+                     "since: send a weight update")
+    return "; ".join(parts)
+
+
 # -- process entry point ----------------------------------------------------------------------------
 def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m rlkit.rollout.engines.builtin.hf_server", description=__doc__.splitlines()[0])
@@ -544,6 +631,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--incremental-streaming-output", action="store_true",
                    help="stream chunks carry only new tokens (SGLang's flag of the same name)")
     p.add_argument("--weight-group-timeout-s", type=float, default=600.0)
+    p.add_argument("--enable-weights-cpu-backup", action="store_true",
+                   help="keep a host copy of the weights on /release_memory_occupation and "
+                   "restore it on resume (SGLang's flag; on a CPU engine the copy takes the "
+                   "memory the release frees)")
     p.add_argument("--startup-timeout-s", type=float, default=600.0)
     p.add_argument("--parent-pid", type=int, default=None,
                    help="exit when this process (the launcher) is gone: no orphaned engines")

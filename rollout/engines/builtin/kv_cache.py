@@ -12,6 +12,9 @@ The object is handed to a transformers model as `past_key_values`: attention lay
 `update(key, value, layer_idx)` and get back the keys/values to attend over. The caller passes
 the attention mask and position ids itself (see `decode_mask`), so none of the Cache methods
 that transformers uses to build masks are needed.
+
+`release()` frees the buffers (the engine's `/release_memory_occupation` with tag `kv_cache`,
+allowed only while no row is cached) and `resume()` allocates them again at the shape they had.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class SlotKVCache(Cache):
         self.values = [self._alloc(slots, capacity) for _ in range(num_layers)]
         self.lengths: list[int] = []  # tokens cached per active row
         self.end = 0  # next write column
+        self._released_shape: tuple[int, int] | None = None  # (slots, capacity) while released
 
     # -- shape ---------------------------------------------------------------------------------
     def _alloc(self, slots: int, capacity: int) -> torch.Tensor:
@@ -57,11 +61,20 @@ class SlotKVCache(Cache):
 
     @property
     def slots(self) -> int:
-        return self.keys[0].shape[0]
+        return self.keys[0].shape[0] if self.keys else 0
 
     @property
     def capacity(self) -> int:
-        return self.keys[0].shape[2]
+        return self.keys[0].shape[2] if self.keys else 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the key and value buffers hold (0 while released)."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    @property
+    def released(self) -> bool:
+        return self._released_shape is not None
 
     @property
     def start(self) -> int:
@@ -88,6 +101,8 @@ class SlotKVCache(Cache):
     def reserve(self, rows: int, columns: int, min_end: int = 0) -> None:
         """Make room for `rows` active rows and `columns` more write columns, with `end` at least
         `min_end` (a joining row with that many cached tokens must fit left of `end`)."""
+        if self.released:
+            raise RuntimeError("the KV cache is released (resume it before use)")
         fits = rows <= self.slots and max(self.end, min_end) + columns <= self.capacity
         if fits and self.end >= min_end:
             return
@@ -138,6 +153,31 @@ class SlotKVCache(Cache):
     def clear(self) -> None:
         self.lengths.clear()
         self.end = 0
+
+    # -- memory occupation -----------------------------------------------------------------------
+    def release(self) -> int:
+        """Free the key and value buffers; returns the bytes freed (0 if already released). No
+        row may be cached. Until `resume()` the cache must not be used (it holds no buffer)."""
+        if self.lengths:
+            raise RuntimeError(f"cannot release the KV cache: {len(self.lengths)} rows are cached")
+        if self.released:
+            return 0
+        freed = self.nbytes
+        self._released_shape = (self.slots, self.capacity)
+        self.keys, self.values = [], []
+        self.end = 0
+        return freed
+
+    def resume(self) -> int:
+        """Allocate the buffers again (zeros, at the shape they had when released); returns the
+        bytes allocated (0 if not released)."""
+        if self._released_shape is None:
+            return 0
+        slots, capacity = self._released_shape
+        self.keys = [self._alloc(slots, capacity) for _ in range(self.num_layers)]
+        self.values = [self._alloc(slots, capacity) for _ in range(self.num_layers)]
+        self._released_shape = None
+        return self.nbytes
 
     # -- the transformers Cache interface --------------------------------------------------------
     def update(
