@@ -22,9 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlkit.rollout.engines.builtin.tensor_receiver import (InMemoryHandleError, UpdateWeightsFromTensorRequest,
-                                                           tensors_from_request)
-from rlkit.rollout.engines.builtin.weight_receiver import WeightUpdateError
+from rlkit.rollout.engines.builtin.tensor_receiver import (InMemoryHandleError, TensorUpdateError,
+                                                           UpdateWeightsFromTensorRequest, tensors_from_request)
 from rlkit.train.weight_sync.in_memory import (InMemoryError, push_in_memory, serialize_named_tensors,
                                                stage_bucket)
 from rlkit.train.weight_sync.sender import bucketize
@@ -95,6 +94,15 @@ def test_body_is_sglang_s_request_one_entry_per_tp_rank():
         staged.body(tp_size=1, version=1)
 
 
+def test_the_http_process_can_read_the_body_without_torch():
+    """The built-in engine's HTTP process never imports torch; it validates the body and passes
+    the entries to the core process, which opens them."""
+    code = ("import sys; from rlkit.rollout.engines.builtin.tensor_receiver import "
+            "UpdateWeightsFromTensorRequest; assert 'torch' not in sys.modules, 'torch imported'")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+
+
 def test_another_process_maps_the_same_pages_and_reads_bit_identical_tensors(tmp_path):
     """A process that is no child of the sender (subprocess) opens every TP rank's entry."""
     sent = odd_tensors()
@@ -151,11 +159,11 @@ def test_what_the_engine_side_refuses():
 
     good = stage_bucket([("w", torch.ones(2))], "shared_memory").body(tp_size=1, version=1)
     entries = good["serialized_named_tensors"]
-    with pytest.raises(WeightUpdateError, match="one per TP rank; this is TP rank 1"):
+    with pytest.raises(TensorUpdateError, match="one per TP rank; this is TP rank 1"):
         tensors_from_request(entries, tp_rank=1)
-    with pytest.raises(WeightUpdateError, match="flattened_bucket' is not supported"):
+    with pytest.raises(TensorUpdateError, match="flattened_bucket' is not supported"):
         tensors_from_request(entries, load_format="flattened_bucket")
-    with pytest.raises(WeightUpdateError, match="not base64"):
+    with pytest.raises(TensorUpdateError, match="not base64"):
         tensors_from_request(["%%%"])
     evil = base64.b64encode(pickle.dumps([("w", os.getcwd)])).decode()  # a callable, not a tensor
     with pytest.raises(InMemoryHandleError, match="refused to unpickle posix.getcwd"):
