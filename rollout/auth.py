@@ -28,5 +28,7 @@ CONTROL_PATHS = frozenset({
     "/end_weight_update",
     "/update_weights_from_distributed",
     "/update_weight_version",
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
     "/rlkit/decode_stats",  # ?reset=1 clears the counters a benchmark reads
 })

@@ -308,6 +308,18 @@ def parse_output(payload: Any) -> OutputChunk:
                             f"{str(payload)[:200]}") from None
 
 
+def version_spans(versions: list[str], current: str) -> list[dict[str, Any]]:
+    """`weight_versions` of a final chunk: runs of equal versions over the output tokens, as
+    {"version", "start", "end"}; an empty output is one empty span of `current`."""
+    spans: list[dict[str, Any]] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1]["version"] == v:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": v, "start": i, "end": i + 1})
+    return spans or [{"version": current, "start": 0, "end": 0}]
+
+
 def _span(x: Any) -> tuple[str, int, int]:
     """One `weight_versions` span: a {"version", "start", "end"} object (SGLang's JSON) or a
     [version, start, end] array (its msgspec struct is array_like)."""

@@ -125,7 +125,9 @@ async def _record_rlkit_calls() -> list[list]:
                      lambda: ctl.update_from_disk("/m", 3), lambda: ctl.update_from_disk("/m", 3, flush_cache=False),
                      lambda: ctl.init_group("127.0.0.1", 29500, 1, 3, "g", "nccl"), ctl.begin_update,
                      lambda: ctl.update_from_distributed(["w"], ["bfloat16"], [[2, 2]], "g", 3),
-                     ctl.end_update, lambda: ctl.destroy_group("g")):
+                     ctl.end_update, lambda: ctl.destroy_group("g"),
+                     lambda: ctl.release_memory(["kv_cache", "weights"]), lambda: ctl.resume_memory(["weights"]),
+                     lambda: ctl.release_memory(None)):
             await asyncio.to_thread(call)
     finally:
         await client.close()

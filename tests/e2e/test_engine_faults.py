@@ -230,3 +230,40 @@ def test_every_engine_down_parks_everything_and_resume_continues(tmp_path, monke
     ids = [json.loads(x)["group_id"] for x in (run_dir / "groups.jsonl").read_text().splitlines()]
     assert len(ids) == len(set(ids)) == 4 * r.rollout.batch_size
     assert processes_with(model_dir) == []
+
+
+def test_an_engine_lost_during_a_weight_sync_is_survived_and_restarted(tmp_path, monkeypatch):
+    """An engine dies as the weight sync at the end of step 1 reaches it (its switch fires at
+    the first /update_weights_from_distributed, the first bucket, before it is handled): the
+    sync goes on with the engine left, which gets the weights, the lost one is restarted and
+    given the weights before it serves, and nothing is lost (issue 21: one such kill in 11
+    ended a run with WeightSyncError)."""
+    monkeypatch.setenv("RLKIT_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "runs"
+    r = load_recipe(ROOT / "recipes" / "grpo_tiny_ci.yaml", [
+        f"run.output_dir={out}", "tracking.progress=false", f"run.num_steps={STEPS}",
+        "rollout.policy=sync", "train.weight_sync.method=distributed",
+        "rollout.health.interval_s=1", "rollout.health.probe_timeout_s=4",
+        "rollout.health.hung_after_timeouts=2", "rollout.health.restart_backoff_s=0.5",
+    ])
+    run_dir = out / r.run.name
+    model_dir = str(Path(os.environ["RLKIT_CACHE"]) / "models" / "tiny")
+    folder = tmp_path / "fault"
+    monkeypatch.setenv(ENGINE_FAULT_ENV, f"action=kill,at=/update_weights_from_distributed,dir={folder}")
+    state = train(r)
+    fired = read_fired(folder)
+    assert fired is not None and fired["at"] == "/update_weights_from_distributed" and fired["calls"] == 1
+    assert (state.step, state.version) == (STEPS, STEPS)
+    m = rows(run_dir)
+    assert all(x["buffer/balanced"] for x in m) and not any(
+        k.startswith("rollout/dropped/") for x in m for k in x)
+    assert all(x["batch/groups"] == r.rollout.batch_size for x in m)
+    last = m[-1]
+    assert (last["engines/lost"], last["engines/restarted"]) == (1, 1)
+    assert last["engines/restart_failed"] == last["engines/gave_up"] == 0
+    assert last["engines/serving"] == 2
+    # every step after the first generated with the weights the sync should have given
+    groups = rows(run_dir, "groups.jsonl")
+    assert len(groups) == STEPS * r.rollout.batch_size
+    assert all(g["oldest_version"] == g["step"] - 1 for g in groups)
+    assert processes_with(model_dir) == []

@@ -6,6 +6,7 @@ rollout.health's restart does) runs clean."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import time
@@ -174,3 +175,39 @@ def test_kill_all_takes_every_engine_of_the_folder_at_once(tiny_model_dir, tmp_p
     stream(first.url, 12)
     assert first.process.wait(30) == -9 and other.process.wait(30) == -9
     assert read_fired(folder)["pid"] == first.pid
+
+
+def test_the_engine_switch_takes_tokens_or_a_control_call(monkeypatch, tmp_path):
+    from rlkit.rollout.engines.builtin.fault import EngineFault
+
+    for bad, says in [("action=kill,dir=x", "one of them"),
+                      ("action=kill,tokens=3,at=/flush_cache,dir=x", "one of them"),
+                      ("action=kill,at=flush_cache,dir=x", "endpoint path"),
+                      ("action=kill,at=/flush_cache,calls=0,dir=x", "calls >= 1")]:
+        monkeypatch.setenv(ENGINE_FAULT_ENV, bad)
+        with pytest.raises(FaultSwitchError, match=says):
+            EngineFault.from_env()
+    monkeypatch.setenv(ENGINE_FAULT_ENV, f"action=kill,at=/begin_weight_update,calls=2,dir={tmp_path}")
+    fault = EngineFault.from_env()
+    assert fault is not None and (fault.at, fault.calls, fault.tokens) == ("/begin_weight_update", 2, None)
+    assert fault.streamed(100, "0", False)  # tokens do not count for it
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_kill_at_the_k_th_call_of_a_control_endpoint(tiny_model_dir, tmp_path, monkeypatch, engines):
+    """An engine dying as a weight sync, a sleep or a wake reaches it: the K-th call of the
+    endpoint finds the connection reset, and the process is gone."""
+    folder = tmp_path / "fault"
+    monkeypatch.delenv("RLKIT_CONTROL_TOKEN", raising=False)
+    monkeypatch.setenv(ENGINE_FAULT_ENV, f"action=kill,at=/flush_cache,calls=2,dir={folder}")
+    engines.append(proc := start_hf_server(str(tiny_model_dir), ENGINE, log_path=tmp_path / "e0.log"))
+    assert stream(proc.url, 4) == (4, True)
+    flush = urllib.request.Request(f"{proc.url}/flush_cache", data=b"{}", method="POST")
+    with urllib.request.urlopen(flush, timeout=60) as r:  # the first call is handled
+        assert r.status == 200
+    with pytest.raises((ConnectionError, urllib.error.URLError, http.client.RemoteDisconnected)):
+        urllib.request.urlopen(flush, timeout=60)
+    assert proc.process.wait(30) == -9
+    fired = read_fired(folder)
+    assert (fired["pid"], fired["at"], fired["calls"]) == (proc.pid, "/flush_cache", 2)

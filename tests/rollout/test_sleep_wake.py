@@ -283,7 +283,9 @@ async def test_the_memory_endpoints_are_behind_the_control_token():
     from aiohttp import web
     from aiohttp.test_utils import TestClient, TestServer
 
-    from rlkit.rollout.engines.builtin.hf_server import MEMORY_PATHS, _auth_middleware
+    from rlkit.rollout.engines.builtin.hf_server import _auth_middleware
+
+    MEMORY_PATHS = ("/release_memory_occupation", "/resume_memory_occupation")
 
     async def ok(request):
         return web.Response(text="OK")

@@ -33,6 +33,8 @@ class RecordingEngine:
     def update_from_distributed(self, names, dtypes, shapes, group, version): self._rec("bucket", tuple(names), version)
     def end_update(self): self._rec("end")
     def destroy_group(self, name): self._rec("destroy", name)
+    def release_memory(self, tags=None): self._rec("release", tags); return {}
+    def resume_memory(self, tags=None): self._rec("resume", tags); return {}
 
 
 def test_bucketize_respects_the_byte_budget():
@@ -188,3 +190,13 @@ def test_distributed_group_with_tensor_parallel_engines_in_place():
         _, first = engines.received(engines.urls[0])
         _, second = engines.received(engines.urls[1])
         assert first[0][3:5] == (1, 4) and second[0][3:5] == (3, 4)  # (rank_offset, world_size)
+
+
+def test_the_fakes_are_engine_controls():
+    """The Protocol is the one list of control calls: every stand-in implements all of it."""
+    from rlkit.train.weight_sync.engine_control import EngineControl, HttpEngineControl
+    from rlkit.train.weight_sync.loopback import LoopbackControl
+
+    calls = {n for n in vars(EngineControl) if not n.startswith("_")} - {"url"}
+    for cls in (HttpEngineControl, LoopbackControl, RecordingEngine, SGLangCacheRules):
+        assert calls <= set(dir(cls)), (cls.__name__, sorted(calls - set(dir(cls))))

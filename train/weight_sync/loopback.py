@@ -83,6 +83,8 @@ class LoopbackControl:
     def begin_update(self) -> None: self._ask("begin")
     def end_update(self) -> None: self._ask("end")
     def destroy_group(self, group_name: str) -> None: self._ask("destroy", group_name)
+    def release_memory(self, tags=None) -> dict: return self._ask("release", tags) or {}
+    def resume_memory(self, tags=None) -> dict: return self._ask("resume", tags) or {}
 
     def update_from_disk(self, model_path: str, version: int, *, flush_cache: bool = True) -> None:
         self._ask("disk", model_path, version, flush_cache)

@@ -4,6 +4,7 @@ an exact, reproducible point of a run. Off (None) unless the variable is set; ne
 outside tests.
 
     RLKIT_TEST_ENGINE_FAULT="action=kill,tokens=N[,version=V][,unfinished=1],dir=FOLDER"
+    RLKIT_TEST_ENGINE_FAULT="action=kill,at=/begin_weight_update[,calls=K],dir=FOLDER"
 
 - `tokens=N`: fire right after the stream chunk that carries the engine's N-th streamed token
   goes out (health probes are not streamed and do not count). With `version=V`, only tokens
@@ -11,6 +12,11 @@ outside tests.
   so `version=1` puts the fault in step 2, on the first engine to stream N tokens of it. With
   `unfinished=1`, from the N-th token on it fires at the first chunk that leaves its request
   unfinished: that request is then surely lost with the tokens it streamed.
+- `at=PATH`: instead of tokens, fire as the K-th call (default 1st) of the control endpoint
+  PATH arrives, before it is handled: an engine dying during a weight sync (at=/pause_generation,
+  /begin_weight_update, /update_weights_from_disk, ...) or a sleep or wake. The caller's
+  request then finds the connection reset (kill) or no answer (hang). In a `sync` run the sync
+  at the end of step K is the K-th of each weight-update call.
 - `action`: `kill`: the server and its engine core die at once (SIGKILL, as a crash or the OOM
   killer); `hang`: both stop (SIGSTOP): nothing streams, /health and probes get no answer, as
   a stuck process; `kill_all`: every engine server started with this folder (each registers
@@ -36,8 +42,16 @@ class EngineFault:
     def __init__(self, switch: FaultSwitch) -> None:
         self.switch = switch
         self.tokens = switch.number("tokens")
-        if self.tokens is None or self.tokens < 1:
+        self.at = switch.params.get("at")
+        self.calls = switch.number("calls", 1)
+        if (self.tokens is None) == (self.at is None):
+            raise FaultSwitchError(f"${ENGINE_FAULT_ENV}: give tokens=N or at=/path, one of them")
+        if self.tokens is not None and self.tokens < 1:
             raise FaultSwitchError(f"${ENGINE_FAULT_ENV}: tokens must be >= 1")
+        if self.at is not None and (not self.at.startswith("/") or self.calls is None or self.calls < 1):
+            raise FaultSwitchError(f"${ENGINE_FAULT_ENV}: at must be an endpoint path (/...) "
+                                   "and calls >= 1")
+        self.calls_seen = 0
         self.version = switch.params.get("version")
         self.unfinished = bool(switch.number("unfinished", 0))
         self.streamed_tokens = 0
@@ -46,8 +60,8 @@ class EngineFault:
 
     @classmethod
     def from_env(cls) -> EngineFault | None:
-        switch = FaultSwitch.from_env(ENGINE_FAULT_ENV, ACTIONS, required=("tokens",),
-                                      optional=("version", "unfinished"))
+        switch = FaultSwitch.from_env(ENGINE_FAULT_ENV, ACTIONS,
+                                      optional=("tokens", "version", "unfinished", "at", "calls"))
         return cls(switch) if switch is not None else None
 
     def arm(self, url: str, core_pid: int | None) -> None:
@@ -61,13 +75,24 @@ class EngineFault:
         """A chunk of `n` tokens at weight `version` just went out on a stream (`finished`: the
         request's last). False once spent (another engine fired first): the server then drops
         the switch."""
-        if self.version is not None and version != self.version:
+        if self.tokens is None or (self.version is not None and version != self.version):
             return True
         self.streamed_tokens += n
-        if self.streamed_tokens < self.tokens or (self.unfinished and finished):  # type: ignore[operator]
+        if self.streamed_tokens < self.tokens or (self.unfinished and finished):
             return True
-        if not self.switch.claim(url=self.url, weight_version=version,
-                                 streamed_tokens=self.streamed_tokens, core_pid=self.core_pid):
+        return self._fire(weight_version=version, streamed_tokens=self.streamed_tokens)
+
+    def called(self, path: str) -> bool:
+        """Control endpoint `path` was just called (before it is handled). False once spent."""
+        if path != self.at:
+            return True
+        self.calls_seen += 1
+        if self.calls_seen < self.calls:  # type: ignore[operator]
+            return True
+        return self._fire(at=path, calls=self.calls_seen)
+
+    def _fire(self, **record: object) -> bool:
+        if not self.switch.claim(url=self.url, core_pid=self.core_pid, **record):
             return False
         if self.switch.action == "hang":
             self._signal(self.core_pid, signal.SIGSTOP)
@@ -81,6 +106,19 @@ class EngineFault:
         self._signal(self.core_pid, signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
         return False  # not reached
+
+    def middleware(self):  # noqa: ANN201 - an aiohttp middleware
+        """Fires `at` a control call: runs before the endpoint's handler (and its auth check,
+        being outermost: the call arriving is the moment)."""
+        from aiohttp import web
+
+        @web.middleware
+        async def fire_at_call(request: web.Request, handler):  # noqa: ANN001, ANN202
+            if self.at is not None:
+                self.called(request.path)
+            return await handler(request)
+
+        return fire_at_call
 
     @staticmethod
     def _signal(pid: int | None, sig: int) -> None:

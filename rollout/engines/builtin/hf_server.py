@@ -54,11 +54,10 @@ from rlkit.rollout.protocol import (
     UpdateWeightVersionRequest,
     dumps,
     error_body,
+    version_spans,
 )
 
 log = logging.getLogger("rlkit.hf_server")
-# Control endpoints of this engine beyond rollout.auth.CONTROL_PATHS (behind the token too).
-MEMORY_PATHS = frozenset({"/release_memory_occupation", "/resume_memory_occupation"})
 ENGINE_NAME = "rlkit-hf"
 ENGINE_VERSION = "0.1.0"
 
@@ -108,7 +107,7 @@ def _auth_middleware(token: str | None) -> Any:
 
     @web.middleware
     async def auth(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-        if token is not None and (request.path in CONTROL_PATHS or request.path in MEMORY_PATHS):
+        if token is not None and request.path in CONTROL_PATHS:
             status = check_authorization(request.headers.get("Authorization"), token)
             if status is not None:
                 what = "missing" if status == 401 else "wrong"
@@ -165,7 +164,8 @@ class EngineServer:
         return int(self.core.info["context_length"])
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[_auth_middleware(self.control_token), _errors_middleware],
+        faults = [self.fault.middleware()] if self.fault is not None and self.fault.at else []
+        app = web.Application(middlewares=[*faults, _auth_middleware(self.control_token), _errors_middleware],
                               client_max_size=1 << 30)
         r = app.router
         r.add_get("/health", self.health)
@@ -174,8 +174,6 @@ class EngineServer:
             r.add_get(path, self.server_info)
         for path in ("/model_info", "/get_model_info"):
             r.add_get(path, self.model_info)
-        for path in ("/get_weight_version", "/weight_version"):
-            r.add_get(path, self.get_weight_version)
         r.add_get("/v1/models", self.models)
         r.add_route("POST", "/generate", self.generate)
         r.add_route("PUT", "/generate", self.generate)
@@ -269,9 +267,6 @@ class EngineServer:
             "weight_version": self.weight_version,
             "served_model_name": self.served_model_name,
         })
-
-    async def get_weight_version(self, request: web.Request) -> web.Response:
-        return web.json_response({"weight_version": self.weight_version})
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{
@@ -368,6 +363,8 @@ class EngineServer:
             "weight_version": version,
             "e2e_latency": time.monotonic() - r.created,
         }
+        if finished:  # exact per-token versions on the final chunk, as SGLang 0.5.23 sends them
+            meta["weight_versions"] = version_spans(r.output_versions[:upto], r.weight_version)
         ids = r.output_ids[since:upto]
         if req.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in
