@@ -34,6 +34,7 @@ from rlkit.rollout.engine_api import EngineError, WorkerLost
 from rlkit.rollout.protocol import (
     ENGINE_URL_HEADER,
     LOADS_PATHS,
+    MODEL_INFO_PATHS,
     GenerateRequest,
     ProtocolError,
     SamplingParams,
@@ -457,14 +458,17 @@ class EngineClient:
         return dict(zip(self._workers, counts))
 
     # -- Engines: faults (rollout.health) ---------------------------------------------------------
-    async def probe(self, worker: str, timeout_s: float) -> str | None:
+    async def probe(self, worker: str, timeout_s: float, *, generate: bool = True) -> str | None:
         """A one-token /generate sent straight to `worker` (an engine can answer /health with
-        a stuck scheduler). None when it answered in time."""
+        a stuck scheduler). None when it answered in time. `generate=False`: GET /model_info,
+        which SGLang's HTTP process answers without its scheduler (a paused or sleeping engine
+        queues generations)."""
         body = GenerateRequest(input_ids=[0], sampling_params=SamplingParams(max_new_tokens=1),
                                rid=f"probe-{uuid.uuid4().hex}", stream=False).payload()
+        method, path = ("POST", "/generate") if generate else ("GET", MODEL_INFO_PATHS[0])
         try:
-            async with self.session.post(f"{worker}/generate", json=body,
-                                         timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            async with self.session.request(method, f"{worker}{path}", json=body if generate else None,
+                                            timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
                 payload = await _read_body(resp)
                 if resp.status != 200:
                     return f"HTTP {resp.status}: {error_message(payload) or payload}"

@@ -72,10 +72,12 @@ class Engines(Protocol):
         """Requests running or queued on each worker."""
         ...
 
-    async def probe(self, worker: str, timeout_s: float) -> str | None:
+    async def probe(self, worker: str, timeout_s: float, *, generate: bool = True) -> str | None:
         """A real one-token generation on `worker`, straight (not through the router): None
         when it answered within `timeout_s`, else why not ('timeout: ...' when it did not
-        answer in time, anything else when the connection was refused or the answer bad)."""
+        answer in time, anything else when the connection was refused or the answer bad).
+        `generate=False`: only that the server answers (an engine paused for a weight sync, or
+        asleep, queues generations: its liveness is all a probe can ask then)."""
         ...
 
     async def abort_worker(self, worker: str) -> int:

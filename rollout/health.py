@@ -2,7 +2,8 @@
 
 Every `interval_s` (and at once when a request fails) each serving engine gets a real probe: a
 one-token generation sent straight to it (`Engines.probe`), because an engine can answer
-/health while its scheduler is stuck. A refused or reset connection declares the engine dead at
+/health while its scheduler is stuck; while the driver holds the engines (a weight sync pauses
+them, `hold`), only an answer from the server, as paused engines queue generations. A refused or reset connection declares the engine dead at
 the first probe; `hung_after_timeouts` probes in a row without an answer declare it hung.
 
 A lost engine leaves the router first (no new request goes there; sglang-router 0.3.2 would
@@ -57,6 +58,7 @@ class EngineMonitor:
         self.needs_weights = needs_weights
         self.lost = 0  # engines declared lost so far: a failed request compares it (manager)
         self.awaiting_weights: list[str] = []  # restarted, not serving until given weights
+        self.held = False  # paused or asleep by the driver's doing: probe liveness (`hold`)
         self.events: list[dict[str, Any]] = []  # lost / restarted / restart_failed / back / gave_up
         self.counts: Counter[str] = Counter()
         self._timeouts: Counter[str] = Counter()
@@ -120,8 +122,15 @@ class EngineMonitor:
             fut.add_done_callback(lambda _f, w=worker: self._probing.pop(w, None))
         return await asyncio.shield(fut)
 
+    def hold(self, held: bool) -> None:
+        """The driver holds the engines (paused for a weight sync, or asleep): they queue
+        generations, so a probe asks only that each answers (`Engines.probe(generate=False)`).
+        A generation probe would time out on every engine of a sync longer than
+        hung_after_timeouts x probe_timeout_s and declare them all hung."""
+        self.held = held
+
     async def _probe(self, worker: str) -> bool:
-        why = await self.engines.probe(worker, self.cfg.probe_timeout_s)
+        why = await self.engines.probe(worker, self.cfg.probe_timeout_s, generate=not self.held)
         if why is None:
             self._timeouts[worker] = 0
             return False

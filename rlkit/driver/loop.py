@@ -118,6 +118,14 @@ class Run:
         """The one weight sync of every mode (and of a resume): trainer -> engines (those
         serving, and those restarted, which serve from now on), then the rollout box knows
         the version its engines generate with."""
+        await self.rollout.hold_engines(True)  # paused by the sync: probes ask only for an answer
+        try:
+            await self._push_to_engines_left(version)
+        finally:
+            await self.rollout.hold_engines(False)
+
+    async def _push_to_engines_left(self, version: int) -> None:
+        """Push, and again to the engines left while engines are lost during the sync."""
         failure: Exception | None = None
         targets: list[str] = []
         while True:

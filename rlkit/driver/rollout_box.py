@@ -76,6 +76,8 @@ class RolloutBox(Protocol):
 
     async def check_engines(self) -> int: ...  # probe every engine now: how many were lost
 
+    async def hold_engines(self, held: bool) -> None: ...  # paused for a sync: probe liveness only
+
     def save(self, path: str) -> None: ...  # the buffer (between steps: it blocks)
 
     def load(self, path: str) -> None: ...

@@ -157,6 +157,12 @@ class RolloutService:
         """Probe every engine now (as often as a hang takes to be declared); engines lost."""
         return await self.manager.health.sweep() if self.manager.health is not None else 0
 
+    async def hold_engines(self, held: bool) -> None:
+        """The driver pauses the engines (a weight sync) or releases them: rollout.health
+        probes only that they answer meanwhile."""
+        if self.manager.health is not None:
+            self.manager.health.hold(held)
+
     async def admit_engines(self, urls: list[str]) -> None:
         """Restarted engines hold the current weights now: they serve again."""
         if self.manager.health is not None and urls:

@@ -729,7 +729,7 @@ class SimEngines:
     async def loads(self) -> dict[str, int]:
         return {w.id: w.load() for w in self._order}
 
-    async def probe(self, worker: str, timeout_s: float) -> str | None:
+    async def probe(self, worker: str, timeout_s: float, *, generate: bool = True) -> str | None:
         w = self._workers.get(worker)
         if w is None or w.state == "dead":
             return f"{worker}: connection refused"

@@ -102,8 +102,8 @@ class TraceReplayEngines:
     async def loads(self) -> dict[str, int]:
         return await self.inner.loads()
 
-    async def probe(self, worker: str, timeout_s: float) -> str | None:
-        return await self.inner.probe(worker, timeout_s)
+    async def probe(self, worker: str, timeout_s: float, *, generate: bool = True) -> str | None:
+        return await self.inner.probe(worker, timeout_s, generate=generate)
 
     async def abort_worker(self, worker: str) -> int:
         return await self.inner.abort_worker(worker)

@@ -321,6 +321,9 @@ def test_a_weight_sync_with_every_engine_lost_still_moves_the_trainer_s_version(
         async def set_version(self, version):
             self.version = version
 
+        async def hold_engines(self, held):
+            pass
+
     class Trainer:
         pushed = []
 
@@ -344,7 +347,7 @@ def test_a_weight_sync_that_meets_a_dead_engine_goes_on_with_the_engines_left(ta
     class Engines:
         def __init__(self):
             self.serving, self.restarted, self.version, self.sweeps = ["a", "b"], [], None, 0
-            self.admitted = []
+            self.admitted, self.held = [], []
 
         async def engine_set(self):
             return list(self.serving), list(self.restarted)
@@ -360,6 +363,9 @@ def test_a_weight_sync_that_meets_a_dead_engine_goes_on_with_the_engines_left(ta
 
         async def admit_engines(self, urls):
             self.admitted += urls
+
+        async def hold_engines(self, held):
+            self.held.append(held)
 
     class Trainer:
         def __init__(self, engines):
@@ -378,6 +384,7 @@ def test_a_weight_sync_that_meets_a_dead_engine_goes_on_with_the_engines_left(ta
     asyncio.run(Run(engines, trainer, 1, 1, on_step=None).push_weights(4))
     assert trainer.pushed == [["a", "b"], ["a", "b2"]] and engines.sweeps == 1
     assert engines.version == 4 and engines.admitted == ["b2"]
+    assert engines.held == [True, False]  # probes ask only for an answer during the sync
 
     class Broken(Trainer):
         async def push_weights(self, version, urls):
@@ -389,4 +396,4 @@ def test_a_weight_sync_that_meets_a_dead_engine_goes_on_with_the_engines_left(ta
     broken = Broken(engines)
     with pytest.raises(RuntimeError, match="own error"):
         asyncio.run(Run(engines, broken, 1, 1, on_step=None).push_weights(4))
-    assert broken.pushed == [["a"]] and engines.version is None
+    assert broken.pushed == [["a"]] and engines.version is None and engines.held == [True, False]

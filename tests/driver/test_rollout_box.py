@@ -15,7 +15,7 @@ from tests.driver.test_modes import make_box, recipe
 
 def test_the_service_implements_every_call_of_the_protocol_as_declared():
     assert BOX_CALLS == {"next_ready", "take", "admits", "set_version", "evaluate", "engine_set",
-                         "admit_engines", "give_back_untrained", "check_engines", "save", "load"}
+                         "admit_engines", "give_back_untrained", "check_engines", "hold_engines", "save", "load"}
     for name in [*BOX_CALLS, "start_step"]:
         declared = getattr(RolloutBox, name)
         mine = getattr(RolloutService, name)

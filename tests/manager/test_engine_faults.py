@@ -210,3 +210,41 @@ def test_faults_at_any_time_lose_nothing(kills, partial):
     reports = run_virtual(main)
     assert not any(r.dropped for r in reports)
     accounted(buf)
+
+
+def test_engines_held_for_a_weight_sync_are_probed_for_an_answer_only():
+    """A weight sync pauses every engine, and a paused engine queues generations: a generation
+    probe would time out on all of them and declare them hung (a sync longer than
+    hung_after_timeouts x probe_timeout_s, or one that failed and left them paused). Held,
+    the monitor asks only that each answers: the paused one stays, the dead one is lost."""
+    class PausedEngines:
+        def __init__(self):
+            self.up, self.dead, self.asked = ["a", "b"], {"b"}, []
+
+        def workers(self):
+            return list(self.up)
+
+        async def probe(self, worker, timeout_s, *, generate=True):
+            self.asked.append((worker, generate))
+            if worker in self.dead:
+                return f"{worker}: connection refused"
+            return f"timeout: paused, {worker} queues it" if generate else None
+
+        async def remove_worker(self, worker):
+            self.up.remove(worker)
+
+        async def abort_worker(self, worker):
+            return 0
+
+    async def main():
+        engines = PausedEngines()
+        monitor = EngineMonitor(engines, HEALTH, None, needs_weights=False)
+        monitor.hold(True)
+        assert await monitor.sweep() == 1 and engines.up == ["a"]  # b is dead, a only paused
+        assert all(not generate for _, generate in engines.asked)
+        monitor.hold(False)
+        assert await monitor.sweep() == 1 and engines.up == []  # not held: a would be hung
+        return monitor
+
+    monitor = run_virtual(main())
+    assert monitor.counts["lost"] == 2

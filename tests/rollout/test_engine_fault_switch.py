@@ -211,3 +211,20 @@ def test_kill_at_the_k_th_call_of_a_control_endpoint(tiny_model_dir, tmp_path, m
     assert proc.process.wait(30) == -9
     fired = read_fired(folder)
     assert (fired["pid"], fired["at"], fired["calls"]) == (proc.pid, "/flush_cache", 2)
+
+
+def test_the_trainer_switch_can_hold_a_step_until_released(monkeypatch, tmp_path):
+    """action=hold: rank 0 waits at step K's batch for the release, then trains on (alive)."""
+    from rlkit.buffers.fault_switch import RELEASE, TRAINER_FAULT_ENV
+    from rlkit.train.ray_group import TrainerFault
+
+    folder = tmp_path / "hold"
+    monkeypatch.setenv(TRAINER_FAULT_ENV, f"action=hold,step=2,dir={folder}")
+    fault = TrainerFault.from_env(rank=0)
+    assert fault is not None and TrainerFault.from_env(rank=1) is None
+    fault.at_batch(0)  # step 1: nothing
+    assert read_fired(folder) is None
+    folder.mkdir()
+    (folder / RELEASE).write_text("")
+    fault.at_batch(1)  # step 2: claims, finds the release, goes on (this process lives)
+    assert read_fired(folder)["step"] == 2

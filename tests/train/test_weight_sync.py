@@ -200,3 +200,41 @@ def test_the_fakes_are_engine_controls():
     calls = {n for n in vars(EngineControl) if not n.startswith("_")} - {"url"}
     for cls in (HttpEngineControl, LoopbackControl, RecordingEngine, SGLangCacheRules):
         assert calls <= set(dir(cls)), (cls.__name__, sorted(calls - set(dir(cls))))
+
+
+@pytest.mark.integration
+def test_a_sync_that_fails_closes_the_update_sessions_it_opened():
+    """An engine dies at begin_weight_update: the engines where the update began get
+    end_weight_update (and stay paused), so the sync the driver sends again to the engines left
+    can begin; the same sender then updates them."""
+    from rlkit.train.weight_sync.loopback import LoopbackEngines
+
+    weights = {"w": torch.arange(6.0)}
+    with LoopbackEngines(2) as engines:
+        dead = engines.urls[1]
+
+        class Dying:
+            def __init__(self, url):
+                self.inner = engines.control(url)
+
+            def __getattr__(self, name):
+                return getattr(self.inner, name)
+
+            def begin_update(self):
+                if self.inner.url == dead:
+                    raise RuntimeError("connection reset")
+                self.inner.begin_update()
+
+        sender = WeightSender(bucket_mb=1, control_factory=Dying)
+        try:
+            with pytest.raises(WeightSyncError, match="begin_weight_update failed on 1 engine"):
+                sender.sync_distributed(engines.urls, weights.items(), version=1)
+            _, log = engines.received(engines.urls[0])
+            assert [c[0] for c in log][-3:] == ["flush", "begin", "end"]  # closed, not continued
+            sender.sync_distributed(engines.urls[:1], weights.items(), version=1)  # the one left
+        finally:
+            sender.close()
+        got, log = engines.received(engines.urls[0])
+        calls = [c[0] for c in log]  # the old group left, a new one formed with the engine left
+        assert torch.equal(got["w"], weights["w"]) and calls.count("init_group") == 2
+        assert calls[-3:] == ["end", "continue", "destroy"]  # (the last: sender.close)

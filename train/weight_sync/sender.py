@@ -278,13 +278,35 @@ class WeightSender:
         t_paused = time.perf_counter()
         if self.flushes:
             self._on_all(controls, "flush_cache", lambda c: c.flush_cache())
-        self._on_all(controls, "begin_weight_update", lambda c: c.begin_update())
 
         def chained() -> Iterator[tuple[str, torch.Tensor]]:
             yield first
             yield from it
 
-        for bucket in bucketize(chained(), self.bucket_bytes):
+        try:
+            self._on_all(controls, "begin_weight_update", lambda c: c.begin_update())
+            self._broadcast(controls, bucketize(chained(), self.bucket_bytes), version, report)
+        except WeightSyncError:
+            # Close the update session wherever one opened (the engines stay paused): the
+            # sync sent again to the engines left (Run.push_weights) must be able to begin.
+            for c in controls:
+                try:
+                    c.end_update()
+                except Exception:  # noqa: BLE001 - a dead engine cannot be told; others may refuse
+                    pass
+            raise
+        self._on_all(controls, "end_weight_update", lambda c: c.end_update())
+        self._on_all(controls, "continue_generation", lambda c: c.continue_generation())
+        t_end = time.perf_counter()
+        report.seconds_total = t_end - t0
+        report.seconds_paused = t_end - t_paused
+        return report
+
+    def _broadcast(self, controls: Sequence[EngineControl],
+                   buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int,
+                   report: SyncReport) -> None:
+        """Per bucket: announce it to every engine, and broadcast its tensors from rank 0."""
+        for bucket in buckets:
             names = [n for n, _ in bucket]
             dtypes = [dtype_name(t.dtype) for _, t in bucket]
             shapes = [list(t.shape) for _, t in bucket]
@@ -301,12 +323,6 @@ class WeightSender:
             report.buckets += 1
             report.tensors += len(bucket)
             report.bytes += sum(t.numel() * t.element_size() for _, t in bucket)
-        self._on_all(controls, "end_weight_update", lambda c: c.end_update())
-        self._on_all(controls, "continue_generation", lambda c: c.continue_generation())
-        t_end = time.perf_counter()
-        report.seconds_total = t_end - t0
-        report.seconds_paused = t_end - t_paused
-        return report
 
     def close(self) -> None:
         self.disconnect()
