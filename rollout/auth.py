@@ -27,6 +27,7 @@ CONTROL_PATHS = frozenset({
     "/begin_weight_update",
     "/end_weight_update",
     "/update_weights_from_distributed",
+    "/update_weights_from_tensor",
     "/update_weight_version",
     "/release_memory_occupation",
     "/resume_memory_occupation",

@@ -87,10 +87,14 @@ class AlgorithmConfig(BaseModel):
 class WeightSyncConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    method: Literal["distributed", "disk"] = Field(
+    method: Literal["distributed", "disk", "tensor"] = Field(
         "distributed",
-        description="Push weights by a torch.distributed broadcast (gloo on CPU, NCCL on GPU) or "
-        "through an HF safetensors folder on disk.",
+        description="Push weights by a torch.distributed broadcast (gloo on CPU, NCCL on GPU), "
+        "through an HF safetensors folder on disk, or in memory ('tensor': SGLang's "
+        "update_weights_from_tensor with CUDA IPC handles, or shared memory on CPU; only for "
+        "engines on the sending trainer rank's own GPU or node's CPU, which refuse it otherwise). "
+        "NCCL never puts two ranks on one GPU: engines sharing the trainer's GPU need 'tensor' "
+        "or 'disk'.",
     )
     bucket_mb: int = Field(256, ge=1, description="Bucket size of one broadcast round, in MiB.")
     pause_mode: Literal["auto", "abort", "retract", "in_place"] = Field(

@@ -71,7 +71,7 @@ def train_a_little(trainer, seed: int) -> None:
         trainer.step()
 
 
-def test_sync_from_a_tp1_trainer_by_broadcast_and_by_disk(engine, tiny_demo_dir, tmp_path):
+def test_sync_from_a_tp1_trainer_by_broadcast_by_disk_and_in_memory(engine, tiny_demo_dir, tmp_path):
     from rlkit.train.megatron.trainer import MegatronTrainer
 
     trainer = MegatronTrainer.single_process(
@@ -82,8 +82,8 @@ def test_sync_from_a_tp1_trainer_by_broadcast_and_by_disk(engine, tiny_demo_dir,
         assert version == "0"
         assert float((trainer_logprobs(trainer, tokens) - lp).abs().max()) < SYNC_ATOL  # same start
 
-        for method, expected_version in (("distributed", "1"), ("disk", "2")):
-            train_a_little(trainer, seed=30 if method == "distributed" else 40)
+        for method, expected_version in (("distributed", "1"), ("disk", "2"), ("tensor", "3")):
+            train_a_little(trainer, seed={"distributed": 30, "disk": 40, "tensor": 60}[method])
             tokens, lp, _ = engine_generate(engine)
             stale = float((trainer_logprobs(trainer, tokens) - lp).abs().max())
             assert stale > 1e-2, "training should have moved the weights away from the engine's"

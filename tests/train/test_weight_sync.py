@@ -33,6 +33,7 @@ class RecordingEngine:
     def update_from_distributed(self, names, dtypes, shapes, group, version): self._rec("bucket", tuple(names), version)
     def end_update(self): self._rec("end")
     def destroy_group(self, name): self._rec("destroy", name)
+    def update_from_tensor(self, body): self._rec("tensor", body.get("weight_version"))
     def release_memory(self, tags=None): self._rec("release", tags); return {}
     def resume_memory(self, tags=None): self._rec("resume", tags); return {}
 
@@ -160,11 +161,11 @@ def test_every_pause_mode_completes_a_sync_under_sglangs_cache_rule(tmp_path, mo
 
 
 def test_rank_offsets_follow_sglangs_tp_layout():
-    from rlkit.train.weight_sync.sender import rank_offsets
+    from rlkit.train.weight_sync.topology import TopologyError, rank_offsets
 
     assert rank_offsets([1, 1]) == ([1, 2], 3)
     assert rank_offsets([2, 1, 4]) == ([1, 3, 4], 8)  # engine i's TP rank r is offset_i + r
-    with pytest.raises(WeightSyncError, match="tp_size 0"):
+    with pytest.raises(TopologyError, match="tp_size 0"):
         rank_offsets([1, 0])
 
 

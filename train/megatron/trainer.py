@@ -413,7 +413,7 @@ class MegatronTrainer:
         version = self.version + 1 if version is None else int(version)
         if version < self.version:
             raise ValueError(f"sync_weights: version {version} is older than {self.version}")
-        if method not in ("disk", "distributed"):
+        if method not in ("disk", "distributed", "tensor"):
             raise ValueError(f"sync_weights: unknown method {method!r}")
         if method == "disk" and folder is None and not ws.disk_dir:
             raise ValueError("sync_weights(method='disk') needs a folder or train.weight_sync.disk_dir")
@@ -440,6 +440,8 @@ class MegatronTrainer:
                         p, weights, self.hf_config, side_files_from=self.model_path
                     ),
                 )
+            elif method == "tensor":
+                report = self._sender.sync_in_memory(engines, weights, version)
             else:
                 report = self._sender.sync_distributed(engines, weights, version)
         self.version = version

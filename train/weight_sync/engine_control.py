@@ -42,6 +42,7 @@ class EngineControl(Protocol):
         group_name: str, version: int,
     ) -> None: ...
     def end_update(self) -> None: ...
+    def update_from_tensor(self, body: dict[str, Any]) -> None: ...
     def destroy_group(self, group_name: str) -> None: ...
     def release_memory(self, tags: Sequence[str] | None = None) -> dict[str, Any]: ...
     def resume_memory(self, tags: Sequence[str] | None = None) -> dict[str, Any]: ...
@@ -143,6 +144,11 @@ class HttpEngineControl:
 
     def end_update(self) -> None:
         self._post("/end_weight_update", {})
+
+    def update_from_tensor(self, body: dict[str, Any]) -> None:
+        """Weights in memory: SGLang's /update_weights_from_tensor, the body made by
+        train/weight_sync/in_memory.py (handles to the trainer's shared or CUDA memory)."""
+        self._post("/update_weights_from_tensor", body)
 
     def destroy_group(self, group_name: str) -> None:
         self._post("/destroy_weights_update_group", {"group_name": group_name})

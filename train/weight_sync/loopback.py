@@ -83,6 +83,7 @@ class LoopbackControl:
     def begin_update(self) -> None: self._ask("begin")
     def end_update(self) -> None: self._ask("end")
     def destroy_group(self, group_name: str) -> None: self._ask("destroy", group_name)
+    def update_from_tensor(self, body) -> None: self._ask("tensor", len(body.get("serialized_named_tensors", ())))
     def release_memory(self, tags=None) -> dict: return self._ask("release", tags) or {}
     def resume_memory(self, tags=None) -> dict: return self._ask("resume", tags) or {}
 

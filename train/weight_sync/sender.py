@@ -10,6 +10,9 @@ trade (no recomputation), and each token still carries the version that produced
 
 - disk: the HF weights are written as a safetensors folder (before pausing, so engines keep
   generating meanwhile), then each engine loads it with /update_weights_from_disk.
+- tensor (in memory): for engines on the trainer rank's own device, or its node's CPU: per bucket
+  one /update_weights_from_tensor carrying handles to the trainer's CUDA memory or to a shared-
+  memory copy (train/weight_sync/in_memory.py); the engine maps the same memory.
 - distributed: a process group trainer(rank 0) + every TP rank of every engine is formed once per
   set of engines (/init_weights_update_group, joined concurrently by the trainer). SGLang joins
   TP rank r of an engine as `rank_offset + r`, so engine i gets rank_offset 1 + the TP sizes of
@@ -38,6 +41,7 @@ import torch.distributed as dist
 
 from rlkit.train.weight_sync.engine_control import EngineControl, EngineControlError, HttpEngineControl
 from rlkit.train.weight_sync.group import join_weight_group, leave_weight_group
+from rlkit.train.weight_sync.topology import TopologyError, rank_offsets
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
@@ -81,18 +85,6 @@ def bucketize(tensors: NamedTensors, bucket_bytes: int) -> Iterator[list[tuple[s
         size += n
     if bucket:
         yield bucket
-
-
-def rank_offsets(tp_sizes: Sequence[int]) -> tuple[list[int], int]:
-    """(rank_offset of each engine, world size) of a broadcast group of the trainer (rank 0) and
-    engines of these TP sizes, each TP rank joining as rank_offset + tp_rank (SGLang's layout)."""
-    offsets, next_rank = [], 1
-    for n in tp_sizes:
-        if n < 1:
-            raise WeightSyncError(f"an engine reports tp_size {n}")
-        offsets.append(next_rank)
-        next_rank += n
-    return offsets, next_rank
 
 
 class WeightSender:
@@ -283,12 +275,61 @@ class WeightSender:
             yield first
             yield from it
 
+        self._in_session(controls, lambda: self._broadcast(
+            controls, bucketize(chained(), self.bucket_bytes), version, report))
+        self._on_all(controls, "continue_generation", lambda c: c.continue_generation())
+        t_end = time.perf_counter()
+        report.seconds_total = t_end - t0
+        report.seconds_paused = t_end - t_paused
+        return report
+
+    def sync_in_memory(self, engines: Sequence[str], tensors: NamedTensors, version: int) -> SyncReport:
+        """Weights in memory to engines on this process's device (CUDA IPC) or node's CPU
+        (shared memory), bucket by bucket; an engine elsewhere refuses the handles, naming
+        `distributed` and `disk` instead."""
+        from rlkit.train.weight_sync.in_memory import push_in_memory
+        from rlkit.train.weight_sync.topology import EnginePlan
+
+        controls = self._controls(engines)
+        it = iter(tensors)
+        first = next(it, None)
+        if first is None:
+            raise WeightSyncError("no tensors to send")
+        memory = "cuda_ipc" if first[1].is_cuda else "shared_memory"
+        t0 = time.perf_counter()
+        sizes = self._on_all(controls, "server_info (tp_size)", lambda c: c.tp_size())
+        plans = [EnginePlan(i, "tensor", n, memory=memory) for i, n in enumerate(sizes)]
+        report = SyncReport(method="tensor", version=version, engines=len(controls))
+        self._on_all(controls, "pause_generation", lambda c: c.pause(self.pause_mode))
+        t_paused = time.perf_counter()
+        if self.flushes:
+            self._on_all(controls, "flush_cache", lambda c: c.flush_cache())
+
+        def chained() -> Iterator[tuple[str, torch.Tensor]]:
+            yield first
+            yield from it
+
+        def push() -> None:
+            stats = push_in_memory(list(zip(controls, plans)), bucketize(chained(), self.bucket_bytes),
+                                   version, submit=self._pool.submit, wait=self._wait)
+            report.buckets, report.tensors, report.bytes = stats.buckets, stats.tensors, stats.bytes
+
+        self._in_session(controls, push)
+        self._on_all(controls, "continue_generation", lambda c: c.continue_generation())
+        t_end = time.perf_counter()
+        report.seconds_total = t_end - t0
+        report.seconds_paused = t_end - t_paused
+        report.extra["memory"] = memory
+        return report
+
+    def _in_session(self, controls: Sequence[EngineControl], send: Callable[[], None]) -> None:
+        """begin_weight_update, `send()`, end_weight_update on every engine. On failure the
+        update session is closed wherever one opened (the engines stay paused): the sync sent
+        again to the engines left (Run.push_weights) must be able to begin."""
         try:
             self._on_all(controls, "begin_weight_update", lambda c: c.begin_update())
-            self._broadcast(controls, bucketize(chained(), self.bucket_bytes), version, report)
+            send()
         except WeightSyncError:
-            # Close the update session wherever one opened (the engines stay paused): the
-            # sync sent again to the engines left (Run.push_weights) must be able to begin.
             for c in controls:
                 try:
                     c.end_update()
@@ -296,11 +337,6 @@ class WeightSender:
                     pass
             raise
         self._on_all(controls, "end_weight_update", lambda c: c.end_update())
-        self._on_all(controls, "continue_generation", lambda c: c.continue_generation())
-        t_end = time.perf_counter()
-        report.seconds_total = t_end - t0
-        report.seconds_paused = t_end - t_paused
-        return report
 
     def _broadcast(self, controls: Sequence[EngineControl],
                    buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int,
@@ -329,4 +365,5 @@ class WeightSender:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-__all__ = ["WeightSender", "SyncReport", "WeightSyncError", "bucketize", "EngineControlError"]
+__all__ = ["WeightSender", "SyncReport", "WeightSyncError", "bucketize", "EngineControlError",
+           "TopologyError", "rank_offsets"]

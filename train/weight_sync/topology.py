@@ -137,6 +137,18 @@ def _in_memory(trainer: Place, ranks: Sequence[Place]) -> tuple[Memory, str]:
     return "", f"ranks split between {trainer.device} and cpu"
 
 
+def rank_offsets(tp_sizes: Sequence[int]) -> tuple[list[int], int]:
+    """(rank_offset of each engine, world size) of a broadcast group of the trainer (rank 0) and
+    engines of these TP sizes, each TP rank joining as rank_offset + tp_rank (SGLang's layout)."""
+    offsets, next_rank = [], 1
+    for n in tp_sizes:
+        if n < 1:
+            raise TopologyError(f"an engine reports tp_size {n}")
+        offsets.append(next_rank)
+        next_rank += n
+    return offsets, next_rank
+
+
 def plan_weight_sync(
     trainer: Place,
     engines: Sequence[Sequence[Place]],
@@ -198,4 +210,5 @@ def plan_weight_sync(
                     backend=backend if next_rank > 1 else "", world_size=next_rank)
 
 
-__all__ = ["EnginePlan", "Place", "SyncPlan", "TopologyError", "device_name", "plan_weight_sync"]
+__all__ = ["EnginePlan", "Place", "SyncPlan", "TopologyError", "device_name", "plan_weight_sync",
+           "rank_offsets"]

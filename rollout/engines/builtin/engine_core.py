@@ -246,6 +246,19 @@ class EngineCore:
         tensors = named_for_model(self.model, read_checkpoint(model_path))
         return self._apply(tensors, version, abort_all, flush)
 
+    def cmd_update_from_tensor(self, serialized_named_tensors: list[str], load_format: str | None,
+                               version: str | None, abort_all: bool, flush: bool) -> str:
+        """Weights in memory (tensor_receiver.py): this TP rank's entry mapped, not copied."""
+        from rlkit.rollout.engines.builtin.tensor_receiver import tensors_from_request
+        from rlkit.rollout.engines.builtin.weight_receiver import check_named_shapes
+
+        tensors = dict(tensors_from_request(serialized_named_tensors, tp_rank=0, load_format=load_format))
+        try:
+            check_named_shapes(self.model, ((n, tuple(t.shape)) for n, t in tensors.items()))
+            return self._apply(tensors, version, abort_all, flush)
+        finally:
+            tensors.clear()  # unmap now: the trainer frees the bucket once we answer
+
     def cmd_init_group(self, master_address: str, master_port: int, rank: int, world_size: int,
                        group_name: str, backend: str) -> str:
         from rlkit.rollout.engines.builtin.weight_receiver import WeightGroup, create_group

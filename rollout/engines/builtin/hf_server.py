@@ -185,6 +185,7 @@ class EngineServer:
         r.add_route("GET", "/flush_cache", self.flush_cache)
         r.add_route("POST", "/flush_cache", self.flush_cache)
         r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
+        r.add_post("/update_weights_from_tensor", self.update_weights_from_tensor)
         r.add_post("/init_weights_update_group", self.init_weights_update_group)
         r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
         r.add_post("/begin_weight_update", self.begin_weight_update)
@@ -537,6 +538,20 @@ class EngineServer:
         self.model_path = req.model_path
         return self._result(True, f"Succeeded to update model weights. {message}",
                             num_paused_requests=0)
+
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        from rlkit.rollout.engines.builtin.tensor_receiver import UpdateWeightsFromTensorRequest
+
+        req = UpdateWeightsFromTensorRequest.model_validate(await self._body(request))
+        try:
+            message = await self.core.call(
+                "update_from_tensor", serialized_named_tensors=req.serialized_named_tensors,
+                load_format=req.load_format, version=req.weight_version,
+                abort_all=req.abort_all_requests, flush=req.flush_cache)
+        except CoreError as e:
+            return self._result(False, f"update from tensors failed: {e}")
+        await self._set_version(req.weight_version)
+        return self._result(True, f"Succeeded to update model weights from tensors. {message}")
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         req = InitWeightsUpdateGroupRequest.model_validate(await self._body(request))
