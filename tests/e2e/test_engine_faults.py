@@ -30,7 +30,7 @@ from tests.e2e.test_train_tiny import processes_with, rows
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
-STEPS = 30
+STEPS = 6  # the trainer holds at step FAULT_STEP + 1 until the restarted engine answers
 FAULT_STEP = 2  # its rollout runs at weight version FAULT_STEP - 1 (sync mode)
 SERVER = "rlkit.rollout.engines.builtin.hf_server"
 
@@ -127,13 +127,42 @@ class RestartWatcher(threading.Thread):
             time.sleep(0.05)
 
 
+def hold_until_restarted(monkeypatch, model_dir: str, folder: Path, held: Path, *,
+                         step: int) -> threading.Thread:
+    """Hold the run's trainer at step `step` (its test-only switch, action=hold) until the
+    engine server started after the engine fault (in `folder`) answers: the run then outlasts
+    the restart however slow the machine, a condition instead of a step count long enough.
+    Returns the releasing thread (started); it releases anyway after 600 s."""
+    from rlkit.buffers.fault_switch import RELEASE, TRAINER_FAULT_ENV
+
+    monkeypatch.setenv(TRAINER_FAULT_ENV, f"action=hold,step={step},dir={held}")
+    watcher = RestartWatcher(model_dir, folder)  # (only its view of the engine servers)
+
+    def release_once_restarted() -> None:
+        deadline = time.monotonic() + 600
+        first: set[int] = set()  # engine servers started before the fault
+        while read_fired(folder) is None and time.monotonic() < deadline:
+            first |= set(processes_with(SERVER))
+            time.sleep(0.05)
+        while time.monotonic() < deadline:
+            new = [u for pid, u in watcher.engines().items() if pid not in first]
+            if new and all(_answers(u) for u in new):
+                break
+            time.sleep(0.05)
+        held.mkdir(parents=True, exist_ok=True)
+        (held / RELEASE).write_text("")
+
+    releaser = threading.Thread(target=release_once_restarted, daemon=True)
+    releaser.start()
+    return releaser
+
+
 @pytest.mark.parametrize("fault", ["kill", "hang"])
 def test_an_engine_lost_mid_step_is_survived_and_restarted(tmp_path, monkeypatch, fault):
     monkeypatch.setenv("RLKIT_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "runs"
     r = load_recipe(ROOT / "recipes" / "grpo_tiny_ci.yaml", [
-        # sync: the step waits for every request, so the lost ones must go on elsewhere; steps
-        # take ~1.5 s here and a restart ~10-30 s (model load on two busy cores): 30 steps
+        # sync: the step waits for every request, so the lost ones must go on elsewhere
         f"run.output_dir={out}", "tracking.progress=false", f"run.num_steps={STEPS}",
         "rollout.policy=sync", "rollout.sampling.max_new_tokens=48",
         # every response runs to 48 tokens: step 2 streams 8 x 48, so some engine gets to the
@@ -151,10 +180,15 @@ def test_an_engine_lost_mid_step_is_survived_and_restarted(tmp_path, monkeypatch
     # the first engine to stream 16 tokens of step 2 fails at its next chunk of a request that
     # goes on (that request is lost with its tokens); once: the restarted engine runs clean
     set_engine_fault(monkeypatch, folder, fault, 16, unfinished=1)
+    # a restart takes ~10-30 s (model load on two busy cores), a step ~1.5 s: the trainer waits
+    # at step 3 for the restarted engine to answer, then the run ends with it serving
+    releaser = hold_until_restarted(monkeypatch, model_dir, folder, tmp_path / "hold",
+                                    step=FAULT_STEP + 1)
     watcher = RestartWatcher(model_dir, folder)
     watcher.start()
     state = train(r)
     watcher.join(timeout=30)
+    releaser.join(timeout=30)
     assert watcher.error is None, watcher.error
     fired = read_fired(folder)
     assert fired is not None and fired["action"] == fault
@@ -252,8 +286,6 @@ def test_an_engine_lost_during_a_weight_sync_is_survived_and_restarted(tmp_path,
     (Killed at its first /update_weights_from_distributed instead, the engine dies with the
     other one waiting in the bucket's broadcast, which never completes: that one is then
     declared hung and restarted too, and the run still loses nothing: engines/lost 2.)"""
-    from rlkit.buffers.fault_switch import RELEASE, TRAINER_FAULT_ENV
-
     steps = 6
     monkeypatch.setenv("RLKIT_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "runs"
@@ -267,25 +299,7 @@ def test_an_engine_lost_during_a_weight_sync_is_survived_and_restarted(tmp_path,
     model_dir = str(Path(os.environ["RLKIT_CACHE"]) / "models" / "tiny")
     folder, held = tmp_path / "fault", tmp_path / "hold"
     monkeypatch.setenv(ENGINE_FAULT_ENV, f"action=kill,at=/begin_weight_update,dir={folder}")
-    monkeypatch.setenv(TRAINER_FAULT_ENV, f"action=hold,step=3,dir={held}")
-    watcher = RestartWatcher(model_dir, folder)  # (only its view of the engine servers)
-
-    def release_once_restarted() -> None:  # the restarted engine answers: let step 3 train
-        deadline = time.monotonic() + 600
-        first: set[int] = set()  # engine servers started before the fault
-        while read_fired(folder) is None and time.monotonic() < deadline:
-            first |= set(processes_with(SERVER))
-            time.sleep(0.05)
-        while time.monotonic() < deadline:
-            new = [u for pid, u in watcher.engines().items() if pid not in first]
-            if new and all(_answers(u) for u in new):
-                break
-            time.sleep(0.05)
-        held.mkdir(parents=True, exist_ok=True)
-        (held / RELEASE).write_text("")
-
-    releaser = threading.Thread(target=release_once_restarted, daemon=True)
-    releaser.start()
+    releaser = hold_until_restarted(monkeypatch, model_dir, folder, held, step=3)
     state = train(r)
     releaser.join(timeout=30)
     fired = read_fired(folder)
