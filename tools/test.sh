@@ -5,4 +5,5 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/tools/setup_env.sh"
 cd "$ROOT"
-exec "$VENV/bin/python" -m pytest "$@"
+# --durations: the slowest tests, so CI time (kept under 20 minutes) is watched where it goes
+exec "$VENV/bin/python" -m pytest --durations=25 "$@"
