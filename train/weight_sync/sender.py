@@ -27,6 +27,7 @@ weight versions) and WeightSyncError says which engine failed at which step.
 
 from __future__ import annotations
 
+import itertools
 import shutil
 import threading
 import time
@@ -256,32 +257,11 @@ class WeightSender:
 
     def sync_distributed(self, engines: Sequence[str], tensors: NamedTensors, version: int) -> SyncReport:
         """Broadcast `tensors` (HF names, full tensors) to the engines in buckets."""
-        controls = self._controls(engines)
-        it = iter(tensors)
-        first = next(it, None)
-        if first is None:
-            raise WeightSyncError("no tensors to send")
-        backend = "nccl" if first[1].is_cuda else "gloo"
-        t0 = time.perf_counter()
-        seconds_connect = self.connect(engines, backend)
-        report = SyncReport(method="distributed", version=version, engines=len(controls))
-        report.seconds_stage = seconds_connect
-        self._on_all(controls, "pause_generation", lambda c: c.pause(self.pause_mode))
-        t_paused = time.perf_counter()
-        if self.flushes:
-            self._on_all(controls, "flush_cache", lambda c: c.flush_cache())
+        def form_group(controls: list[EngineControl], first: torch.Tensor) -> float:
+            return self.connect(engines, "nccl" if first.is_cuda else "gloo")
 
-        def chained() -> Iterator[tuple[str, torch.Tensor]]:
-            yield first
-            yield from it
-
-        self._in_session(controls, lambda: self._broadcast(
-            controls, bucketize(chained(), self.bucket_bytes), version, report))
-        self._on_all(controls, "continue_generation", lambda c: c.continue_generation())
-        t_end = time.perf_counter()
-        report.seconds_total = t_end - t0
-        report.seconds_paused = t_end - t_paused
-        return report
+        return self._push("distributed", engines, tensors, version, form_group,
+                          lambda controls, buckets, report: self._broadcast(controls, buckets, version, report))
 
     def sync_in_memory(self, engines: Sequence[str], tensors: NamedTensors, version: int) -> SyncReport:
         """Weights in memory to engines on this process's device (CUDA IPC) or node's CPU
@@ -290,36 +270,48 @@ class WeightSender:
         from rlkit.train.weight_sync.in_memory import push_in_memory
         from rlkit.train.weight_sync.topology import EnginePlan
 
+        plans: list[EnginePlan] = []
+
+        def plan(controls: list[EngineControl], first: torch.Tensor) -> float:
+            t0 = time.perf_counter()
+            memory = "cuda_ipc" if first.is_cuda else "shared_memory"
+            sizes = self._on_all(controls, "server_info (tp_size)", lambda c: c.tp_size())
+            plans.extend(EnginePlan(i, "tensor", n, memory=memory) for i, n in enumerate(sizes))
+            return time.perf_counter() - t0
+
+        def send(controls: list[EngineControl], buckets, report: SyncReport) -> None:
+            stats = push_in_memory(list(zip(controls, plans)), buckets, version,
+                                   submit=self._pool.submit, wait=self._wait)
+            report.buckets, report.tensors, report.bytes = stats.buckets, stats.tensors, stats.bytes
+            report.extra["memory"] = plans[0].memory
+
+        return self._push("tensor", engines, tensors, version, plan, send)
+
+    def _push(self, method: str, engines: Sequence[str], tensors: NamedTensors, version: int,
+              stage: Callable[[list[EngineControl], torch.Tensor], float],
+              send: Callable[[list[EngineControl], Iterator[list[tuple[str, torch.Tensor]]], SyncReport], None],
+              ) -> SyncReport:
+        """The broadcast and in-memory paths: `stage` (given the first tensor: form the group,
+        or read the TP sizes; its seconds), pause, flush, then `send` the buckets inside an
+        update session, continue."""
         controls = self._controls(engines)
         it = iter(tensors)
         first = next(it, None)
         if first is None:
             raise WeightSyncError("no tensors to send")
-        memory = "cuda_ipc" if first[1].is_cuda else "shared_memory"
         t0 = time.perf_counter()
-        sizes = self._on_all(controls, "server_info (tp_size)", lambda c: c.tp_size())
-        plans = [EnginePlan(i, "tensor", n, memory=memory) for i, n in enumerate(sizes)]
-        report = SyncReport(method="tensor", version=version, engines=len(controls))
+        report = SyncReport(method=method, version=version, engines=len(controls))
+        report.seconds_stage = stage(controls, first[1])
         self._on_all(controls, "pause_generation", lambda c: c.pause(self.pause_mode))
         t_paused = time.perf_counter()
         if self.flushes:
             self._on_all(controls, "flush_cache", lambda c: c.flush_cache())
-
-        def chained() -> Iterator[tuple[str, torch.Tensor]]:
-            yield first
-            yield from it
-
-        def push() -> None:
-            stats = push_in_memory(list(zip(controls, plans)), bucketize(chained(), self.bucket_bytes),
-                                   version, submit=self._pool.submit, wait=self._wait)
-            report.buckets, report.tensors, report.bytes = stats.buckets, stats.tensors, stats.bytes
-
-        self._in_session(controls, push)
+        buckets = bucketize(itertools.chain([first], it), self.bucket_bytes)
+        self._in_session(controls, lambda: send(controls, buckets, report))
         self._on_all(controls, "continue_generation", lambda c: c.continue_generation())
         t_end = time.perf_counter()
         report.seconds_total = t_end - t0
         report.seconds_paused = t_end - t_paused
-        report.extra["memory"] = memory
         return report
 
     def _in_session(self, controls: Sequence[EngineControl], send: Callable[[], None]) -> None:
