@@ -216,8 +216,10 @@ def compare_packing(path: str, name: str, rounds: int) -> dict:
 
 
 def time_weight_sync(path: str, rounds: int, receivers: str, workdir: Path) -> list[dict]:
-    """Seconds per update and per GB, both methods, to `receivers`: 'loopback', 'engine' (one
-    built-in engine server started here on the same model) or a comma list of engine URLs."""
+    """Seconds per update and per GB of each method to `receivers`: 'loopback', 'engine' (one
+    built-in engine server started here on the same model) or a comma list of engine URLs.
+    In memory ('tensor') only to a real engine on this machine (a loopback receiver loads
+    nothing, and a URL may be elsewhere)."""
     from rlkit.train.config import TrainConfig
     from rlkit.train.megatron.trainer import MegatronTrainer
     from rlkit.train.weight_sync.loopback import LoopbackEngines
@@ -239,7 +241,7 @@ def time_weight_sync(path: str, rounds: int, receivers: str, workdir: Path) -> l
         urls = [u for u in receivers.split(",") if u]
     out = []
     try:
-        for method in ("distributed", "disk"):
+        for method in ("distributed", "disk", *(("tensor",) if receivers == "engine" else ())):
             reports = [trainer.sync_weights(urls, method=method, folder=workdir / "sync") for _ in range(rounds)]
             steady = reports[1:] or reports  # the first distributed update also forms the group
             fastest = min(steady, key=lambda r: r.seconds_total)
