@@ -3,8 +3,9 @@
 Every `interval_s` (and at once when a request fails) each serving engine gets a real probe: a
 one-token generation sent straight to it (`Engines.probe`), because an engine can answer
 /health while its scheduler is stuck; while the driver holds the engines (a weight sync pauses
-them, `hold`), only an answer from the server, as paused engines queue generations. A refused or reset connection declares the engine dead at
-the first probe; `hung_after_timeouts` probes in a row without an answer declare it hung.
+them, `hold`), only an answer from the server, as paused engines queue generations. A refused
+or reset connection declares the engine dead at the first probe; `hung_after_timeouts` probes
+in a row without an answer declare it hung.
 
 A lost engine leaves the router first (no new request goes there; sglang-router 0.3.2 would
 keep choosing it, docs/facts.md), then every request this client may have on it ends at once
