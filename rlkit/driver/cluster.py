@@ -31,6 +31,7 @@ from rlkit.driver.placement import (
     bundle,
     check_reachable,
     local_num_cpus,
+    plan_colocated,
     plan_placement,
     resolve_address,
 )
@@ -80,6 +81,9 @@ class Cluster:
             eng = r.rollout.engine
             world = r.train.parallelism.tensor * r.train.parallelism.data
             cpus = eng.num_engines * r.cluster.cpus_per_engine + world * r.cluster.cpus_per_train_worker
+            if r.cluster.placement == "colocated":  # uniform bundles: the fullest rank's size
+                cpus = world * (r.cluster.cpus_per_train_worker
+                                + -(-eng.num_engines // world) * r.cluster.cpus_per_engine)
             ray.init(address="local", num_cpus=local_num_cpus(cpus), **common)
         else:
             where = (f"cluster.address {r.cluster.address!r}, RAY_ADDRESS "
@@ -105,15 +109,23 @@ class Cluster:
         has_gpus = any(n.get("GPU", 0) > 0 for n in nodes)
         trainer_gpus = 1 if r.train.device == "cuda" or (r.train.device == "auto" and has_gpus) else 0
         engine_gpus = eng.gpus_per_engine if eng.kind == "sglang" else (1 if eng.device == "cuda" else 0)
-        self.plan = plan_placement(
-            num_engines=eng.num_engines,
-            engine_bundle=bundle(r.cluster.cpus_per_engine, engine_gpus),
-            tp=r.train.parallelism.tensor,
-            dp=r.train.parallelism.data,
-            trainer_bundle=bundle(r.cluster.cpus_per_train_worker, trainer_gpus),
-            nodes=nodes,
-        )
-        groups = [*self.plan.trainer, self.plan.engines]
+        if r.cluster.placement == "colocated":
+            self.plan = plan_colocated(
+                num_engines=eng.num_engines, gpus_per_engine=max(engine_gpus, 1),
+                engine_cpus=r.cluster.cpus_per_engine, tp=r.train.parallelism.tensor,
+                dp=r.train.parallelism.data, train_cpus=r.cluster.cpus_per_train_worker,
+                on_gpu=trainer_gpus > 0 or engine_gpus > 0, nodes=nodes)
+        else:
+            self.plan = plan_placement(
+                num_engines=eng.num_engines,
+                engine_bundle=bundle(r.cluster.cpus_per_engine, engine_gpus),
+                tp=r.train.parallelism.tensor,
+                dp=r.train.parallelism.data,
+                trainer_bundle=bundle(r.cluster.cpus_per_train_worker, trainer_gpus),
+                nodes=nodes,
+            )
+        # colocated: the engines live in the trainer's bundles, there is no engine group
+        groups = [*self.plan.trainer, *([] if self.plan.colocated else [self.plan.engines])]
         made = []
         for g in groups:  # trainer first: its packing is the strictest constraint
             made.append(placement_group(list(g.bundles), strategy=g.strategy))
@@ -135,8 +147,16 @@ class Cluster:
         return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
 
     def engine_options(self, index: int) -> dict[str, Any]:
-        """Ray options of engine `index`: its resources and its bundle."""
-        assert self.plan is not None and self.engine_group is not None, "start() first"
+        """Ray options of engine `index`: its resources and its bundle (colocated: a share of a
+        trainer rank's bundle, so Ray shows it the rank's GPU)."""
+        assert self.plan is not None, "start() first"
+        cpus = self.recipe.cluster.cpus_per_engine
+        if self.plan.colocated:
+            g, b = self.plan.engine_slots[index]
+            gpu = self.plan.trainer[g].bundles[b].get("GPU", 0.0) * self.plan.gpu_share
+            return {"num_cpus": cpus, "num_gpus": gpu,
+                    "scheduling_strategy": self._strategy(self.trainer_groups[g], b)}
+        assert self.engine_group is not None, "start() first"
         b = self.plan.engines.bundles[index]
         return {"num_cpus": b.get("CPU", 0.0), "num_gpus": b.get("GPU", 0.0),
                 "scheduling_strategy": self._strategy(self.engine_group, index)}
@@ -151,9 +171,14 @@ class Cluster:
             table = placement_group_table(pg)["bundles_to_node_id"]
             return [table[i] for i in range(len(table))]
 
+        trainer = [nodes_of(pg) for pg in self.trainer_groups]
+        if self.plan is not None and self.plan.colocated:
+            engines = [trainer[g][b] for g, b in self.plan.engine_slots]
+        else:
+            engines = nodes_of(self.engine_group) if self.engine_group is not None else []
         return {
-            "trainer": [n for pg in self.trainer_groups for n in nodes_of(pg)],
-            "engines": nodes_of(self.engine_group) if self.engine_group is not None else [],
+            "trainer": [n for group in trainer for n in group],
+            "engines": engines,
             "addresses": {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")},
         }
 
@@ -200,10 +225,12 @@ class Cluster:
             self.engine_urls = [advertised(u, where["addresses"].get(n, "")) for u, n in zip(urls, where["engines"])]
             ray.get(self.rollout_actor.start.remote(self.engine_urls, self.engines))
             assert self.plan is not None
+            rank_bundle = self.plan.trainer[0].bundles[0]
             self.trainer = TrainerGroup(
                 self.model_path, r.train, temperature=r.rollout.sampling.temperature,
-                num_cpus_per_worker=self.plan.trainer[0].bundles[0].get("CPU", 0.0),
-                num_gpus_per_worker=self.plan.trainer[0].bundles[0].get("GPU", 0.0),
+                num_cpus_per_worker=(r.cluster.cpus_per_train_worker if self.plan.colocated
+                                     else rank_bundle.get("CPU", 0.0)),
+                num_gpus_per_worker=rank_bundle.get("GPU", 0.0) * self.plan.gpu_share,
                 scheduling=[self._strategy(self.trainer_groups[g], b) for g, b in self.plan.trainer_slots()],
                 control_token=token,
             )

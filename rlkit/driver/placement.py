@@ -13,6 +13,14 @@ Rules (docs/reliability.md, "Beyond one machine"):
   SGLang, 1 for hf on cuda, 0 on CPU) and `cluster.cpus_per_engine` CPUs. An engine must fit
   one node.
 - The rollout actor (router, buffer) takes no resources and stays on the driver's node.
+
+Colocated (`cluster.placement: colocated`, `plan_colocated`): there is no engine group. Each
+trainer rank's bundle also holds the engine that shares its GPU: {GPU: 1} and the CPUs of both,
+grouped by the trainer's rule above. On GPUs the engines' GPUs must be the trainer's ranks
+(num_engines x GPUs per engine = TP x DP), and the rank and the engine each ask Ray for half of
+the bundle's GPU, so Ray shows both processes the same device. Engines of one GPU only: an
+engine of several GPUs would need its processes on several bundles' devices, which one Ray
+actor cannot hold. On CPUs engines are spread over the ranks' bundles in turn.
 """
 
 from __future__ import annotations
@@ -47,11 +55,18 @@ class GroupPlan:
 @dataclass(frozen=True)
 class PlacementPlan:
     trainer: tuple[GroupPlan, ...]  # rank order: group 0 holds the first ranks
-    engines: GroupPlan
+    engines: GroupPlan  # colocated: no bundles (engines live in the trainer's)
+    # Colocated: the (trainer group, bundle) of each engine; the GPU share of each process.
+    engine_slots: tuple[tuple[int, int], ...] = ()
+    gpu_share: float = 1.0
 
     def trainer_slots(self) -> list[tuple[int, int]]:
         """(group, bundle) of each trainer rank, in rank order."""
         return [(g, b) for g, group in enumerate(self.trainer) for b in range(len(group.bundles))]
+
+    @property
+    def colocated(self) -> bool:
+        return bool(self.engine_slots)
 
     def totals(self) -> Bundle:
         out: Bundle = {}
@@ -114,6 +129,50 @@ def plan_placement(
                 for i in range(world // k))
             break
     return PlacementPlan(trainer, GroupPlan("engines", "PACK", (engine_bundle,) * num_engines))
+
+
+COLOCATED_GPU_SHARE = 0.5  # of a bundle's GPU, to the trainer rank and to the engine on it
+
+
+def plan_colocated(
+    *,
+    num_engines: int,
+    gpus_per_engine: int,
+    engine_cpus: float,
+    tp: int,
+    dp: int,
+    train_cpus: float,
+    on_gpu: bool,
+    nodes: Sequence[Mapping[str, float]],
+) -> PlacementPlan:
+    """Engines in the trainer ranks' bundles (module docstring). `gpus_per_engine`: what each
+    engine uses when `on_gpu` (ignored on CPU)."""
+    world = tp * dp
+    if on_gpu:
+        if gpus_per_engine != 1:
+            raise PlacementError(
+                f"cluster.placement colocated runs engines of one GPU (rollout.engine."
+                f"gpus_per_engine is {gpus_per_engine}): an engine of several GPUs would need "
+                "its TP processes on several trainer ranks' devices, which one Ray actor cannot "
+                "hold. Use gpus_per_engine 1 with more engines, or placement disaggregated")
+        if num_engines != world:
+            raise PlacementError(
+                f"cluster.placement colocated puts one engine on each trainer rank's GPU: "
+                f"{num_engines} engines x 1 GPU != {world} trainer ranks (TP {tp} x DP {dp}). "
+                f"Set rollout.engine.num_engines to {world}")
+    per_bundle = [0] * world  # engines sharing each rank's bundle
+    slots = []
+    for i in range(num_engines):
+        per_bundle[i % world] += 1
+        slots.append(i % world)
+    # Every bundle the same (the biggest): Ray's groups are uniform here, and CPUs are cheap.
+    shared = bundle(train_cpus + max(per_bundle) * engine_cpus, 1 if on_gpu else 0)
+    plan = plan_placement(num_engines=0, engine_bundle={}, tp=tp, dp=dp, trainer_bundle=shared,
+                          nodes=nodes)
+    ranks = plan.trainer_slots()
+    return PlacementPlan(plan.trainer, GroupPlan("engines", "PACK", ()),
+                         engine_slots=tuple(ranks[r] for r in slots),
+                         gpu_share=COLOCATED_GPU_SHARE if on_gpu else 1.0)
 
 
 def local_num_cpus(plan_cpus: float) -> int:

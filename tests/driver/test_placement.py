@@ -2,6 +2,8 @@
 recipe's cluster address resolves; which hosts count as loopback."""
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from rlkit.config import load_recipe
 from rlkit.config.loader import RecipeError
@@ -10,6 +12,7 @@ from rlkit.driver.placement import (
     PlacementError,
     bundle,
     local_num_cpus,
+    plan_colocated,
     plan_placement,
     resolve_address,
 )
@@ -123,3 +126,43 @@ def test_an_address_where_nothing_listens_fails_at_once_naming_it():
     with pytest.raises(ConnectionError, match="is not 'host:port'"):
         check_reachable("head-node")
     check_reachable("auto")  # Ray finds it itself
+
+
+# -- colocated ----------------------------------------------------------------------------------
+def colocated(engines=1, tp=1, dp=1, gpus_per_engine=1, on_gpu=True, nodes=({"CPU": 16, "GPU": 1},)):
+    return plan_colocated(num_engines=engines, gpus_per_engine=gpus_per_engine, engine_cpus=1,
+                          tp=tp, dp=dp, train_cpus=1, on_gpu=on_gpu, nodes=list(nodes))
+
+
+def test_one_gpu_holds_the_trainer_rank_and_the_engine_each_with_half_of_it():
+    p = colocated()
+    assert p.colocated and p.engines.bundles == ()
+    assert [g.bundles for g in p.trainer] == [({"CPU": 2.0, "GPU": 1.0},)]
+    assert p.engine_slots == ((0, 0),) and p.gpu_share == 0.5
+    assert p.totals() == {"CPU": 2.0, "GPU": 1.0}
+
+
+def test_colocated_on_cpu_spreads_engines_over_the_ranks_bundles():
+    p = colocated(engines=3, dp=2, on_gpu=False, nodes=({"CPU": 8},))
+    assert p.engine_slots == ((0, 0), (0, 1), (0, 0)) and p.gpu_share == 1.0
+    assert [g.bundles for g in p.trainer] == [({"CPU": 3.0},) * 2]  # the fullest rank's size
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(engines=2), r"2 engines x 1 GPU != 1 trainer ranks .*num_engines to 1"),
+    (dict(gpus_per_engine=2), "engines of one GPU"),
+    (dict(engines=2, dp=2), r"needs \{'CPU': 4.0, 'GPU': 2.0\} in all.*has \{'CPU': 16.0, 'GPU': 1.0\}"),
+])
+def test_colocated_refuses_at_once_what_it_cannot_place(kwargs, match):
+    with pytest.raises(PlacementError, match=match):
+        colocated(**kwargs)
+
+
+@given(tp=st.sampled_from([1, 2, 4]), dp=st.integers(1, 4), per_node=st.sampled_from([1, 2, 4, 8]))
+def test_colocated_puts_exactly_one_engine_on_each_rank_s_gpu(tp, dp, per_node):
+    world = tp * dp
+    nodes = [{"CPU": 64, "GPU": per_node}] * -(-world // per_node)
+    p = colocated(engines=world, tp=tp, dp=dp, nodes=nodes)
+    assert sorted(p.engine_slots) == sorted(p.trainer_slots())  # one engine per rank's bundle
+    assert all(b["GPU"] == 1.0 for g in p.trainer for b in g.bundles)
+    assert p.gpu_share * 2 <= 1.0  # the rank and the engine fit the one GPU
