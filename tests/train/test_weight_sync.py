@@ -239,3 +239,73 @@ def test_a_sync_that_fails_closes_the_update_sessions_it_opened():
         calls = [c[0] for c in log]  # the old group left, a new one formed with the engine left
         assert torch.equal(got["w"], weights["w"]) and calls.count("init_group") == 2
         assert calls[-3:] == ["end", "continue", "destroy"]  # (the last: sender.close)
+
+
+class SGLangMemoryRules(RecordingEngine):
+    """An EngineControl that keeps SGLang 0.5.23's memory-occupation rules: a release needs the
+    engine idle; resuming a tag that is not released fails (the scheduler asserts); a flush, or
+    an update asked to flush, while the KV cache is released fails; generation resumes (continue)
+    is not needed after a wake. `dies_on`: the call that finds this engine dead."""
+
+    def __init__(self, url: str, log: list, dies_on: str | None = None) -> None:
+        super().__init__(url, log, fail_on=dies_on)
+        self.released: set[str] = set()
+
+    def release_memory(self, tags=None):
+        self._rec("release", tags)
+        self.released |= set(tags or ("kv_cache", "weights", "cuda_graph"))
+        return {"freed_bytes": {"kv_cache": 100, "weights": 10}}
+
+    def resume_memory(self, tags=None):
+        self._rec("resume", tuple(tags or ()))
+        if not set(tags) <= self.released:
+            raise RuntimeError(f"resume of {sorted(set(tags) - self.released)}: not released")
+        self.released -= set(tags)
+        return {}
+
+    def flush_cache(self):
+        assert "kv_cache" not in self.released, "flush while the KV cache is released"
+        super().flush_cache()
+
+    def update_from_disk(self, path, version, *, flush_cache=True):
+        assert not (flush_cache and "kv_cache" in self.released), "flush while the KV cache is released"
+        assert "weights" not in self.released, "update before the weights' memory is back"
+        super().update_from_disk(path, version, flush_cache=flush_cache)
+
+
+def test_a_sleeping_engine_wakes_in_stages_weights_update_then_kv(tmp_path):
+    """verl's staged wake, so the GPU never holds two allocations: weights back, the update
+    (no flush, no pause), the trainer's after_send, then the KV cache; an awake engine (one
+    restarted since) is paused and continued as usual in the same update."""
+    log: list = []
+    engines = {u: SGLangMemoryRules(u, log) for u in ("http://a", "http://b")}
+    sender = WeightSender(control_factory=lambda u: engines[u])
+    report = sender.release(["http://a"])
+    assert report["colocate/engine_freed_bytes"] == 110 and sender.sleeping == {"http://a": "asleep"}
+    assert sender.release(["http://a"])["colocate/engines_slept"] == 0  # asleep already
+    sent = []
+    sender.sync_from_disk(["http://a", "http://b"], tmp_path / "v1", 1, write=lambda p: p.mkdir(),
+                          after_send=lambda: sent.append(len(log)))
+    a = [c[0] if c[0] != "resume" else ("resume", c[1]) for u, *c in log if u == "http://a"]
+    assert a == ["release", ("resume", ("weights",)), "disk", ("resume", ("kv_cache", "cuda_graph"))]
+    assert [c[0] for u, *c in log if u == "http://b"] == ["pause", "flush", "disk", "continue"]
+    assert log[sent[0] - 1][1] == "disk" and log[sent[0]][1] in ("resume", "continue")  # after the update
+    assert sender.sleeping == {} and engines["http://a"].released == set()
+
+
+def test_a_wake_that_fails_half_way_resumes_only_what_is_still_released(tmp_path):
+    """b dies during the update: a's weights are already back. Sent again to the engines left,
+    the wake must not resume a's weights a second time (SGLang fails that)."""
+    log: list = []
+    engines = {"http://a": SGLangMemoryRules("http://a", log),
+               "http://b": SGLangMemoryRules("http://b", log, dies_on="disk")}
+    sender = WeightSender(control_factory=lambda u: engines[u])
+    sender.release(list(engines))
+    with pytest.raises(WeightSyncError, match="http://b"):
+        sender.sync_from_disk(list(engines), tmp_path / "v1", 1, write=lambda p: p.mkdir())
+    assert sender.sleeping == {"http://a": "weights", "http://b": "weights"}
+    sender.forget(["http://b"])  # the dead one: its restart comes back awake
+    del log[:]
+    sender.sync_from_disk(["http://a"], tmp_path / "v1", 1, write=lambda p: p.mkdir())
+    assert [(c[0], *c[1:2]) for _, *c in log if c[0] == "resume"] == [("resume", ("kv_cache", "cuda_graph"))]
+    assert sender.sleeping == {}

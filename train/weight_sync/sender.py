@@ -21,6 +21,15 @@ trade (no recomputation), and each token still carries the version that produced
   dtypes, shapes) while the trainer broadcasts the bucket's tensors one by one from rank 0, then
   /end_weight_update. gloo on CPU, NCCL when the tensors are on a GPU.
 
+Colocated (sleep and wake): `release(engines)` puts idle engines to sleep (SGLang's
+/release_memory_occupation, every tag: KV cache, weights, CUDA graphs). An update that meets a
+sleeping engine wakes it in stages instead of pausing it, as verl does, so the GPU never holds
+both the old and the new allocation: resume its weights' memory, send the update (no flush:
+its KV cache is gone), `after_send()` (the trainer frees its own copy), then resume the KV
+cache and CUDA graphs. The sender remembers how far each engine has woken, so an update sent
+again after a failure (to the engines left) does not resume what is already back: SGLang fails
+a resume of memory that is not released.
+
 If an update fails half-way the engines are left paused (continuing would serve a mix of two
 weight versions) and WeightSyncError says which engine failed at which step.
 """
@@ -110,6 +119,9 @@ class WeightSender:
         self._group_engines: tuple[str, ...] = ()
         self._group_backend = ""
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="weight-sync")
+        # Engines put to sleep by `release`, by URL: "asleep" (every tag released) or "weights"
+        # (weights resumed by an update that then failed; KV cache still released).
+        self.sleeping: dict[str, str] = {}
 
     @property
     def flushes(self) -> bool:
@@ -126,14 +138,19 @@ class WeightSender:
         """`call` on every engine at once; their answers, in order."""
         return self._wait([(c, self._pool.submit(call, c)) for c in controls], step)
 
-    def _wait(self, futures: Sequence[tuple[EngineControl, Future]], step: str) -> list:
-        """Wait for every engine's call; raise naming each engine that failed."""
+    def _wait(self, futures: Sequence[tuple[EngineControl, Future]], step: str,
+              done: Callable[[EngineControl, Any], None] | None = None) -> list:
+        """Wait for every engine's call; raise naming each engine that failed. `done(control,
+        answer)` is called for each that succeeded, also when others failed."""
         errors, answers = [], []
         for c, f in futures:
             try:
                 answers.append(f.result(timeout=self.timeout_s))
             except Exception as e:  # noqa: BLE001 - reported with the engine and step
                 errors.append(f"{c.url}: {e}")
+            else:
+                if done is not None:
+                    done(c, answers[-1])
         if errors:
             raise WeightSyncError(f"{step} failed on {len(errors)} engine(s): " + "; ".join(errors))
         return answers
@@ -147,9 +164,11 @@ class WeightSender:
         *,
         write: Callable[[Path], None],
         keep_previous: bool = False,
+        after_send: Callable[[], None] | None = None,
     ) -> SyncReport:
         """`write(path)` writes the HF folder; engines then load it. The previous folder written
-        by this sender is deleted after a successful update unless `keep_previous`."""
+        by this sender is deleted after a successful update unless `keep_previous`.
+        `after_send`: called once the engines hold the new weights (module docstring)."""
         controls = self._controls(engines)
         t0 = time.perf_counter()
         path = Path(folder)
@@ -158,15 +177,16 @@ class WeightSender:
         write(path)
         nbytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
         t_staged = time.perf_counter()
-        self._on_all(controls, "pause_generation", lambda c: c.pause(self.pause_mode))
+        self._open(controls)
         t_paused = time.perf_counter()
-        if self.flushes:
-            self._on_all(controls, "flush_cache", lambda c: c.flush_cache())
         self._on_all(
             controls, "update_weights_from_disk",
-            lambda c: c.update_from_disk(str(path.resolve()), version, flush_cache=self.flushes),
+            lambda c: c.update_from_disk(str(path.resolve()), version,
+                                         flush_cache=self.flushes and c.url not in self.sleeping),
         )
-        self._on_all(controls, "continue_generation", lambda c: c.continue_generation())
+        if after_send is not None:
+            after_send()
+        self._close(controls)
         t_end = time.perf_counter()
         previous = getattr(self, "_last_disk_folder", None)
         if previous is not None and previous != path and not keep_previous and previous.exists():
@@ -255,15 +275,18 @@ class WeightSender:
             leave_weight_group(self._group)
             self._group, self._group_name, self._group_engines = None, "", ()
 
-    def sync_distributed(self, engines: Sequence[str], tensors: NamedTensors, version: int) -> SyncReport:
+    def sync_distributed(self, engines: Sequence[str], tensors: NamedTensors, version: int,
+                         after_send: Callable[[], None] | None = None) -> SyncReport:
         """Broadcast `tensors` (HF names, full tensors) to the engines in buckets."""
         def form_group(controls: list[EngineControl], first: torch.Tensor) -> float:
             return self.connect(engines, "nccl" if first.is_cuda else "gloo")
 
         return self._push("distributed", engines, tensors, version, form_group,
-                          lambda controls, buckets, report: self._broadcast(controls, buckets, version, report))
+                          lambda controls, buckets, report: self._broadcast(controls, buckets, version, report),
+                          after_send)
 
-    def sync_in_memory(self, engines: Sequence[str], tensors: NamedTensors, version: int) -> SyncReport:
+    def sync_in_memory(self, engines: Sequence[str], tensors: NamedTensors, version: int,
+                       after_send: Callable[[], None] | None = None) -> SyncReport:
         """Weights in memory to engines on this process's device (CUDA IPC) or node's CPU
         (shared memory), bucket by bucket; an engine elsewhere refuses the handles, naming
         `distributed` and `disk` instead."""
@@ -285,15 +308,16 @@ class WeightSender:
             report.buckets, report.tensors, report.bytes = stats.buckets, stats.tensors, stats.bytes
             report.extra["memory"] = plans[0].memory
 
-        return self._push("tensor", engines, tensors, version, plan, send)
+        return self._push("tensor", engines, tensors, version, plan, send, after_send)
 
     def _push(self, method: str, engines: Sequence[str], tensors: NamedTensors, version: int,
               stage: Callable[[list[EngineControl], torch.Tensor], float],
               send: Callable[[list[EngineControl], Iterator[list[tuple[str, torch.Tensor]]], SyncReport], None],
+              after_send: Callable[[], None] | None = None,
               ) -> SyncReport:
         """The broadcast and in-memory paths: `stage` (given the first tensor: form the group,
-        or read the TP sizes; its seconds), pause, flush, then `send` the buckets inside an
-        update session, continue."""
+        or read the TP sizes; its seconds), pause and flush (or wake), then `send` the buckets
+        inside an update session, `after_send()`, continue (or resume the KV cache)."""
         controls = self._controls(engines)
         it = iter(tensors)
         first = next(it, None)
@@ -302,17 +326,70 @@ class WeightSender:
         t0 = time.perf_counter()
         report = SyncReport(method=method, version=version, engines=len(controls))
         report.seconds_stage = stage(controls, first[1])
-        self._on_all(controls, "pause_generation", lambda c: c.pause(self.pause_mode))
+        self._open(controls)
         t_paused = time.perf_counter()
-        if self.flushes:
-            self._on_all(controls, "flush_cache", lambda c: c.flush_cache())
         buckets = bucketize(itertools.chain([first], it), self.bucket_bytes)
         self._in_session(controls, lambda: send(controls, buckets, report))
-        self._on_all(controls, "continue_generation", lambda c: c.continue_generation())
+        if after_send is not None:
+            after_send()
+        self._close(controls)
         t_end = time.perf_counter()
         report.seconds_total = t_end - t0
         report.seconds_paused = t_end - t_paused
         return report
+
+    # -- around an update: pause or wake, continue or finish waking -----------------------
+    def _open(self, controls: Sequence[EngineControl]) -> None:
+        """Before an update: the awake engines pause (and flush, unless in_place); the sleeping
+        ones take their weights' memory back, nothing else (their KV cache comes back after)."""
+        awake = [c for c in controls if c.url not in self.sleeping]
+        if awake:
+            self._on_all(awake, "pause_generation", lambda c: c.pause(self.pause_mode))
+            if self.flushes:
+                self._on_all(awake, "flush_cache", lambda c: c.flush_cache())
+        asleep = [c for c in controls if self.sleeping.get(c.url) == "asleep"]
+        if asleep:
+            self._wait([(c, self._pool.submit(c.resume_memory, ["weights"])) for c in asleep],
+                       "resume_memory_occupation (weights)",
+                       done=lambda c, _: self.sleeping.__setitem__(c.url, "weights"))
+
+    def _close(self, controls: Sequence[EngineControl]) -> None:
+        """After an update: the woken engines take their KV cache (and CUDA graphs) back; the
+        others continue."""
+        woken = [c for c in controls if c.url in self.sleeping]
+        if woken:
+            self._wait([(c, self._pool.submit(c.resume_memory, ["kv_cache", "cuda_graph"]))
+                        for c in woken], "resume_memory_occupation (kv_cache, cuda_graph)",
+                       done=lambda c, _: self.sleeping.pop(c.url, None))
+        awake = [c for c in controls if c not in woken]
+        if awake:
+            self._on_all(awake, "continue_generation", lambda c: c.continue_generation())
+
+    # -- sleep ------------------------------------------------------------------------------
+    def release(self, engines: Sequence[str]) -> dict[str, float]:
+        """Colocated: put these idle engines to sleep, releasing every tag (KV cache, weights,
+        CUDA graphs); the next update wakes them. An engine already asleep is left as it is.
+        Those that succeed are recorded asleep even when another fails (WeightSyncError
+        naming it). Returns the bytes the engines report freed (the built-in engine reports
+        them; SGLang answers with no body: 0) and the seconds taken."""
+        t0 = time.perf_counter()
+        todo = [c for c in self._controls(engines) if c.url not in self.sleeping]
+        freed = 0
+
+        def asleep(c: EngineControl, answer: dict) -> None:
+            nonlocal freed
+            self.sleeping[c.url] = "asleep"
+            freed += sum(int(v) for v in (answer.get("freed_bytes") or {}).values())
+
+        self._wait([(c, self._pool.submit(c.release_memory, None)) for c in todo],
+                   "release_memory_occupation", done=asleep)
+        return {"colocate/engine_freed_bytes": float(freed), "colocate/engines_slept": float(len(todo)),
+                "colocate/engine_release_seconds": time.perf_counter() - t0}
+
+    def forget(self, engines: Sequence[str]) -> None:
+        """These engines are gone (a restarted one comes back awake): forget their sleep."""
+        for url in engines:
+            self.sleeping.pop(url, None)
 
     def _in_session(self, controls: Sequence[EngineControl], send: Callable[[], None]) -> None:
         """begin_weight_update, `send()`, end_weight_update on every engine. On failure the
