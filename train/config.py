@@ -87,9 +87,10 @@ class AlgorithmConfig(BaseModel):
 class WeightSyncConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    method: Literal["distributed", "disk", "tensor"] = Field(
-        "distributed",
-        description="Push weights by a torch.distributed broadcast (gloo on CPU, NCCL on GPU), "
+    method: Literal["auto", "distributed", "disk", "tensor"] = Field(
+        "auto",
+        description="'auto': 'distributed' under cluster.placement disaggregated; colocated, "
+        "'tensor' on CPU and on one GPU, 'disk' on several GPUs. Push weights by a torch.distributed broadcast (gloo on CPU, NCCL on GPU), "
         "through an HF safetensors folder on disk, or in memory ('tensor': SGLang's "
         "update_weights_from_tensor with CUDA IPC handles, or shared memory on CPU; only for "
         "engines on the sending trainer rank's own GPU or node's CPU, which refuse it otherwise). "

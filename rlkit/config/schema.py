@@ -101,6 +101,19 @@ class ClusterConfig(BaseModel):
         description="CPUs reserved for each trainer rank in its placement bundle (with its GPU "
         "on GPU machines); on CPU it is also the rank's torch thread count (rounded down, >= 1).",
     )
+    placement: Literal["disaggregated", "colocated"] = Field(
+        "disaggregated",
+        description="Where engines run relative to the trainer. 'disaggregated': on GPUs of "
+        "their own (every mode; generation and training can overlap in stream and async). "
+        "'colocated' (slime's --colocate, verl's hybrid engine): each engine shares its GPU(s) "
+        "with trainer ranks (engines' GPUs = trainer ranks, TP x DP) and they take turns every "
+        "step: after the rollout the engines release their KV cache and weights and the trainer "
+        "loads its state; after training it frees its GPU memory and the engines wake with the "
+        "new weights (train.weight_sync.method auto: in memory on CPU and on one GPU, by disk on "
+        "several GPUs). Sync mode "
+        "only (stream and async need both at once); the smallest colocated cluster is one GPU. "
+        "Choose with `rlkit plan --placement both` (docs/colocation.md).",
+    )
     placement_timeout_s: float = Field(
         300.0,
         gt=0,
@@ -150,6 +163,10 @@ class Recipe(BaseModel):
             why = ("mode=async with rollout.max_staleness > 0 trains on samples one version old "
                    "(max_staleness 0 reproduces sync)")
         ws = self.train.weight_sync
+        if self.cluster.placement == "colocated":
+            self._check_colocated()
+        if ws.method == "auto":  # by placement: on the same device in memory, else a broadcast
+            ws.method = self._colocated_method() if self.cluster.placement == "colocated" else "distributed"
         if ws.pause_mode == "auto":  # in async a sync meets requests in flight: keep them
             ws.pause_mode = "retract" if self.mode == "async" else "abort"
         if why is not None and algo.off_policy_correction == "unset":
@@ -166,3 +183,26 @@ class Recipe(BaseModel):
                 f"(rollout.batch_size x rollout.n_samples_per_prompt = {samples})"
             )
         return self
+
+    def _check_colocated(self) -> None:
+        if self.mode != "sync":
+            raise ValueError(
+                f"cluster.placement 'colocated' cannot run mode {self.mode!r}: {self.mode} "
+                "generates while the trainer trains, but colocated engines and trainer take turns "
+                "on the same GPUs (the engines sleep while it trains). Use mode 'sync' (partial "
+                "rollouts and tail batching still cut the long tail), or cluster.placement "
+                "'disaggregated' to overlap generation and training on separate GPUs")
+        if self.train.weight_sync.method == "distributed":
+            raise ValueError(
+                "train.weight_sync.method 'distributed' cannot serve cluster.placement "
+                "'colocated': each engine shares the trainer rank's GPU, and NCCL never puts two "
+                "ranks of one group on one GPU. Use 'tensor' (in memory: CUDA IPC, shared memory "
+                "on CPU; what 'auto' picks) or 'disk'")
+
+    def _colocated_method(self) -> str:
+        """In memory from the sending rank: every engine must share its device, which holds on
+        CPU (shared memory on the node) and on one GPU. On several GPUs each engine shares
+        another rank's GPU, which the sending rank's CUDA IPC handles cannot reach (each rank
+        sending to its own engine is not built yet): disk."""
+        world = self.train.parallelism.tensor * self.train.parallelism.data
+        return "tensor" if world == 1 or self.train.device == "cpu" else "disk"

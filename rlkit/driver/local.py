@@ -23,8 +23,9 @@ class LocalTrainerBox:
     """A Trainer (protocol) in this process; groups are trained as `add` hands them over."""
 
     def __init__(self, trainer: "Trainer", cfg: "TrainConfig", rollout_samples: int, *,
-                 weights_folder: str | Path | None = None) -> None:
+                 weights_folder: str | Path | None = None, colocated: bool = False) -> None:
         self.trainer = trainer
+        self.colocated = colocated
         self.cfg = cfg
         self.rollout_samples = rollout_samples
         self.weights_folder = weights_folder
@@ -43,10 +44,18 @@ class LocalTrainerBox:
         batch, self._batch = self._batch, None
         return await asyncio.to_thread(batch.finish)  # generation goes on meanwhile (async mode)
 
-    async def push_weights(self, version: int, urls: Sequence[str]) -> None:
-        """To `urls` (the engines serving now; none when every engine is lost)."""
-        self.trainer.sync_weights(list(urls), version=version,
-                                  method=self.cfg.weight_sync.method, folder=self.weights_folder)
+    async def push_weights(self, version: int, urls: Sequence[str],
+                           fresh: Sequence[str] = ()) -> dict[str, float] | None:
+        """To `urls` (the engines serving now; none when every engine is lost). Colocated: the
+        turn to generation (the engines wake), and its metrics."""
+        extra = {"colocated": True, "fresh": list(fresh)} if self.colocated else {}
+        report = self.trainer.sync_weights(list(urls), version=version, method=self.cfg.weight_sync.method,
+                                           folder=self.weights_folder, **extra)
+        return report if self.colocated else None
+
+    async def sleep_engines(self, urls: Sequence[str], fresh: Sequence[str] = ()) -> dict[str, float]:
+        """Colocated: the engines sleep and the trainer takes its state back."""
+        return self.trainer.sleep_engines(list(urls), list(fresh)) or {}
 
     def save(self, path: str | Path) -> None:
         self.trainer.save(path)
@@ -58,8 +67,16 @@ def run_local(recipe: "Recipe", service: RolloutService, trainer: "Trainer", on_
     evaluator (if any) runs when `recipe.eval` says, reporting to `on_eval`."""
     from rlkit.driver.modes import MODES
 
-    trainer_box = LocalTrainerBox(trainer, recipe.train, recipe.rollout.samples_per_step)
+    colocated = recipe.cluster.placement == "colocated"
+    trainer_box = LocalTrainerBox(trainer, recipe.train, recipe.rollout.samples_per_step,
+                                  colocated=colocated)
     run = Run(service, trainer_box,
               recipe.run.num_steps, recipe.rollout.batch_size, on_step, state or LoopState(),
-              eval_due=recipe.eval.due, on_eval=on_eval)
-    return asyncio.run(MODES[recipe.mode](run))
+              eval_due=recipe.eval.due, on_eval=on_eval, colocated=colocated)
+
+    async def main() -> LoopState:
+        if colocated:  # the trainer frees its memory for the first rollout (run.py does the same)
+            await run.push_weights(run.state.version)
+        return await MODES[recipe.mode](run)
+
+    return asyncio.run(main())

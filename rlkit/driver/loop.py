@@ -17,13 +17,16 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol, Sequence, TypeVar
 
 from rlkit.driver.rollout_box import Handed, RolloutBox, RolloutResult, batch_metrics
 
 if TYPE_CHECKING:
     from rlkit.config.schema import Recipe
     from rlkit.tracking import Tracker
+
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -39,7 +42,18 @@ class TrainerBox(Protocol):
 
     async def finish(self) -> dict[str, float]: ...  # all in: optimizer step(s), metrics
 
-    async def push_weights(self, version: int, urls: Sequence[str]) -> None: ...  # to these engines
+    async def push_weights(self, version: int, urls: Sequence[str],
+                           fresh: Sequence[str] = ()) -> dict[str, float] | None:
+        """The weights of `version` to these engines; colocated, the turn to generation: the
+        trainer frees its GPU memory and the sleeping engines wake with the new weights. `fresh`:
+        those of `urls` restarted since (awake, whatever they were before). Its metrics (the
+        step's row), or None."""
+        ...
+
+    async def sleep_engines(self, urls: Sequence[str], fresh: Sequence[str] = ()) -> dict[str, float]:
+        """Colocated only, the turn to training: these (idle) engines release their KV cache
+        and weights, and the trainer takes its state back onto the GPUs they shared. Metrics."""
+        ...
 
     def save(self, path: str | Path) -> None: ...
 
@@ -62,6 +76,10 @@ class Run:
     # Held-out evaluation (recipe `eval`): whether one is due after k steps, and its report.
     eval_due: Callable[[int], bool] = lambda step: False
     on_eval: OnEval | None = None
+    # cluster.placement colocated: engines and trainer take turns on the same GPUs (sync mode
+    # only): `to_training` before each step's training, the weight push wakes the engines.
+    colocated: bool = False
+    _turn: dict[str, float] = field(default_factory=dict)  # the step's colocation metrics
     _last_end: float | None = None
     _eval: asyncio.Task | None = None
     _eval_skip: int | None = None  # a resumed run's checkpoint step: evaluated before the stop
@@ -117,15 +135,37 @@ class Run:
     async def push_weights(self, version: int) -> None:
         """The one weight sync of every mode (and of a resume): trainer -> engines (those
         serving, and those restarted, which serve from now on), then the rollout box knows
-        the version its engines generate with."""
+        the version its engines generate with. Colocated, it also wakes the engines."""
         await self.rollout.hold_engines(True)  # paused by the sync: probes ask only for an answer
         try:
-            await self._push_to_engines_left(version)
+            t0 = self.now()
+            metrics, restarted = await self._on_engines_left(
+                lambda urls, fresh: self.trainer.push_weights(version, urls, fresh))
+            if self.colocated:
+                self._turn.update({**(metrics or {}), "colocate/wake_seconds": self.now() - t0})
         finally:
             await self.rollout.hold_engines(False)
+        await self.rollout.set_version(version)
+        if restarted:
+            await self.rollout.admit_engines(restarted)
 
-    async def _push_to_engines_left(self, version: int) -> None:
-        """Push, and again to the engines left while engines are lost during the sync."""
+    async def to_training(self) -> None:
+        """Colocated: the engines sleep (the step's rollout is over, so they are idle) and the
+        trainer wakes on their GPUs. They stay held until the weight push wakes them: a sleeping
+        engine queues generations, so probes ask only that it answers. Nothing otherwise."""
+        if not self.colocated:
+            return
+        await self.rollout.hold_engines(True)
+        t0 = self.now()
+        metrics, _ = await self._on_engines_left(self.trainer.sleep_engines)
+        self._turn = {**metrics, "colocate/sleep_seconds": self.now() - t0}
+
+    async def _on_engines_left(self, call: Callable[[list[str], list[str]], Awaitable[T]]
+                               ) -> tuple[T, list[str]]:
+        """`call(urls, restarted)` on the engines serving and those restarted (waiting for
+        weights; `restarted` lists them), and
+        again on the engines left while engines are lost during it. Returns its answer and the
+        restarted engines it reached."""
         failure: Exception | None = None
         targets: list[str] = []
         while True:
@@ -136,18 +176,14 @@ class Run:
             # Every engine lost: the trainer still records the version (a checkpoint written
             # now must agree with the step's), and the next rollout step stops the run.
             try:
-                await self.trainer.push_weights(version, targets)
-                break
+                return await call(targets, restarted), restarted
             except Exception as e:
-                # An engine that died during the sync fails it (the engines left stay paused):
-                # probe every engine (rollout.health takes the dead one out, and restarts it),
-                # then push again to the set as it is now, as a generation request is
-                # relaunched. The health monitor may have taken it out already.
+                # An engine that died during the call fails it (a sync leaves the engines left
+                # paused): probe every engine (rollout.health takes the dead one out, and
+                # restarts it), then call again on the set as it is now, as a generation request
+                # is relaunched. The health monitor may have taken it out already.
                 failure = e
                 await self.rollout.check_engines()
-        await self.rollout.set_version(version)
-        if restarted:
-            await self.rollout.admit_engines(restarted)
 
     async def restore_engines(self) -> None:
         """Engines restarted in the middle of a step (rollout.health) get the current weights
@@ -157,7 +193,7 @@ class Run:
         async with self._weights:
             _, restarted = await self.rollout.engine_set()
             if restarted:
-                await self.trainer.push_weights(self.state.version, restarted)
+                await self.trainer.push_weights(self.state.version, restarted, restarted)
                 await self.rollout.admit_engines(restarted)
 
     async def end_step(self, result: RolloutResult, handed: Handed, **row: float) -> None:
@@ -175,7 +211,8 @@ class Run:
         self.state.version += 1
         if waited is not None:  # what the sync waited for the evaluation (async mode)
             row = {**row, "eval/wait_seconds": waited}
-        row = {**metrics, **row, "train/seconds": t2 - t1, "sync/seconds": now - t2 - (waited or 0.0),
+        turn, self._turn = self._turn, {}
+        row = {**metrics, **turn, **row, "train/seconds": t2 - t1, "sync/seconds": now - t2 - (waited or 0.0),
                "step/seconds": now - (self._last_end if self._last_end is not None else now)}
         self._last_end = now
         self.on_step(self.state, result, handed, row)

@@ -12,6 +12,11 @@ they wait:
             them. The buffer bounds the lag (rollout.max_staleness); a bound of 0 admits no
             overlap, and the loop is then sync's, step for step.
 
+Colocated (cluster.placement), engines and trainer take turns on the same GPUs: only sync
+mode's loop has the turns, since stream and async need both sides at once (the recipe refuses
+them). The engines sleep after the step's rollout (`Run.to_training`) and wake with the new
+weights at the push; the trainer frees its GPU memory in between.
+
 Held-out evaluation (recipe `eval`) runs on the same engines when due: between steps in sync
 and stream (the loop waits for it), beside the next rollout in async (the next weight sync
 waits for it, so every eval response comes from the version it began with).
@@ -36,9 +41,10 @@ async def run_sync(run: Run) -> LoopState:
         result = await run.rollout.start_step(s.version, for_version=s.version,
                                               final=run.is_final(s.step + 1))
         handed = await run.rollout.take(run.batch_size)
+        await run.to_training()  # colocated: the engines sleep, the trainer wakes on their GPUs
         run.trainer.begin(s.version)
         run.trainer.add(handed)
-        await run.end_step(result, handed)  # train, push weights, report
+        await run.end_step(result, handed)  # train, push weights (colocated: engines wake), report
         await run.evaluate()  # held-out sets on the new weights, when due
     return s
 

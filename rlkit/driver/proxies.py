@@ -86,6 +86,7 @@ class RayTrainerBox:
         self.engine_urls = engine_urls
         self.folder = run_dir / "weights"
         self.samples = recipe.rollout.samples_per_step
+        self.colocated = recipe.cluster.placement == "colocated"
         self._calls: list[Any] = []
 
     def begin(self, version: int) -> None:
@@ -99,14 +100,24 @@ class RayTrainerBox:
         await self._wait(calls, "training")  # an error in any earlier call surfaces here
         return (await self._wait(self.group.finish_batch(), "the optimizer step"))[0]
 
-    async def push_weights(self, version: int, urls: list[str] | None = None) -> None:
-        """To `urls` (the engines serving now, and restarted ones); by default the first set."""
+    async def push_weights(self, version: int, urls: list[str] | None = None,
+                           fresh: Sequence[str] = ()) -> dict[str, float] | None:
+        """To `urls` (the engines serving now, and restarted ones); by default the first set.
+        Colocated, the turn to generation (the engines wake); its metrics from rank 0."""
         urls = list(urls if urls is not None else self.engine_urls)
         folder = str(self.folder)
         method = self.recipe.train.weight_sync.method
         # TrainerGroup.sync_weights's calls, one per rank, so a dead rank is seen at once
-        await self._wait([w.sync_weights.remote(urls, version, method, folder)
-                          for w in self.group.workers], "the weight sync")
+        answers = await self._wait([w.sync_weights.remote(urls, version, method, folder,
+                                                          self.colocated, list(fresh))
+                                    for w in self.group.workers], "the weight sync")
+        return answers[0] if self.colocated else None
+
+    async def sleep_engines(self, urls: list[str], fresh: Sequence[str] = ()) -> dict[str, float]:
+        """Colocated, the turn to training: the engines sleep, every rank loads its state."""
+        answers = await self._wait([w.sleep_engines.remote(list(urls), list(fresh))
+                                    for w in self.group.workers], "putting the engines to sleep")
+        return answers[0] or {}
 
     def save(self, path: str | Path) -> None:
         import ray

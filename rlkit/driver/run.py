@@ -60,12 +60,15 @@ def train(recipe: Recipe) -> LoopState:
                 box.load(str(ckpt.buffer_file))
         run = Run(box, trainer, recipe.run.num_steps, recipe.rollout.batch_size,
                   step_recorder(recipe, tracker, box, trainer, run_dir), state,
-                  eval_due=recipe.eval.due, on_eval=tracker.log_eval)
+                  eval_due=recipe.eval.due, on_eval=tracker.log_eval,
+                  colocated=recipe.cluster.placement == "colocated")
         box.on_engines_back = run.restore_engines  # restarted engines get the weights mid-step
 
         async def main() -> LoopState:
-            if ckpt is not None:  # fresh engines hold the initial weights: give them the checkpoint's
-                await run.push_weights(ckpt.version)
+            # Fresh engines hold the initial weights: give them the checkpoint's. Colocated, the
+            # push also frees the trainer's GPU memory for the first rollout.
+            if ckpt is not None or run.colocated:
+                await run.push_weights(state.version)
             try:
                 return await MODES[recipe.mode](run)
             except Exception as e:

@@ -327,7 +327,7 @@ def test_a_weight_sync_with_every_engine_lost_still_moves_the_trainer_s_version(
     class Trainer:
         pushed = []
 
-        async def push_weights(self, version, urls):
+        async def push_weights(self, version, urls, fresh=()):
             self.pushed.append((version, list(urls)))
 
     rollout, trainer = NoEngines(), Trainer()
@@ -371,7 +371,7 @@ def test_a_weight_sync_that_meets_a_dead_engine_goes_on_with_the_engines_left(ta
         def __init__(self, engines):
             self.engines, self.pushed = engines, []
 
-        async def push_weights(self, version, urls):
+        async def push_weights(self, version, urls, fresh=()):
             self.pushed.append(list(urls))
             if "b" in urls:  # b died during this sync
                 if taken_out_by == "the monitor":
@@ -387,7 +387,7 @@ def test_a_weight_sync_that_meets_a_dead_engine_goes_on_with_the_engines_left(ta
     assert engines.held == [True, False]  # probes ask only for an answer during the sync
 
     class Broken(Trainer):
-        async def push_weights(self, version, urls):
+        async def push_weights(self, version, urls, fresh=()):
             self.pushed.append(list(urls))
             raise RuntimeError("the trainer's own error")
 
@@ -397,3 +397,70 @@ def test_a_weight_sync_that_meets_a_dead_engine_goes_on_with_the_engines_left(ta
     with pytest.raises(RuntimeError, match="own error"):
         asyncio.run(Run(engines, broken, 1, 1, on_step=None).push_weights(4))
     assert broken.pushed == [["a"]] and engines.version is None and engines.held == [True, False]
+
+
+class ColocatedTrainer(RecordingTrainer):
+    """Records the turns: the engines sleep before training and wake at the push."""
+
+    def __init__(self, log):
+        super().__init__()
+        self.log = log
+
+    def step(self):
+        self.log.append("train")
+        return super().step()
+
+    def sync_weights(self, engines, *, version=None, method=None, folder=None, colocated=False, fresh=()):
+        assert colocated and method == "tensor"
+        self.log.append("wake")
+        super().sync_weights(engines, version=version, method=method, folder=folder)
+        return {"colocate/trainer_offloaded_bytes": 1.0}
+
+    def sleep_engines(self, engines, fresh=()):
+        self.log.append("sleep")
+        return {"colocate/engine_freed_bytes": 2.0}
+
+
+@pytest.mark.parametrize("policy", ["partial", "tail_batching"])
+def test_colocated_engines_sleep_for_every_training_and_nothing_generates_while_asleep(tmp_path, policy):
+    """Colocated (sync mode): the first push frees the trainer for the first rollout; then each
+    step is rollout -> engines sleep -> train -> wake with the new weights, and no request is
+    sent while the engines sleep. Partial groups are parked with their tokens at the step's end
+    and resumed after the wake; the accounting balances."""
+    r = load_recipe(None, [
+        "run.num_steps=3", "rollout.batch_size=3", "rollout.n_samples_per_prompt=2",
+        f"rollout.policy={policy}", "rollout.over_provision=2.0", "rollout.max_staleness=20",
+        "train.algorithm.off_policy_correction=tis", "train.micro_batch_size=2",
+        "cluster.placement=colocated", f"run.output_dir={tmp_path}",
+    ])
+    log: list[str] = []
+    box = make_box(r)
+    generate = box.s.engines.generate
+
+    async def logged(*args, **kwargs):
+        log.append("generate")
+        return await generate(*args, **kwargs)
+
+    box.s.engines.generate = logged
+    trainer = ColocatedTrainer(log)
+    tracker = Tracker(TrackingConfig(wandb="disabled", progress=False), tmp_path, "t", {})
+    state = drive(r, box, trainer, tracker, tmp_path)
+    tracker.close()
+    assert (state.step, state.version) == (3, 3)
+    turns = [e for i, e in enumerate(log) if e != "generate" or log[i - 1] != "generate"]
+    assert turns == ["wake"] + ["generate", "sleep", "train", "wake"] * 3
+    assert [v for _, v, _ in trainer.synced] == [0, 1, 2, 3]
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(row["buffer/balanced"] for row in rows)
+    assert all(row["colocate/engine_freed_bytes"] == 2.0 and row["colocate/trainer_offloaded_bytes"] == 1.0
+               and row["colocate/sleep_seconds"] >= 0 and row["colocate/wake_seconds"] >= 0 for row in rows)
+    if policy == "partial":
+        assert rows[0]["rollout/groups_carried_over"] > 0
+        assert any(row["rollout/groups_resumed"] > 0 for row in rows[1:])
+
+
+@pytest.mark.parametrize("mode", ["stream", "async"])
+def test_colocated_refuses_modes_that_generate_while_training(mode):
+    with pytest.raises(ValueError, match=f"cannot run mode '{mode}'.*Use mode 'sync'"):
+        load_recipe(None, [f"mode={mode}", "cluster.placement=colocated",
+                           "train.algorithm.off_policy_correction=tis"])
