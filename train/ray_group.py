@@ -145,8 +145,13 @@ class TrainWorker:
         batch, self.batch = self.batch, None
         return batch.finish()
 
-    def sync_weights(self, engines: list[str], version: int | None, method: str | None, folder: str | None):
-        return self.trainer.sync_weights(engines, version=version, method=method, folder=folder)
+    def sync_weights(self, engines: list[str], version: int | None, method: str | None, folder: str | None,
+                     colocated: bool = False, fresh: Sequence[str] = ()):
+        return self.trainer.sync_weights(engines, version=version, method=method, folder=folder,
+                                         colocated=colocated, fresh=fresh)
+
+    def sleep_engines(self, engines: list[str], fresh: Sequence[str] = ()) -> dict[str, float] | None:
+        return self.trainer.sleep_engines(engines, fresh)
 
     def export_hf(self, path: str) -> str | None:
         out = self.trainer.export_hf(path)

@@ -94,6 +94,7 @@ class MegatronTrainer:
             self._reference = {n: p.detach().clone() for n, p in self.module.named_parameters()}
 
         self._sender = None  # WeightSender, on the rank that talks to engines
+        self._offload = None  # TrainerOffload, made when colocated placement first asks
         self.step_count = 0  # optimizer steps taken
         self.version = 0  # policy version of these weights, as engines were told (see sync)
         self._reset_accumulation()
@@ -399,17 +400,25 @@ class MegatronTrainer:
         version: int | None = None,
         method: str | None = None,
         folder: str | Path | None = None,
+        colocated: bool = False,
+        fresh: Sequence[str] = (),
     ):
         """Push the current weights to `engines` (URLs of engine workers, not the router) and set
         the policy version (default: current + 1; the current version itself re-publishes the
         same weights, e.g. to fresh engines after a resume). With no engine (every one lost, see
         rollout.health) only the version moves: the weights are that version's all the same, and
         a checkpoint must say so. Collective: call it on every rank.
-        Returns the SyncReport on the rank that sent (global rank 0), None elsewhere."""
-        from rlkit.train.weight_sync.sender import WeightSender
 
+        `colocated`: the turn to generation. Every rank frees its gradients and optimizer state
+        on the device, the sleeping engines wake with the new weights (the sender's staged wake),
+        and the parameters leave the device once sent. `fresh`: engines restarted since the
+        sender last saw them (awake).
+        Returns the SyncReport on the rank that sent (global rank 0), None elsewhere; colocated,
+        a metrics dict on rank 0 (the report's figures and the memory moved)."""
         ws = self.config.weight_sync
         method = method or ws.method
+        if method == "auto":  # a TrainConfig outside a recipe: as disaggregated
+            method = "distributed"
         version = self.version + 1 if version is None else int(version)
         if version < self.version:
             raise ValueError(f"sync_weights: version {version} is older than {self.version}")
@@ -417,35 +426,92 @@ class MegatronTrainer:
             raise ValueError(f"sync_weights: unknown method {method!r}")
         if method == "disk" and folder is None and not ws.disk_dir:
             raise ValueError("sync_weights(method='disk') needs a folder or train.weight_sync.disk_dir")
+        moved: dict[str, float] = {}
+        if colocated:
+            moved.update(self.offload.offload(("grads", "optimizer")))
+            moved.update(self.offload.onload(("params",)))  # sent from the device
+        after_send = (lambda: moved.update(self.offload.offload(("params",)))) if colocated else None
         report = None
         if not engines:
             self.version = version
-            return None
+            if after_send is not None:
+                after_send()
+            return moved if colocated and self.rank.rank == 0 else None
         weights = self._sender_hf_weights()
-        if weights is not None:
-            if self._sender is None:
-                self._sender = WeightSender(
-                    bucket_mb=ws.bucket_mb, timeout_s=ws.timeout_s,
-                    # a TrainConfig outside a recipe (tests, benches) leaves 'auto': nothing
-                    # is in flight there, as in sync mode
-                    pause_mode="abort" if ws.pause_mode == "auto" else ws.pause_mode,
-                )
+        if weights is None:
+            if after_send is not None:  # this rank's part (the TP all-gathers) is done
+                after_send()
+        else:
+            sender = self._weight_sender()
+            sender.forget(fresh)
             if method == "disk":
                 root = Path(folder if folder is not None else ws.disk_dir)
-                report = self._sender.sync_from_disk(
+                report = sender.sync_from_disk(
                     engines,
                     root / f"v{version:06d}",
                     version,
                     write=lambda p: save_hf_folder(
                         p, weights, self.hf_config, side_files_from=self.model_path
                     ),
+                    after_send=after_send,
                 )
             elif method == "tensor":
-                report = self._sender.sync_in_memory(engines, weights, version)
+                report = sender.sync_in_memory(engines, weights, version, after_send=after_send)
             else:
-                report = self._sender.sync_distributed(engines, weights, version)
+                report = sender.sync_distributed(engines, weights, version, after_send=after_send)
         self.version = version
-        return report
+        if not colocated:
+            return report
+        if report is None:
+            return None
+        return {**moved, "sync/bytes": float(report.bytes),
+                "sync/paused_seconds": report.seconds_paused}
+
+    def sleep_engines(self, engines: Sequence[str], fresh: Sequence[str] = ()) -> dict[str, float] | None:
+        """Colocated, the turn to training (collective): the sending rank puts the engines to
+        sleep (they release KV cache and weights), then every rank takes its parameters,
+        gradients and optimizer state back onto the device. Metrics on rank 0, None elsewhere."""
+        import torch.distributed as dist
+
+        report: dict[str, float] = {}
+        failure: Exception | None = None
+        if self.rank.rank == 0 and engines:
+            sender = self._weight_sender()
+            sender.forget(fresh)
+            try:
+                report.update(sender.release(engines))
+            except Exception as e:  # noqa: BLE001 - raised after the ranks agree (below)
+                failure = e
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # The other ranks must not load onto GPUs whose engines are still awake.
+            dist.barrier()
+        if failure is not None:
+            raise failure
+        report.update(self.offload.onload(("params", "grads", "optimizer")))
+        return report if self.rank.rank == 0 else None
+
+    def _weight_sender(self):
+        from rlkit.train.weight_sync.sender import WeightSender
+
+        if self._sender is None:
+            ws = self.config.weight_sync
+            self._sender = WeightSender(
+                bucket_mb=ws.bucket_mb, timeout_s=ws.timeout_s,
+                # a TrainConfig outside a recipe (tests, benches) leaves 'auto': nothing
+                # is in flight there, as in sync mode
+                pause_mode="abort" if ws.pause_mode == "auto" else ws.pause_mode,
+            )
+        return self._sender
+
+    @property
+    def offload(self):
+        """Moves this rank's parameters, gradients and optimizer state off the device and back
+        (colocated placement; train/megatron/offload.py)."""
+        if self._offload is None:
+            from rlkit.train.megatron.offload import TrainerOffload
+
+            self._offload = TrainerOffload(self)
+        return self._offload
 
     def attach_sender(self, sender) -> None:
         """Use this WeightSender (e.g. with loopback receivers) instead of the HTTP default."""
