@@ -192,6 +192,11 @@ class Recipe(BaseModel):
                 "on the same GPUs (the engines sleep while it trains). Use mode 'sync' (partial "
                 "rollouts and tail batching still cut the long tail), or cluster.placement "
                 "'disaggregated' to overlap generation and training on separate GPUs")
+        engine = self.rollout.engine
+        if engine.kind == "sglang":
+            # SGLang frees nothing on release_memory_occupation unless started with it
+            # (srt/arg_groups/fields/exec_.py: torch_memory_saver); an explicit false is kept.
+            engine.sglang_args.setdefault("enable_memory_saver", True)
         if self.train.weight_sync.method == "distributed":
             raise ValueError(
                 "train.weight_sync.method 'distributed' cannot serve cluster.placement "

@@ -109,6 +109,13 @@ class Cluster:
         has_gpus = any(n.get("GPU", 0) > 0 for n in nodes)
         trainer_gpus = 1 if r.train.device == "cuda" or (r.train.device == "auto" and has_gpus) else 0
         engine_gpus = eng.gpus_per_engine if eng.kind == "sglang" else (1 if eng.device == "cuda" else 0)
+        if (r.train.device == "cuda" or engine_gpus) and not has_gpus:
+            asks = [k for k, on in (("train.device cuda", r.train.device == "cuda"),
+                                    (f"rollout.engine {eng.kind} on GPUs", engine_gpus)) if on]
+            raise PlacementError(
+                f"this recipe needs a CUDA GPU ({', '.join(asks)}), but no node of the Ray cluster "
+                f"has one (nodes: {[{k: n[k] for k in ('CPU', 'GPU') if n.get(k)} for n in nodes]}). "
+                "Run it on a machine with a GPU, or use a CPU recipe (recipes/grpo_smollm2_cpu.yaml)")
         if r.cluster.placement == "colocated":
             self.plan = plan_colocated(
                 num_engines=eng.num_engines, gpus_per_engine=max(engine_gpus, 1),

@@ -80,6 +80,7 @@ class Run:
     # only): `to_training` before each step's training, the weight push wakes the engines.
     colocated: bool = False
     _turn: dict[str, float] = field(default_factory=dict)  # the step's colocation metrics
+    _asleep: bool = False  # colocated, from the engines' sleep to the push that wakes them
     _last_end: float | None = None
     _eval: asyncio.Task | None = None
     _eval_skip: int | None = None  # a resumed run's checkpoint step: evaluated before the stop
@@ -143,6 +144,7 @@ class Run:
                 lambda urls, fresh: self.trainer.push_weights(version, urls, fresh))
             if self.colocated:
                 self._turn.update({**(metrics or {}), "colocate/wake_seconds": self.now() - t0})
+                self._asleep = False
         finally:
             await self.rollout.hold_engines(False)
         await self.rollout.set_version(version)
@@ -156,6 +158,7 @@ class Run:
         if not self.colocated:
             return
         await self.rollout.hold_engines(True)
+        self._asleep = True
         t0 = self.now()
         metrics, _ = await self._on_engines_left(self.trainer.sleep_engines)
         self._turn = {**metrics, "colocate/sleep_seconds": self.now() - t0}
@@ -187,8 +190,9 @@ class Run:
 
     async def restore_engines(self) -> None:
         """Engines restarted in the middle of a step (rollout.health) get the current weights
-        and serve again; during training they wait for its end (the next sync)."""
-        if self._weights.locked():
+        and serve again; during training (colocated: from the engines' sleep on) they wait for
+        its end (the next sync, which wakes the others)."""
+        if self._weights.locked() or self._asleep:
             return
         async with self._weights:
             _, restarted = await self.rollout.engine_set()

@@ -464,3 +464,47 @@ def test_colocated_refuses_modes_that_generate_while_training(mode):
     with pytest.raises(ValueError, match=f"cannot run mode '{mode}'.*Use mode 'sync'"):
         load_recipe(None, [f"mode={mode}", "cluster.placement=colocated",
                            "train.algorithm.off_policy_correction=tis"])
+
+
+def test_engines_put_to_sleep_while_one_dies_go_on_asleep_without_it():
+    """Colocated: an engine that dies as it is told to sleep fails the call; the engines left
+    are put to sleep (the one already asleep is left as it is by the sender), the restarted
+    one is included, and the probes stay held (asleep engines queue generations) until the
+    push wakes them."""
+    from rlkit.driver.loop import Run
+
+    class Engines:
+        def __init__(self):
+            self.serving, self.restarted, self.held, self.sweeps = ["a", "b"], [], [], 0
+
+        async def engine_set(self):
+            return list(self.serving), list(self.restarted)
+
+        async def check_engines(self):
+            self.sweeps += 1
+            self.serving = ["a"]
+            return 1
+
+        async def hold_engines(self, held):
+            self.held.append(held)
+
+    class Trainer:
+        def __init__(self, engines):
+            self.engines, self.slept = engines, []
+
+        async def sleep_engines(self, urls, fresh=()):
+            self.slept.append((list(urls), list(fresh)))
+            if "b" in urls:
+                self.engines.restarted = ["b2"]
+                raise RuntimeError("release_memory_occupation failed on 1 engine(s): b")
+            return {"colocate/engine_freed_bytes": 5.0}
+
+    engines = Engines()
+    trainer = Trainer(engines)
+    run = Run(engines, trainer, 1, 1, on_step=None, colocated=True)
+    asyncio.run(run.to_training())
+    assert trainer.slept == [(["a", "b"], []), (["a", "b2"], ["b2"])] and engines.sweeps == 1
+    assert engines.held == [True]  # released by the push that wakes them
+    assert run._turn["colocate/engine_freed_bytes"] == 5.0 and "colocate/sleep_seconds" in run._turn
+    asyncio.run(Run(engines, trainer, 1, 1, on_step=None).to_training())  # not colocated: nothing
+    assert len(trainer.slept) == 2
