@@ -7,7 +7,7 @@ on simulated engines, in virtual time) is `rlkit.sim.simulate.run_simulation`.
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rlkit.buffers.group import Group
@@ -61,6 +61,9 @@ class SimulatedStep:
     prefill_s: float  # summed over engines
     mode: str = "sync"  # the driver mode whose loop ran it
     waited_train_s: float = 0.0  # of step_s, the loop's wait for training and weight sync
+    placement: str = "disaggregated"  # colocated: engines and trainer took turns on every GPU
+    # colocated: the step row's colocate/* metrics (Run's sleep and wake seconds, the parts)
+    turn: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

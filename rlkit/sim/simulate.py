@@ -10,6 +10,16 @@ builds, over one trace: a `ListPromptSource` of the trace's prompts (in the trac
 probability 1 - difficulty (deterministic per response), and a `RolloutManager` driving the
 given policy; then runs `mode`'s loop for `steps` steps and measures each (rlkit.sim.harness).
 
+Placement (`placement`, as the recipe's cluster.placement): "disaggregated" (engines and trainer
+on GPUs of their own) or "colocated" (sync mode only): the engines share the trainer's GPUs, so
+the loop is built as `Run(..., colocated=True)` and each step also pays the turns of a
+`ColocationModel` (rlkit/sim/train_time.py) in virtual time: the trainer box's `sleep_engines`
+(engines release their memory, the trainer onloads its state) before training, and its
+`push_weights` is the wake (trainer offloads, engines resume, weights updated in memory). A
+colocated step is then rollout + sleep + train + wake; the step's row has
+colocate/sleep_seconds and colocate/wake_seconds (Run's) and the model's parts
+(`SimulatedStep.turn`).
+
 What the simulated trainer does not model: in async mode a weight sync pauses the engines on a
 real cluster (retract, update, continue); here generation goes on through it (sync_s is a few
 seconds against steps of minutes).
@@ -46,22 +56,28 @@ from rlkit.sim.faults import Fault, FaultedRun, FaultInjector
 from rlkit.sim.harness import SimulatedStep, measure, span, trace_reward, trace_source
 from rlkit.sim.replay import BufferPrompts, TraceReplayEngines
 from rlkit.sim.trace import Trace
-from rlkit.sim.train_time import TrainTimeModel
+from rlkit.sim.plan import gpus_per_engine
+from rlkit.sim.train_time import ColocationModel, TrainTimeModel
 from rlkit.rollout.timeline import StepTimeline, append_step
 
 
 DEFAULT_RESTART_S = 60.0  # a lost engine's restart: process start + loading a 4B model on GPU
+PLACEMENTS = ("disaggregated", "colocated")  # as the recipe's cluster.placement
 
 
 class TimedTrainerBox:
     """A trainer that takes virtual time: each group's tokens are computed as they arrive
     (one after another, at the model's tokens/s), the step's overhead once all are in, and a
-    weight sync takes `sync_s`. `on_batch(version, groups)` sees each trained batch."""
+    weight sync takes `sync_s`. With `colocation` (colocated placement) the engines' sleep and
+    wake take the model's turn costs instead, and the wake is the weight sync.
+    `on_batch(version, groups)` sees each trained batch."""
 
     def __init__(self, model: TrainTimeModel | None,
-                 on_batch: Callable[[int, list[Group]], None] | None = None) -> None:
+                 on_batch: Callable[[int, list[Group]], None] | None = None,
+                 colocation: ColocationModel | None = None) -> None:
         self.model = model
         self.on_batch = on_batch
+        self.colocation = colocation
         self._free = 0.0  # when the trainer is done with what it was handed
         self._groups: list[Group] = []
         self._version = 0
@@ -86,12 +102,32 @@ class TimedTrainerBox:
             self.on_batch(self._version, self._groups)
         return {}
 
-    async def push_weights(self, version: int, urls: Any = ()) -> None:
-        if self.model is not None:
+    async def push_weights(self, version: int, urls: Sequence[str] = (),
+                           fresh: Sequence[str] = ()) -> dict[str, float] | None:
+        c = self.colocation
+        if c is not None and set(urls) - set(fresh):  # the turn to generation: engines wake
+            return await _take(c.wake())
+        if c is not None:  # only restarted engines (awake): an update, no turn
+            await asyncio.sleep(c.update_s())
+        elif self.model is not None:
             await asyncio.sleep(self.model.sync_s())
+        return None
+
+    async def sleep_engines(self, urls: Sequence[str],
+                            fresh: Sequence[str] = ()) -> dict[str, float]:
+        if self.colocation is None:
+            raise RuntimeError("sleep_engines is the colocated placement's turn; this trainer "
+                               "was built without a ColocationModel")
+        return await _take(self.colocation.sleep())
 
     def save(self, path: Any) -> None:
         raise NotImplementedError("a simulated run keeps no checkpoint")
+
+
+async def _take(parts: dict[str, float]) -> dict[str, float]:
+    """Spend the parts' seconds in (virtual) time, and report them."""
+    await asyncio.sleep(sum(parts.values()))
+    return parts
 
 
 class MeasuredRolloutBox:
@@ -147,6 +183,8 @@ async def simulate(
     faults: Sequence[Fault] = (),
     restart_s: float | None = DEFAULT_RESTART_S,
     on_faults: Callable[[FaultedRun], None] | None = None,
+    placement: str = "disaggregated",
+    colocation: ColocationModel | None = None,
 ) -> list[SimulatedStep]:
     """The coroutine behind `run_simulation` (run it on a VirtualTimeLoop). `observer` sees
     every simulated worker at every event; `on_batch(step, groups)` each trained batch.
@@ -156,9 +194,13 @@ async def simulate(
     the steady state want. `mode`: the driver loop (rlkit/driver/modes.py).
     `health` (default HealthConfig() when `faults` are given) watches the engines; `faults` are
     injected at their times; a lost engine is restarted after `restart_s` (None: never);
-    `on_faults` gets the run's FaultedRun when it ends, also when it fails (EnginesDown)."""
+    `on_faults` gets the run's FaultedRun when it ends, also when it fails (EnginesDown).
+    `placement`: "disaggregated" or "colocated" (the module docstring); colocated, the turns
+    cost `colocation` (default: a ColocationModel with `train`'s params and GPUs), whose GPUs
+    must be the engines' (engines x GPUs per engine)."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r} (modes: {', '.join(MODES)})")
+    colocation = _colocation(placement, mode, cluster, train, colocation)
     batch = batch_size or trace.batch_size
     cap = max_new_tokens or trace.cap
     if buffer is None:
@@ -190,10 +232,14 @@ async def simulate(
         before, after, t0, t1, segments = box.measured.popleft()
         step, report = state.step - 1, result.report
         tokens = tokens_of(handed.refs)
+        sync_s = (colocation.wake_s() if colocation is not None
+                  else train.sync_s() if train else 0.0)
         r = measure(step, policy.name, cluster, report, before, after, tokens,
-                    train.train_s(tokens) if train else 0.0, train.sync_s() if train else 0.0)
-        r.step_s, r.mode = row["step/seconds"], mode
-        r.waited_train_s = row["train/seconds"] + row["sync/seconds"]
+                    train.train_s(tokens) if train else 0.0, sync_s)
+        r.step_s, r.mode, r.placement = row["step/seconds"], mode, placement
+        r.turn = {k: v for k, v in row.items() if k.startswith("colocate/")}
+        r.waited_train_s = (row["train/seconds"] + row["sync/seconds"]
+                            + r.turn.get("colocate/sleep_seconds", 0.0))
         results.append(r)
         if monitor is not None:
             reports.append(report)  # relaunches, for FaultedRun
@@ -203,8 +249,9 @@ async def simulate(
                 [span(s, min(cap, trace.cap)) for s in segments], round=report.round,
             ))
 
-    run = Run(box, TimedTrainerBox(train, on_batch), first_step + steps, batch, on_step,
-              LoopState(step=first_step, version=first_step), final_step=final_step)
+    run = Run(box, TimedTrainerBox(train, on_batch, colocation), first_step + steps, batch,
+              on_step, LoopState(step=first_step, version=first_step), final_step=final_step,
+              colocated=colocation is not None)
     loop = asyncio.get_running_loop()
     started, error = loop.time(), None
     inject = asyncio.ensure_future(injector.run()) if injector is not None else None
@@ -223,6 +270,33 @@ async def simulate(
             on_faults(FaultedRun(engines, monitor, injector.injected, results, reports,
                                  started, loop.time(), error))
     return results
+
+
+def _colocation(placement: str, mode: str, cluster: SimConfig, train: TrainTimeModel | None,
+                colocation: ColocationModel | None) -> ColocationModel | None:
+    """The turn model of a colocated simulation (None: disaggregated), checked as a colocated
+    cluster must be: sync mode, every GPU both an engine's and the trainer's."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"unknown placement {placement!r} (placements: {', '.join(PLACEMENTS)})")
+    if placement == "disaggregated":
+        if colocation is not None:
+            raise ValueError("a ColocationModel is for placement 'colocated'")
+        return None
+    if mode != "sync":
+        raise ValueError(f"placement 'colocated' cannot run mode {mode!r}: the engines sleep "
+                         "while the trainer trains, so nothing overlaps (sync mode only)")
+    if colocation is None:
+        if train is None:
+            raise ValueError("placement 'colocated' needs `train` or `colocation` (the trainer's "
+                             "params and GPUs price the turns)")
+        colocation = ColocationModel(params=train.params, gpus=train.gpus)
+    gpus = cluster.engines * gpus_per_engine(cluster.profile)
+    trainer = train.gpus if train is not None else gpus
+    for what, n in (("the trainer", trainer), ("the turn model", colocation.gpus)):
+        if n != gpus:
+            raise ValueError(f"colocated: {cluster.engines} engines use {gpus} GPUs but {what} "
+                             f"has {n}; colocated engines and trainer share every GPU")
+    return colocation
 
 
 def run_simulation(cluster: SimConfig, trace: Trace, policy: RolloutPolicy, **kwargs: Any

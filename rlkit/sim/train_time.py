@@ -15,6 +15,10 @@ worse). The defaults are stated assumptions, not measurements: pass your own.
 
 Driver modes use it as: sync step = rollout + train + sync; stream and async (later issues)
 overlap rollout with training and pay `max` instead of the sum for the overlapped part.
+
+`ColocationModel`: what a colocated step (engines and trainer taking turns on the same GPUs,
+sync mode only) pays instead of the sync: the engines' sleep and the trainer's onload before
+training, the trainer's offload, the engines' wake and the in-memory weight update after it.
 """
 
 from __future__ import annotations
@@ -60,3 +64,97 @@ class TrainTimeModel:
     def sync_step_s(self, rollout_s: float, tokens: int) -> float:
         """End-to-end time of one synchronous step (rollout, then training, then sync)."""
         return rollout_s + self.train_s(tokens) + self.sync_s()
+
+
+@dataclass(frozen=True)
+class ColocationModel:
+    """The turn costs of a colocated step (cluster.placement colocated, sync mode only): the
+    engines and the trainer share every GPU and take turns, so a step pays
+
+        rollout + sleep + train + wake
+        sleep = release_s + onload (params, grads, optimizer: host -> device)
+        wake  = offload (grads and optimizer, then params once sent) + weights_resume_s
+                + update + kv_resume_s
+        update = update_overhead_s + params * weight_bytes / update_bandwidth
+
+    as rlkit's Megatron trainer does it (sleep_engines, then sync_weights(colocated=True)).
+    Each GPU moves its own share of the trainer's state over its own host link, all at once, so
+    a transfer takes per-GPU bytes / host_bandwidth. Per-GPU bytes: the state of one model-
+    parallel shard (params / model_parallel); data-parallel replicas each hold a copy, unless
+    the optimizer is distributed (master weights and Adam sharded over every GPU). The defaults
+    are stated assumptions, not measurements: pass your own."""
+
+    params: float  # trainable parameters
+    gpus: int  # the trainer's GPUs (colocated: the whole cluster)
+    model_parallel: int = 1  # trainer TP x PP: each GPU holds 1/model_parallel of the state
+    # rlkit's Megatron optimizer runs with use_distributed_optimizer=False (train/megatron/
+    # optimizer.py): every data-parallel replica keeps the full fp32 state of its shard.
+    distributed_optimizer: bool = False
+    # Megatron mixed precision: bf16 params 2, fp32 main grads 4, fp32 master 4, Adam m + v 8
+    # = 18 bytes per parameter.
+    param_bytes: float = 2.0
+    grad_bytes: float = 4.0
+    optimizer_bytes: float = 12.0  # fp32 master weights + Adam's two moments
+    # Pinned host <-> device, per GPU, every GPU of a node at once. PCIe Gen5 x16 is 64 GB/s
+    # per direction raw (H100 SXM datasheet: 128 GB/s bidirectional), pinned cudaMemcpy gets
+    # about 50 of it alone; an offload of many tensors while the node's GPUs share the host's
+    # links and memory gets about half that (assumed).
+    host_bandwidth: float = 25e9
+    release_s: float = 0.5  # engines unmap KV cache, weights, CUDA graphs (one HTTP call each)
+    weights_resume_s: float = 0.1  # re-map the weights' memory: allocation only, no copy
+    kv_resume_s: float = 1.0  # re-map the KV pool and CUDA graphs, the last wake stage
+    # In-memory update (CUDA IPC): bf16 weights gathered and copied into each engine on the
+    # same node; NVLink 4 moves 450 GB/s per direction (H100 datasheet), and on one GPU it is
+    # a device copy (HBM3: 3.35 TB/s); bucketing and load_weights leave a few hundred GB/s.
+    update_bandwidth: float = 200e9
+    update_overhead_s: float = 0.5  # per-bucket handle round trips, flush, version set
+    weight_bytes: float = 2.0  # bf16 weights sent to the engines
+
+    def __post_init__(self) -> None:
+        if self.params <= 0 or self.gpus < 1 or self.model_parallel < 1:
+            raise ValueError("params, gpus and model_parallel must be positive")
+        if self.gpus % self.model_parallel:
+            raise ValueError(f"{self.gpus} trainer GPUs are not a multiple of the model-parallel "
+                             f"size {self.model_parallel}")
+        if self.host_bandwidth <= 0 or self.update_bandwidth <= 0:
+            raise ValueError("bandwidths must be positive")
+
+    def _per_gpu(self, bytes_per_param: float, sharded: bool = False) -> float:
+        over = self.gpus if sharded and self.distributed_optimizer else self.model_parallel
+        return self.params * bytes_per_param / over
+
+    @property
+    def state_bytes_per_gpu(self) -> float:
+        """Params, grads and optimizer state one GPU holds while it trains."""
+        return (self._per_gpu(self.param_bytes) + self._per_gpu(self.grad_bytes)
+                + self._per_gpu(self.optimizer_bytes, sharded=True))
+
+    def move_s(self) -> float:
+        """Seconds to move one GPU's trainer state over its host link (either way)."""
+        return self.state_bytes_per_gpu / self.host_bandwidth
+
+    def sleep(self) -> dict[str, float]:
+        """The turn to training, by part (seconds, as metrics of the step's row)."""
+        return {"colocate/release_seconds": self.release_s,
+                "colocate/onload_seconds": self.move_s()}
+
+    def wake(self) -> dict[str, float]:
+        """The turn to generation, by part (offload: grads and optimizer before the update,
+        params after it)."""
+        return {"colocate/offload_seconds": self.move_s(),
+                "colocate/weights_resume_seconds": self.weights_resume_s,
+                "colocate/update_seconds": self.update_s(),
+                "colocate/kv_resume_seconds": self.kv_resume_s}
+
+    def update_s(self) -> float:
+        return self.update_overhead_s + self.params * self.weight_bytes / self.update_bandwidth
+
+    def sleep_s(self) -> float:
+        return sum(self.sleep().values())
+
+    def wake_s(self) -> float:
+        return sum(self.wake().values())
+
+    def turn_s(self) -> float:
+        """Both turns of one step: what colocation adds to rollout + train."""
+        return self.sleep_s() + self.wake_s()
