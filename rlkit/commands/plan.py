@@ -12,6 +12,13 @@ the best, at most `--max-sim` simulations (`--cache FILE` keeps them across call
 with the least step time of `--mode` wins (rlkit/sim/plan.py); with `--gen-budget` and
 `--train-budget`, the cross-datacenter rule. Prints the candidates, the choice and why, its
 ratio to the even split, and StreamRL's dynamic-adjustment test (delta vs delta').
+
+`--placement colocated|both`: engines and trainer on all --gpus, taking turns (sync mode only):
+step = P_gen(all GPUs) + P_train(all GPUs) + the turns of a ColocationModel (trainer onload
+and offload over the host link, engines' sleep and wake, the in-memory weight update); `both`
+prints it beside the best split and which is faster, by what ratio. `--sweep KEY=V1,...`
+compares them at each value and says where the winner flips. One more simulation per budget
+(generation on all of it); `--cache` keeps it with the rest.
 """
 
 from __future__ import annotations
@@ -20,10 +27,26 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from rlkit.config.modes import MODE_NAMES
+
+
+SWEEP_KEYS = {"gpus": int, "cap": int, "batch_size": int, "params": float}
+
+
+def _sweep(text: str) -> tuple[str, list[Any]]:
+    key, _, values = text.partition("=")
+    key = key.strip().replace("-", "_")
+    if key not in SWEEP_KEYS or not values:
+        raise argparse.ArgumentTypeError(f"{text!r}: give KEY=V1,V2,... with KEY one of "
+                                         f"{', '.join(SWEEP_KEYS)}")
+    try:
+        return key, [SWEEP_KEYS[key](v.strip()) for v in values.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: values must be numbers") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +59,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     b.add_argument("--mode", choices=MODE_NAMES, default="sync",
                    help="driver mode whose step time is minimised: sync (gen + train + sync), "
                         "stream (training overlaps generation), async (max of the two stages)")
+    b.add_argument("--placement", choices=["disaggregated", "colocated", "both"],
+                   default="disaggregated",
+                   help="disaggregated: split --gpus between generation and training; "
+                        "colocated: engines and trainer take turns on all --gpus (sync mode "
+                        "only; one more simulation); both: each, and which is faster")
+    b.add_argument("--sweep", type=_sweep, metavar="KEY=V1,V2,...",
+                   help="compare the placements (as --placement both) at each value of "
+                        f"{', '.join(SWEEP_KEYS)} (e.g. gpus=8,16,32,64) and say where the "
+                        "winner flips; params changes the trainer only (the engines keep "
+                        "--profile's speed)")
     c = parser.add_argument_group("generation")
     c.add_argument("--profile", default="h100-qwen3-4b-tp2-april",
                    help="engine profile: a packaged name or a JSON file")
@@ -53,6 +86,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "the trainer's GPU count is a multiple of it")
     t.add_argument("--train-mfu", type=float, default=0.35)
     t.add_argument("--peak-flops", type=float, default=989e12, help="per trainer GPU")
+    t.add_argument("--host-bandwidth", type=float, default=25.0, metavar="GB/S",
+                   help="colocated: pinned host <-> device GB/s per GPU while the trainer "
+                        "onloads and offloads its state (ColocationModel.host_bandwidth)")
+    t.add_argument("--update-bandwidth", type=float, default=200.0, metavar="GB/S",
+                   help="colocated: GB/s of the in-memory weight update (CUDA IPC)")
     w = parser.add_argument_group("workload")
     w.add_argument("--cap", type=int, default=16384, help="response length cap")
     w.add_argument("--trace", help="replay this trace file instead of generating one")
@@ -76,7 +114,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--cache", type=Path, help="JSON file keeping simulated P_gen across calls")
     s.add_argument("--verify", action="store_true",
                    help="simulate --mode's driver loop, trainer included, at the chosen and the "
-                        "even split and report both step times (two more simulations)")
+                        "even split and report both step times (two more simulations; with "
+                        "--placement colocated|both, the colocated sync loop too)")
     s.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -89,19 +128,57 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"rlkit plan: {e}") from None
 
 
-def _run(args: argparse.Namespace) -> int:
-    from rlkit.bench.suite import make_policy
-    from rlkit.sim import plan as P
-    from rlkit.rollout.engines.profile import ProfileError, load_profile
-    from rlkit.sim.train_time import TrainTimeModel
+@dataclass
+class Point:
+    """What one budget and workload gave: the disaggregated plan (None: --placement
+    colocated), the placement comparison (None: --placement disaggregated)."""
 
+    plan: Any
+    choice: Any
+    profile: Any
+    extra: dict[str, Any]
+
+
+def _run(args: argparse.Namespace) -> int:
     cross = args.gen_budget is not None or args.train_budget is not None
     if cross and (args.gen_budget is None or args.train_budget is None):
         raise SystemExit("rlkit plan: --gen-budget and --train-budget go together")
-    if cross == (args.gpus is not None):
+    if cross == (args.gpus is not None) and not (args.sweep and args.sweep[0] == "gpus"):
         raise SystemExit("rlkit plan: give --gpus N, or --gen-budget M with --train-budget N")
     if args.steps < 1 or args.warmup < 0 or args.max_sim < 1:
         raise SystemExit("rlkit plan: --steps and --max-sim must be >= 1, --warmup >= 0")
+    if args.sweep:
+        args.placement = "both"  # a sweep compares the placements at each point
+    if cross and args.placement != "disaggregated":
+        raise SystemExit(f"rlkit plan: --placement {args.placement} needs --gpus: a colocated "
+                         "cluster is one pool of GPUs, not two budgets")
+    memo: dict[str, dict[int, list[float]]] = {}  # P_gen per cache key, across sweep points
+    if not args.sweep:
+        point = _point(args, cross, memo)
+        if args.json:
+            print(json.dumps(_point_json(point), indent=1))
+        else:
+            print(format_point(point))
+        return 0
+    key, values = args.sweep
+    points = [(v, _point(argparse.Namespace(**{**vars(args), key: v}), False, memo))
+              for v in values]
+    if args.json:
+        print(json.dumps({"sweep": key, "mode": args.mode,
+                          "points": [{key: v, **_point_json(p)} for v, p in points],
+                          "flips": _flips_json(key, points)}, indent=1))
+    else:
+        print(format_sweep(key, points, args.mode))
+    return 0
+
+
+def _point(args: argparse.Namespace, cross: bool, memo: dict[str, dict[int, list[float]]]
+           ) -> Point:
+    from rlkit.bench.suite import make_policy
+    from rlkit.sim import plan as P
+    from rlkit.rollout.engines.profile import ProfileError, load_profile
+    from rlkit.sim.train_time import ColocationModel, TrainTimeModel
+
     try:
         profile = load_profile(args.profile)
     except ProfileError as e:
@@ -111,12 +188,20 @@ def _run(args: argparse.Namespace) -> int:
         units = P.Units(gen=gpe, train=args.train_unit)
     except P.PlanError as e:
         raise SystemExit(f"rlkit plan: --gpus-per-engine / --train-unit: {e}") from None
-    if not cross:
+    split = args.placement != "colocated"  # search the disaggregated split
+    colocate = args.placement != "disaggregated"
+    where = f"(profile {profile.name!r}, --train-unit {args.train_unit})"
+    split_blocker = None
+    if not cross and split:
         try:
             P.check_budget(args.gpus, units, "--gpus")
         except P.PlanError as e:
-            raise SystemExit(f"rlkit plan: {e} (profile {profile.name!r}, --train-unit "
-                             f"{args.train_unit})") from None
+            if not colocate:
+                raise SystemExit(f"rlkit plan: {e} {where}") from None
+            split, split_blocker = False, str(e)  # both: colocated may still fit
+    blocker = P.colocated_blocker(args.gpus, units) if colocate else None
+    if blocker is not None and not split:
+        raise SystemExit(f"rlkit plan: --placement colocated: {blocker} {where}")
     try:
         make_policy(args.policy)
     except ValueError as e:
@@ -136,23 +221,27 @@ def _run(args: argparse.Namespace) -> int:
             raise SystemExit(f"rlkit plan: --train-budget {n} is too small for one trainer "
                              f"replica (--train-unit {units.train})")
         limit, extra = mx, []
-    else:
+    elif split:
         limit, extra = P.gen_limit(args.gpus, units), [P.even_split(args.gpus, units)[0]]
-    try:
-        start = P.grid(limit, gpe, args.gen_step, extra=extra)
-    except P.PlanError as e:
-        raise SystemExit(f"rlkit plan: --gen-step: {e}") from None
-    if len(start) > args.max_sim:
-        raise SystemExit(f"rlkit plan: --max-sim {args.max_sim} is less than the first grid's "
-                         f"{len(start)} generation sizes ({', '.join(map(str, start))}): raise "
-                         "it or coarsen --gen-step")
+    if split:
+        try:
+            start = P.grid(limit, gpe, args.gen_step, extra=extra)
+        except P.PlanError as e:
+            raise SystemExit(f"rlkit plan: --gen-step: {e}") from None
+        if len(start) > args.max_sim:
+            raise SystemExit(f"rlkit plan: --max-sim {args.max_sim} is less than the first "
+                             f"grid's {len(start)} generation sizes ({', '.join(map(str, start))})"
+                             ": raise it or coarsen --gen-step")
 
     trace = _trace(args)
     tokens = P.trained_tokens_per_step(trace, args.batch_size, args.warmup, args.steps)
 
+    def trainer(y: int) -> TrainTimeModel:
+        return TrainTimeModel(params=args.params, gpus=y, mfu=args.train_mfu,
+                              peak_flops=args.peak_flops)
+
     def p_train(y: int) -> P.TrainCost:
-        model = TrainTimeModel(params=args.params, gpus=y, mfu=args.train_mfu,
-                               peak_flops=args.peak_flops)
+        model = trainer(y)
         train_s = model.train_s(int(tokens))
         compute = train_s - model.overhead_s
         # stream mode trains each group as it completes: all but the last group's compute
@@ -164,7 +253,9 @@ def _run(args: argparse.Namespace) -> int:
         "trace_file": args.trace, "batch_size": args.batch_size, "warmup": args.warmup,
         "steps": args.steps, "max_staleness": args.max_staleness, "seed": args.seed,
     }, sort_keys=True)
-    cache = _load_cache(args.cache, cache_key)
+    if cache_key not in memo:
+        memo[cache_key] = _load_cache(args.cache, cache_key)
+    cache = memo[cache_key]
     simulated: list[int] = []
 
     def p_gen(x: int) -> list[float]:
@@ -181,43 +272,77 @@ def _run(args: argparse.Namespace) -> int:
         return score
 
     t0 = time.perf_counter()
-    if not cross:
+    plan = None
+    verified: dict[str, Any] = {}
+    if split and not cross:
         n = args.gpus
         got = P.search_gen(start, p_gen, best_step(lambda x: n - x), gpe, args.max_sim,
                            measured={x: g for x, g in cache.items() if x <= limit})
         plan = P.plan_single(n, got, p_train, units, args.mode, xs=sorted(got))
-    else:
+    elif split:
         got = P.search_gen(start, p_gen, best_step(lambda x: ny), gpe, args.max_sim,
                            measured={x: g for x, g in cache.items() if x <= mx})
         plan = P.plan_cross(m, n, got, p_train, units, args.mode, xs=sorted(got))
-    c = plan.chosen
-    plan.adjust = P.adjustment(c.x, c.gen_s, c.train_s, c.x + gpe,
-                               statistics.mean(p_gen(c.x + gpe)))
-    verified: dict[str, Any] = {}
-    if args.verify:
+    if plan is not None:
+        c = plan.chosen
+        plan.adjust = P.adjustment(c.x, c.gen_s, c.train_s, c.x + gpe,
+                                   statistics.mean(p_gen(c.x + gpe)))
+    if plan is not None and args.verify:
         splits = {"chosen": c, **({"even": plan.even} if plan.even is not None else {})}
-        for name, split in splits.items():
-            model = TrainTimeModel(params=args.params, gpus=split.y, mfu=args.train_mfu,
-                                   peak_flops=args.peak_flops)
-            verified[name] = statistics.mean(_simulate(split.x // gpe, profile, args, trace,
-                                                       model, args.mode, "step_s"))
+        for name, sp in splits.items():
+            verified[name] = statistics.mean(_simulate(sp.x // gpe, profile, args, trace,
+                                                       trainer(sp.y), args.mode, "step_s"))
         if "even" in verified:
             verified["speedup_vs_even"] = verified["even"] / verified["chosen"]
-    wall = time.perf_counter() - t0
-    plan.extra = {
+
+    choice = turns = None
+    if colocate:
+        colocated = None
+        if blocker is None:
+            g = args.gpus
+            turns = ColocationModel(params=args.params, gpus=g, model_parallel=units.train,
+                                    host_bandwidth=args.host_bandwidth * 1e9,
+                                    update_bandwidth=args.update_bandwidth * 1e9)
+            colocated = P.ColocatedCost(g, g // gpe, tuple(p_gen(g)),
+                                        trainer(g).train_s(int(tokens)), turns.sleep_s(),
+                                        turns.wake_s(), {**turns.sleep(), **turns.wake()})
+            if args.verify:
+                verified["colocated"] = statistics.mean(_simulate(
+                    g // gpe, profile, args, trace, trainer(g), "sync", "step_s",
+                    placement="colocated", colocation=turns))
+        if blocker is not None and split_blocker is not None:
+            raise SystemExit(f"rlkit plan: neither placement fits: {split_blocker}; and "
+                             f"{blocker} {where}")
+        choice = P.PlacementChoice(args.mode, plan.chosen if plan is not None else None,
+                                   colocated, blocker, split_blocker)
+    extra = {
         "profile": profile.name, "gpus_per_engine": gpe, "train_unit": units.train,
         "policy": args.policy, "trace": trace.name, "cap": trace.cap,
         "batch_size": args.batch_size, "group_size": trace.group_size,
         "trained_tokens_per_step": tokens, "params": args.params, "train_mfu": args.train_mfu,
         "warmup": args.warmup, "steps": args.steps, "simulations": len(simulated),
-        "verified": verified or None,
-        "wall_s": wall,
+        "verified": verified or None, "placement": args.placement,
+        "host_bandwidth_gbps": args.host_bandwidth, "update_bandwidth_gbps": args.update_bandwidth,
+        "colocated_state_gb_per_gpu": turns.state_bytes_per_gpu / 1e9 if turns else None,
+        "wall_s": time.perf_counter() - t0,
     }
-    if args.json:
-        print(json.dumps(plan.to_json(), indent=1))
-    else:
-        print(format_plan(plan, profile))
-    return 0
+    if plan is not None:
+        plan.extra = extra
+    return Point(plan, choice, profile, extra)
+
+
+def _point_json(point: Point) -> dict[str, Any]:
+    out = point.plan.to_json() if point.plan is not None else dict(point.extra)
+    if point.choice is not None:
+        out["placement_choice"] = point.choice.to_json()
+    return out
+
+
+def _flips_json(key: str, points: list[tuple[Any, Any]]) -> list[dict[str, Any]]:
+    from rlkit.sim.plan import flips
+
+    return [{"between": [a, b], "from": wa, "to": wb}
+            for a, b, wa, wb in flips([(v, p.choice) for v, p in points])]
 
 
 def _trace(args: argparse.Namespace) -> Any:
@@ -238,10 +363,11 @@ def _trace(args: argparse.Namespace) -> Any:
 
 
 def _simulate(engines: int, profile: Any, args: argparse.Namespace, trace: Any,
-              train: Any = None, mode: str = "sync", field: str = "rollout_s") -> list[float]:
+              train: Any = None, mode: str = "sync", field: str = "rollout_s",
+              **placement: Any) -> list[float]:
     """`field` of each measured step on `engines` simulated engines (the cluster, policy and
     ranker built as `rlkit bench suite` builds them), under `mode`'s loop with `train`'s
-    trainer (None: training takes no time)."""
+    trainer (None: training takes no time); `placement`: simulate's placement and colocation."""
     from rlkit.bench.suite import make_policy, make_ranker, rollout_base
     from rlkit.sim.engine import SimConfig
     from rlkit.sim.simulate import run_simulation
@@ -252,6 +378,7 @@ def _simulate(engines: int, profile: Any, args: argparse.Namespace, trace: Any,
         cluster, trace, make_policy(args.policy, base), steps=args.warmup + args.steps,
         batch_size=args.batch_size, max_staleness=args.max_staleness, seed=args.seed,
         final_step=False, ranker=make_ranker(args.policy, trace, base), train=train, mode=mode,
+        **placement,
     )
     return [float(getattr(r, field)) for r in results[args.warmup:]]
 
@@ -336,4 +463,108 @@ def format_plan(plan: Any, profile: Any) -> str:
             f"Dynamic adjustment: delta = P_gen - P_train = {a.delta_s:+.1f} s, delta' = "
             f"P_gen({a.x}) - P_gen({a.x_more}) = {a.delta_prime_s:+.1f} s: {verdict} "
             "(StreamRL adds an engine when delta >= delta').")
+    return "\n".join(lines)
+
+
+def _header(e: dict[str, Any], profile: Any, gpus: Any, mode: str) -> list[str]:
+    return [
+        f"Budget: {gpus} GPUs; mode {mode}. Engines: profile `{profile.name}` ({profile.model}), "
+        f"{e['gpus_per_engine']} GPU(s) each; policy {e['policy']}.",
+        f"Workload: trace `{e['trace']}` (cap {e['cap']}), {e['batch_size']} groups x "
+        f"{e['group_size']} per step, {e['trained_tokens_per_step']:,.0f} trained tokens/step. "
+        f"Trainer: {e['params'] / 1e9:.2f}B params, MFU {e['train_mfu']:g}, GPUs in multiples "
+        f"of {e['train_unit']}.",
+    ]
+
+
+def format_point(point: Point) -> str:
+    """The plan (when searched), then the placement comparison (when asked for)."""
+    if point.plan is not None:
+        lines = [format_plan(point.plan, point.profile)]
+    else:
+        e = point.extra
+        lines = _header(e, point.profile, point.choice.colocated.gpus, "sync") + [
+            f"P_gen: simulated, mean of {e['steps']} steps after {e['warmup']} warm-up; "
+            f"{e['simulations']} simulated now (else cached), {e['wall_s']:.0f} s of wall time."]
+    if point.choice is not None:
+        lines += ["", format_choice(point.choice, point.extra)]
+    return "\n".join(lines)
+
+
+def format_choice(choice: Any, e: dict[str, Any]) -> str:
+    """Colocated against the best disaggregated split of the same GPUs."""
+    from rlkit.sim.plan import mode_blocker
+
+    d, c, mode = choice.disaggregated, choice.colocated, choice.mode
+    win = choice.winner
+    lines = ["Placement, same GPUs (colocated: engines and trainer take turns on every GPU, "
+             "sync mode only):", "",
+             "| placement | gen GPUs | train GPUs | mode | P_gen s | train s | sync or turns s | "
+             "step s | |", "|---|---:|---:|---|---:|---:|---:|---:|---|"]
+    if d is not None:
+        lines.append(f"| disaggregated (best split) | {d.x} | {d.y} | {mode} | {d.gen_s:.1f} | "
+                     f"{d.cost.train_s:.1f} | {d.cost.sync_s:.1f} | {d.step(mode):.1f} | "
+                     f"{'**faster**' if win == 'disaggregated' and c is not None else ''} |")
+    elif choice.split_blocker:
+        lines.append(f"| disaggregated | | | | | | | | not possible: {choice.split_blocker} |")
+    if c is not None:
+        lines.append(f"| colocated | {c.gpus} ({c.engines} engines) | {c.gpus} | sync | "
+                     f"{c.gen_s:.1f} | {c.train_s:.1f} | {c.turn_s:.1f} | {c.step_s:.1f} | "
+                     f"{'**faster**' if win == 'colocated' and d is not None else ''} |")
+    elif choice.blocker:
+        lines.append(f"| colocated | | | | | | | | not possible: {choice.blocker} |")
+    lines.append("")
+    if c is not None:
+        parts = ", ".join(f"{k.removeprefix('colocate/').removesuffix('_seconds')} {v:.2f}"
+                          for k, v in c.parts.items())
+        lines.append(f"Turns (ColocationModel; {e['colocated_state_gb_per_gpu']:.1f} GB of "
+                     f"trainer state per GPU at {e['host_bandwidth_gbps']:g} GB/s, update at "
+                     f"{e['update_bandwidth_gbps']:g} GB/s): sleep {c.sleep_s:.2f} s + wake "
+                     f"{c.wake_s:.2f} s ({parts}).")
+    why = mode_blocker(mode)
+    if why and c is not None:
+        what = f"compared with the split's {mode} step" if d is not None else "shown"
+        lines.append(f"{why[0].upper()}{why[1:]}: its sync step is {what}.")
+    if choice.ratio is not None:
+        lines.append(f"Faster: {win}, by {choice.ratio:.2f}x ({min(c.step_s, d.step(mode)):.1f} "
+                     f"vs {max(c.step_s, d.step(mode)):.1f} s/step).")
+    elif win is not None:
+        lines.append(f"Faster: {win} (the only placement possible).")
+    v = e.get("verified") or {}
+    if "colocated" in v:
+        lines.append(f"Simulated colocated sync loop (turns included): {v['colocated']:.1f} "
+                     "s/step.")
+    return "\n".join(lines)
+
+
+def format_sweep(key: str, points: list[tuple[Any, Point]], mode: str) -> str:
+    """One row per swept value: the best split's step, the colocated one's, the winner; then
+    where the winner flips."""
+    from rlkit.sim.plan import flips
+
+    first = points[0][1]
+    e = first.extra
+    lines = [f"Sweep of {key}, mode {mode} (colocated: sync). Engines: profile "
+             f"`{first.profile.name}`, {e['gpus_per_engine']} GPU(s) each; policy {e['policy']}; "
+             f"trainer GPUs in multiples of {e['train_unit']}; P_gen: mean of {e['steps']} steps "
+             f"after {e['warmup']} warm-up.", "",
+             f"| {key} | best split (gen + train) | disaggregated s/step | colocated s/step | "
+             "of which turns s | faster | ratio |", "|---:|---|---:|---:|---:|---|---:|"]
+    for v, p in points:
+        ch = p.choice
+        d, c = ch.disaggregated, ch.colocated
+        lines.append(
+            f"| {v:g} | {f'{d.x} + {d.y}' if d else 'not possible'} | "
+            f"{f'{ch.disaggregated_s:.1f}' if d else '-'} | {f'{c.step_s:.1f}' if c else '-'} | "
+            f"{f'{c.turn_s:.1f}' if c else '-'} | {ch.winner or '-'} | "
+            f"{f'{ch.ratio:.2f}x' if ch.ratio else '-'} |")
+    lines.append("")
+    changes = flips([(v, p.choice) for v, p in points])
+    if changes:
+        lines += [f"Flips between {key}={a:g} and {key}={b:g}: {wa} -> {wb}."
+                  for a, b, wa, wb in changes]
+    else:
+        winners = {p.choice.winner for _, p in points}
+        lines.append(f"No flip over these points: {', '.join(sorted(w or '-' for w in winners))} "
+                     "at each.")
     return "\n".join(lines)

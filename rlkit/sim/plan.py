@@ -41,6 +41,11 @@ and generation is the slower stage (delta > 0) and the engine shortens it (delta
 paper's rule alone would add an engine that shortens nothing when generation is bound by its
 longest response.
 
+Placement (`PlacementChoice`): colocated, engines and trainer share all n GPUs and take turns
+(sync mode only): step = P_gen(n) + sleep + train(n) + wake, against the best disaggregated
+split's step; the faster wins. The turn costs are passed in (rlkit.sim.train_time's
+ColocationModel in `rlkit plan`). `flips` finds where the winner changes along a sweep.
+
 Measuring P_gen costs a simulation per x, so `search_gen` measures a coarse grid (powers of two
 or a step) and then bisects around the best, within a budget of measurements.
 """
@@ -443,3 +448,139 @@ def trained_tokens_per_step(trace: Any, batch_size: int, first_step: int, steps:
         raise PlanError(f"trace {trace.name!r} has {len(per_group)} groups, {hi} needed for "
                         f"{first_step + steps} steps of {batch_size}")
     return sum(per_group[lo:hi]) / steps
+
+
+# -- placement: colocated (engines and trainer take turns on every GPU) vs disaggregated -----
+
+PLACEMENTS = ("disaggregated", "colocated")
+
+
+def colocated_blocker(n: int, units: Units) -> str | None:
+    """Why `n` GPUs cannot be one colocated cluster (every GPU an engine's and a trainer
+    rank's), or None when they can."""
+    if n % units.gen or n % units.train:
+        return (f"{n} GPUs are not whole engines of {units.gen} GPU{'s' * (units.gen != 1)} "
+                f"and whole trainer replicas of {units.train}: colocated, every GPU is both")
+    return None
+
+
+def mode_blocker(mode: str) -> str | None:
+    """Why colocated placement cannot run `mode`, or None (sync)."""
+    if mode == "sync":
+        return None
+    return (f"colocated cannot run {mode} mode: {mode} generates while the trainer trains, but "
+            "colocated engines sleep while it trains (sync mode only)")
+
+
+@dataclass(frozen=True)
+class ColocatedCost:
+    """Colocated on the whole budget, sync mode: generation on every GPU (n / GPUs per engine
+    engines), the turn to training (engines sleep, trainer onloads), training on every GPU,
+    the turn back (trainer offloads, engines wake, weights updated in memory)."""
+
+    gpus: int
+    engines: int
+    gen: tuple[float, ...]  # generation seconds of each measured step
+    train_s: float  # on all `gpus`
+    sleep_s: float
+    wake_s: float  # includes the in-memory weight update
+    parts: dict[str, float] = field(default_factory=dict)  # the turns by part (seconds)
+
+    @property
+    def gen_s(self) -> float:
+        return sum(self.gen) / len(self.gen)
+
+    @property
+    def turn_s(self) -> float:
+        return self.sleep_s + self.wake_s
+
+    @property
+    def step_s(self) -> float:
+        """Its sync step: rollout + sleep + train + wake (a TrainCost whose sync is the turns)."""
+        return expected_step("sync", self.gen, TrainCost(self.train_s, self.turn_s))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"gpus": self.gpus, "engines": self.engines, "gen_s": self.gen_s,
+                "gen_steps_s": list(self.gen), "train_s": self.train_s, "sleep_s": self.sleep_s,
+                "wake_s": self.wake_s, "turn_s": self.turn_s, "turn_parts_s": self.parts,
+                "sync_step_s": self.step_s}
+
+
+@dataclass(frozen=True)
+class PlacementChoice:
+    """Colocated against the best disaggregated split of the same budget. Colocated runs sync
+    mode only: in stream and async the comparison is its sync step against the split's step in
+    that mode (what choosing colocated would give), and `mode_blocker` says why."""
+
+    mode: str  # the disaggregated split's mode
+    disaggregated: Candidate | None  # the best split (None: not searched, or `split_blocker`)
+    colocated: ColocatedCost | None  # None: not computed, or impossible (`blocker` says why)
+    blocker: str | None = None  # why this budget cannot be colocated
+    split_blocker: str | None = None  # why it cannot be split (too small for engine + trainer)
+
+    @property
+    def disaggregated_s(self) -> float | None:
+        return self.disaggregated.step(self.mode) if self.disaggregated is not None else None
+
+    @property
+    def winner(self) -> str | None:
+        """The faster placement (a tie: disaggregated, which runs every mode), or the only
+        possible one; None when a side was not computed."""
+        d, c = self.disaggregated_s, self.colocated
+        if d is not None and c is not None:
+            return "colocated" if c.step_s < d else "disaggregated"
+        if d is not None and self.blocker:
+            return "disaggregated"
+        if c is not None and self.split_blocker:
+            return "colocated"
+        return None
+
+    @property
+    def ratio(self) -> float | None:
+        """The loser's step time over the winner's (>= 1)."""
+        d, c = self.disaggregated_s, self.colocated
+        if d is None or c is None:
+            return None
+        return max(d, c.step_s) / min(d, c.step_s)
+
+    @property
+    def reason(self) -> str:
+        d, c = self.disaggregated, self.colocated
+        parts = []
+        if c is None:
+            parts.append(f"colocated is not possible: {self.blocker}")
+        else:
+            if mode_blocker(self.mode):
+                parts.append(f"{mode_blocker(self.mode)}; its sync step is compared")
+            parts.append(f"colocated {c.step_s:.1f} s/step = generation {c.gen_s:.1f} s on "
+                         f"{c.gpus} GPUs ({c.engines} engines) + training {c.train_s:.1f} s on "
+                         f"{c.gpus} GPUs + turns {c.turn_s:.1f} s (sleep {c.sleep_s:.1f}, wake "
+                         f"{c.wake_s:.1f})")
+        if self.split_blocker:
+            parts.append(f"disaggregated is not possible: {self.split_blocker}")
+        if d is not None:
+            parts.append(f"disaggregated {d.step(self.mode):.1f} s/step ({self.mode}) = "
+                         f"{d.x} GPUs generate, {d.y} train (P_gen {d.gen_s:.1f} s, P_train "
+                         f"{d.train_s:.1f} s)")
+        if self.ratio is not None:
+            parts.append(f"{self.winner} is faster by {self.ratio:.2f}x")
+        return "; ".join(parts)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"mode": self.mode, "winner": self.winner, "ratio": self.ratio,
+                "disaggregated_step_s": self.disaggregated_s,
+                "disaggregated": self.disaggregated.to_json() if self.disaggregated else None,
+                "colocated": self.colocated.to_json() if self.colocated else None,
+                "colocated_blocker": self.blocker, "disaggregated_blocker": self.split_blocker,
+                "colocated_mode_blocker": mode_blocker(self.mode),
+                "reason": self.reason}
+
+
+def flips(points: Sequence[tuple[Any, PlacementChoice]]) -> list[tuple[Any, Any, str, str]]:
+    """Where the winner changes along a sweep: (value before, value after, winner before,
+    winner after) for each neighbouring pair of points whose winners differ."""
+    out = []
+    for (a, pa), (b, pb) in zip(points, points[1:]):
+        if pa.winner and pb.winner and pa.winner != pb.winner:
+            out.append((a, b, pa.winner, pb.winner))
+    return out

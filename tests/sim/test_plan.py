@@ -262,3 +262,141 @@ def test_cli_errors_name_what_and_where(argv, message):
     with pytest.raises(SystemExit) as e:
         main(["plan", *argv])
     assert message in str(e.value)
+
+
+# -- placement: colocated (turns on every GPU, sync only) against the best split -------------
+
+def colocated_cost(n, gen, train, turn_s, units=P.Units()):
+    return P.ColocatedCost(n, n // units.gen, (gen(n),), train(n).train_s, turn_s / 2, turn_s / 2)
+
+
+def choose(n, gen, train, turn_s, mode="sync", units=P.Units()):
+    split = P.plan_single(n, gen, train, units, mode).chosen
+    return P.PlacementChoice(mode, split, colocated_cost(n, gen, train, turn_s, units))
+
+
+@settings(max_examples=150, deadline=None)
+@given(n=st.integers(2, 64), a=st.floats(1, 1e4), b=st.floats(0, 200), c=st.floats(1, 1e4),
+       d=st.floats(0, 50), turn=st.floats(0, 100), mode=st.sampled_from(P.MODES))
+def test_the_faster_placement_wins_by_its_ratio(n, a, b, c, d, turn, mode):
+    gen, train = gen_model(a, b), train_model(c, d)
+    ch = choose(n, gen, train, turn, mode)
+    colo = gen(n) + train(n).train_s + turn  # rollout + train + turns, all on n GPUs
+    assert ch.colocated.step_s == pytest.approx(colo)
+    split = ch.disaggregated.step(mode)
+    assert ch.winner == ("colocated" if colo < split else "disaggregated")
+    assert ch.ratio == pytest.approx(max(colo, split) / min(colo, split)) and ch.ratio >= 1
+    assert (P.mode_blocker(mode) is None) == (mode == "sync")
+
+
+def test_the_winner_flips_where_the_turn_cost_crosses_the_split_saving():
+    """Colocated gives both stages every GPU and pays the turns: it wins while the turns cost
+    less than what the split loses to having each stage on part of the GPUs."""
+    gen, train = gen_model(960.0, 20.0), train_model(320.0, 5.0, sync=2.0)
+    n = 16
+    split = P.plan_single(n, gen, train, P.Units(), "sync").chosen.step("sync")
+    saving = split - (gen(n) + train(n).train_s)  # the break-even turn cost
+    assert saving > 0
+    turns = [0.0, saving / 2, saving * 0.999, saving * 1.001, 2 * saving, 100.0]
+    points = [(t, choose(n, gen, train, t)) for t in turns]
+    assert [p.winner for _, p in points] == ["colocated"] * 3 + ["disaggregated"] * 3
+    assert P.flips(points) == [(turns[2], turns[3], "colocated", "disaggregated")]
+
+
+def test_a_tail_bound_rollout_flips_towards_disaggregated_as_gpus_grow():
+    """Generation bound by its longest response (flat past a few engines) gains nothing from
+    every GPU, so colocation's gain is the trainer's share: as n grows the split's trainer is
+    already fast, the fixed turns stay, and the winner flips; `flips` finds where."""
+    gen = lambda x: 60.0 + 240.0 / min(x, 4)  # noqa: E731 - flat from 4 engines
+    train = train_model(400.0, 5.0, sync=2.0)
+    points = [(n, choose(n, gen, train, turn_s=8.0)) for n in (4, 8, 16, 32, 64)]
+    winners = [p.winner for _, p in points]
+    for n, p in points:  # each winner is what the numbers say
+        assert p.winner == min(("colocated", p.colocated.step_s),
+                               ("disaggregated", p.disaggregated_s), key=lambda w: w[1])[0]
+    assert winners[0] == "colocated" and winners[-1] == "disaggregated"
+    assert P.flips(points) == [(a, b, wa, wb) for (a, pa), (b, pb) in zip(points, points[1:])
+                               if (wa := pa.winner) != (wb := pb.winner)]
+
+
+def test_colocated_blockers():
+    assert P.colocated_blocker(8, P.Units(2, 2)) is None
+    assert "3 GPUs are not whole engines of 2 GPUs" in P.colocated_blocker(3, P.Units(2, 1))
+    assert "not whole engines of 1 GPU and whole trainer replicas of 8" in P.colocated_blocker(
+        12, P.Units(1, 8))
+    assert "cannot run async mode" in P.mode_blocker("async")
+    gen, train = gen_model(100.0, 1.0), train_model(100.0, 1.0)
+    split = P.plan_single(8, gen, train, P.Units(), "sync").chosen
+    assert P.PlacementChoice("sync", split, None, blocker="why").winner == "disaggregated"
+    only = P.PlacementChoice("sync", None, colocated_cost(2, gen, train, 1.0),
+                             split_blocker="too small")
+    assert only.winner == "colocated" and only.ratio is None
+    assert P.PlacementChoice("sync", None, colocated_cost(2, gen, train, 1.0)).winner is None
+
+
+def _agrees(choice):
+    """The JSON's winner and ratio are what its own step times say."""
+    d, c = choice["disaggregated_step_s"], choice["colocated"]["sync_step_s"]
+    assert choice["winner"] == ("colocated" if c < d else "disaggregated")
+    assert choice["ratio"] == pytest.approx(max(c, d) / min(c, d))
+
+
+def test_cli_placement_both_prints_a_winner_that_agrees_with_the_numbers(capsys, tmp_path):
+    cache = tmp_path / "cache.json"
+    argv = ["plan", "--gpus", "8", "--placement", "both", "--train-unit", "2", "--cache",
+            str(cache), *SMALL]
+    assert main([*argv, "--json", "--verify"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    choice = plan["placement_choice"]
+    _agrees(choice)
+    assert choice["disaggregated"] == plan["chosen"]  # the best split, as without --placement
+    colo = choice["colocated"]
+    assert (colo["gpus"], colo["engines"]) == (8, 8) and choice["colocated_mode_blocker"] is None
+    assert colo["sync_step_s"] == pytest.approx(colo["gen_s"] + colo["train_s"] + colo["turn_s"])
+    assert colo["turn_s"] == pytest.approx(sum(colo["turn_parts_s"].values()))
+    # the sync policy trains what it generated: the model is the simulated colocated loop
+    assert plan["verified"]["colocated"] == pytest.approx(colo["sync_step_s"], rel=1e-6)
+    assert main(argv) == 0  # text, from the cache
+    out = capsys.readouterr().out
+    assert "| colocated | 8 (8 engines) | 8 | sync |" in out
+    assert f"Faster: {choice['winner']}, by {choice['ratio']:.2f}x" in out
+    # async: colocated cannot run it; its sync step is compared with the split's async step
+    assert main([*argv, "--mode", "async", "--json"]) == 0
+    choice = json.loads(capsys.readouterr().out)["placement_choice"]
+    assert "cannot run async mode" in choice["colocated_mode_blocker"]
+    assert choice["disaggregated_step_s"] == choice["disaggregated"]["async_step_s"]
+    _agrees(choice)
+    assert main([*argv, "--mode", "stream"]) == 0
+    assert "Colocated cannot run stream mode" in capsys.readouterr().out
+
+
+def test_cli_sweep_says_where_the_winner_flips(capsys, tmp_path):
+    assert main(["plan", "--sweep", "gpus=4,8,16", "--train-unit", "2", "--json", *SMALL]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["sweep"] == "gpus" and [p["gpus"] for p in out["points"]] == [4, 8, 16]
+    winners = []
+    for p in out["points"]:
+        _agrees(p["placement_choice"])
+        winners.append(p["placement_choice"]["winner"])
+    gpus = [4, 8, 16]
+    assert out["flips"] == [{"between": [a, b], "from": wa, "to": wb}
+                            for a, b, wa, wb in zip(gpus, gpus[1:], winners, winners[1:])
+                            if wa != wb]
+    assert main(["plan", "--sweep", "gpus=4,8,16", "--train-unit", "2", *SMALL]) == 0
+    text = capsys.readouterr().out
+    assert "| gpus | best split (gen + train) |" in text
+    assert ("Flips between" in text) == bool(out["flips"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--placement", "colocated", "--gen-budget", "4", "--train-budget", "4"],
+     "--placement colocated needs --gpus"),
+    (["--placement", "colocated", "--gpus", "3", "--profile", "h100-qwen3-4b-tp2-april"],
+     "3 GPUs are not whole engines of 2 GPUs"),
+    (["--sweep", "cap=1024", "--placement", "colocated"],
+     "give --gpus N"),
+])
+def test_cli_placement_errors(argv, message):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", *argv])
+    assert message in str(e.value)
