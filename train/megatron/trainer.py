@@ -37,6 +37,15 @@ from rlkit.train.packing import PackedRows, pack_samples
 from rlkit.train.protocol import Policy
 
 
+def _device_used(device: torch.device) -> float | None:
+    """Bytes in use on a CUDA device, by every process (the colocated engine's share too);
+    None on CPU."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return float(total - free)
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -388,10 +397,11 @@ class MegatronTrainer:
 
     def export_hf(self, path: str | Path) -> Path | None:
         """Write an HF model folder (collective over TP; DP rank 0 / TP rank 0 writes it)."""
-        weights = self._sender_hf_weights()
-        if weights is None:
-            return None
-        return save_hf_folder(path, weights, self.hf_config, side_files_from=self.model_path)
+        with self._on_device():
+            weights = self._sender_hf_weights()
+            if weights is None:
+                return None
+            return save_hf_folder(path, weights, self.hf_config, side_files_from=self.model_path)
 
     def sync_weights(
         self,
@@ -428,9 +438,10 @@ class MegatronTrainer:
             raise ValueError("sync_weights(method='disk') needs a folder or train.weight_sync.disk_dir")
         moved: dict[str, float] = {}
         if colocated:
-            moved.update(self.offload.offload(("grads", "optimizer")))
-            moved.update(self.offload.onload(("params",)))  # sent from the device
-        after_send = (lambda: moved.update(self.offload.offload(("params",)))) if colocated else None
+            self._moved(moved, "offload", self.offload.offload(("grads", "optimizer")))
+            self._moved(moved, "onload", self.offload.onload(("params",)))  # sent from the device
+        after_send = ((lambda: self._moved(moved, "offload", self.offload.offload(("params",))))
+                      if colocated else None)
         report = None
         if not engines:
             self.version = version
@@ -464,8 +475,9 @@ class MegatronTrainer:
             return report
         if report is None:
             return None
-        return {**moved, "sync/bytes": float(report.bytes),
-                "sync/paused_seconds": report.seconds_paused}
+        used = _device_used(self.device)  # the engines awake again: what generation has
+        return {**moved, "sync/bytes": float(report.bytes), "sync/paused_seconds": report.seconds_paused,
+                **({"colocate/device_used_generating_bytes": used} if used is not None else {})}
 
     def sleep_engines(self, engines: Sequence[str], fresh: Sequence[str] = ()) -> dict[str, float] | None:
         """Colocated, the turn to training (collective): the sending rank puts the engines to
@@ -487,8 +499,36 @@ class MegatronTrainer:
             dist.barrier()
         if failure is not None:
             raise failure
-        report.update(self.offload.onload(("params", "grads", "optimizer")))
+        asleep = _device_used(self.device)
+        self._moved(report, "onload", self.offload.onload(("params", "grads", "optimizer")))
+        training = _device_used(self.device)
+        if asleep is not None:  # device-wide, the engines' share included
+            report.update({"colocate/device_used_asleep_bytes": asleep,
+                           "colocate/device_used_training_bytes": training})
         return report if self.rank.rank == 0 else None
+
+    @staticmethod
+    def _moved(into: dict[str, float], direction: str, report: dict[str, float]) -> None:
+        """Add one TrainerOffload report to a turn's metrics (several moves make one turn;
+        one that moved nothing, e.g. parameters already on the device, adds no key)."""
+        if not report["bytes"]:
+            return
+        for key, value in ((f"colocate/trainer_{direction}ed_bytes", report["bytes"]),
+                           (f"colocate/trainer_{direction}_seconds", report["seconds"])):
+            into[key] = into.get(key, 0.0) + float(value)
+
+    @contextlib.contextmanager
+    def _on_device(self) -> Iterator[None]:
+        """The whole state on the device for a moment (a checkpoint, an export) and back where
+        it was: an offloaded tensor must never be read (train/megatron/offload.py)."""
+        away = self._offload.offloaded if self._offload is not None else ()
+        if away:
+            self._offload.onload(away)
+        try:
+            yield
+        finally:
+            if away:
+                self._offload.offload(away)
 
     def _weight_sender(self):
         from rlkit.train.weight_sync.sender import WeightSender
@@ -529,10 +569,12 @@ class MegatronTrainer:
     def save(self, path: str | Path) -> None:
         from rlkit.train.megatron.checkpoint import save_checkpoint
 
-        save_checkpoint(self, Path(path))
+        with self._on_device():  # colocated: between steps the state is off the device
+            save_checkpoint(self, Path(path))
 
     def load(self, path: str | Path) -> None:
         from rlkit.train.megatron.checkpoint import load_checkpoint
 
-        load_checkpoint(self, Path(path))
+        with self._on_device():
+            load_checkpoint(self, Path(path))
 
