@@ -112,14 +112,19 @@ def test_grpo_with_partial_rollouts_end_to_end_and_resume(tmp_path, monkeypatch)
     assert processes_with(str(model_dir)) == []
 
 
-def test_tail_batching_end_to_end_with_a_long_round_and_dynamic_sampling(tmp_path, monkeypatch):
+def test_tail_batching_colocated_end_to_end_with_a_long_round_and_dynamic_sampling(tmp_path, monkeypatch):
     """Short rounds defer what does not finish; the run's last step (at the latest) is a long
     round that trains the deferred prompts; zero-variance groups are filtered and replaced;
-    everything balances and nothing is left running."""
+    everything balances and nothing is left running. Colocated: the rounds are unchanged while
+    the engines sleep for every training (tail batching disaggregated: tests/e2e/
+    test_modes_tiny.py)."""
+    from tests.e2e.test_colocated import assert_took_turns
+
     monkeypatch.setenv("RLKIT_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "runs"
     recipe = load_recipe(ROOT / "recipes" / "grpo_tiny_tail_ci.yaml", [
         f"run.output_dir={out}", "tracking.progress=false", "run.num_steps=3",
+        "cluster.placement=colocated",
     ])
     state = train(recipe)
     run_dir = out / recipe.run.name
@@ -137,39 +142,11 @@ def test_tail_batching_end_to_end_with_a_long_round_and_dynamic_sampling(tmp_pat
     assert metrics[-1]["rollout/round"] == "long" or metrics[-1]["rollout/long_queue"] == 0
     assert all(r["batch/groups"] == recipe.rollout.batch_size for r in metrics)
     assert all(r["buffer/balanced"] for r in metrics)
+    assert_took_turns(metrics, recipe.rollout.engine.num_engines)
     # every group dropped was filtered (zero variance), and each was counted in its step
     assert metrics[-1]["buffer/dropped"] == sum(r["rollout/filtered_groups"] for r in metrics)
     heads = [json.loads(x) for x in (run_dir / "timeline.jsonl").read_text().splitlines()
              if '"kind": "step"' in x]
     assert [h["round"] for h in heads] == rounds
-    model_dir = Path(os.environ["RLKIT_CACHE"]) / "models" / "tiny"
-    assert processes_with(str(model_dir)) == []
-
-
-def test_ranked_dispatch_with_the_history_ranker_end_to_end(tmp_path, monkeypatch):
-    """Partial rollouts placed and ordered by the history ranker's predictions on the real
-    engines: the ranker's recall is logged every step, its state is in every checkpoint, and
-    the trained groups are recorded with their predictions."""
-    monkeypatch.setenv("RLKIT_CACHE", str(tmp_path / "cache"))
-    out = tmp_path / "runs"
-    recipe = load_recipe(ROOT / "recipes" / "grpo_tiny_ci.yaml", [
-        f"run.output_dir={out}", "tracking.progress=false", "run.num_steps=3",
-        "checkpoint.every_steps=1", "rollout.policy=ranked_dispatch",
-        "rollout.ranked_dispatch.base=partial", "rollout.ranker.name=history",
-    ])
-    state = train(recipe)
-    run_dir = out / recipe.run.name
-    assert (state.step, state.version) == (3, 3)
-    metrics = rows(run_dir)
-    assert all(r["buffer/balanced"] and r["buffer/dropped"] == 0 for r in metrics)
-    assert all("rollout/ranker_recall@20" in r and "rollout/dispatch/long_engines" in r
-               for r in metrics)
-    assert sum(r["rollout/groups_resumed"] for r in metrics[1:]) > 0  # partial underneath
-    groups = [json.loads(x) for x in (run_dir / "groups.jsonl").read_text().splitlines()]
-    assert len(groups) == 3 * recipe.rollout.batch_size
-    assert all(g["predicted"] is not None for g in groups)
-    saved = json.loads(__import__("gzip").open(latest_checkpoint(run_dir).buffer_file).read())
-    ranker = saved["attached"]["ranker"]
-    assert ranker["type"] == "HistoryRanker" and ranker["state"]["recent"]
     model_dir = Path(os.environ["RLKIT_CACHE"]) / "models" / "tiny"
     assert processes_with(str(model_dir)) == []

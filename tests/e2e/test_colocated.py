@@ -1,0 +1,96 @@
+"""Colocated placement end to end on the tiny model, for real: Ray places each engine in a
+trainer rank's bundle, the sglang-router, built-in engines and megatron-core. Every step the
+engines sleep (releasing KV cache and weights) while the trainer trains with its state loaded,
+then wake with the new weights passed by shared memory while the trainer frees its state.
+Partial rollouts park groups with their tokens across the sleep, the ranker places and orders
+them, and an engine killed as it wakes is restarted with nothing lost. (Tail batching runs
+colocated in tests/e2e/test_train_tiny.py.)"""
+
+import gzip
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from rlkit.buffers.fault_switch import ENGINE_FAULT_ENV, read_fired
+from rlkit.checkpoint import latest_checkpoint
+from rlkit.config import load_recipe
+from rlkit.driver.placement import PlacementError
+from rlkit.driver.run import train
+from tests.e2e.test_engine_faults import hold_until_restarted
+from tests.e2e.test_train_tiny import processes_with, rows
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+
+def assert_took_turns(metrics: list[dict], engines: int) -> None:
+    """Every step the engines slept, freeing KV and weights, the trainer loaded its state and
+    freed it again, and the engines woke with the weights (in memory)."""
+    for m in metrics:
+        assert m["colocate/engines_slept"] == engines, m["step"]
+        assert m["colocate/engine_freed_bytes"] > 0
+        assert m["colocate/trainer_onloaded_bytes"] > 0 and m["colocate/trainer_offloaded_bytes"] > 0
+        assert m["sync/bytes"] > 0 and m["colocate/sleep_seconds"] > 0 and m["colocate/wake_seconds"] > 0
+
+
+def test_ranked_partial_rollouts_colocated_survive_an_engine_lost_as_it_wakes(tmp_path, monkeypatch):
+    """Partial rollouts placed and ordered by the history ranker, colocated. One engine is
+    killed by its switch as the wake at the end of step 1 reaches it (its first
+    /resume_memory_occupation): the wake goes on with the engine left, the lost one is
+    restarted and given the weights before it serves, and nothing is lost. The trainer holds at
+    step 3 until the restarted engine answers (a condition, not a step count). The checkpoint
+    of every step is written with the trainer's state off the device (it comes back for the
+    save) and holds the ranker's state."""
+    steps = 5
+    monkeypatch.setenv("RLKIT_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "runs"
+    r = load_recipe(ROOT / "recipes" / "grpo_tiny_ci.yaml", [
+        f"run.output_dir={out}", "tracking.progress=false", f"run.num_steps={steps}",
+        "cluster.placement=colocated", "checkpoint.every_steps=1",
+        "rollout.policy=ranked_dispatch", "rollout.ranked_dispatch.base=partial",
+        "rollout.ranker.name=history",
+        "rollout.health.interval_s=1", "rollout.health.probe_timeout_s=4",
+        "rollout.health.hung_after_timeouts=2", "rollout.health.restart_backoff_s=0.5",
+    ])
+    assert r.train.weight_sync.method == "tensor"  # auto, colocated on CPU: shared memory
+    run_dir = out / r.run.name
+    model_dir = str(Path(os.environ["RLKIT_CACHE"]) / "models" / "tiny")
+    folder, held = tmp_path / "fault", tmp_path / "hold"
+    monkeypatch.setenv(ENGINE_FAULT_ENV, f"action=kill,at=/resume_memory_occupation,dir={folder}")
+    releaser = hold_until_restarted(monkeypatch, model_dir, folder, held, step=3)
+    state = train(r)
+    releaser.join(timeout=30)
+    assert read_fired(folder)["at"] == "/resume_memory_occupation"
+    assert (state.step, state.version) == (steps, steps)
+    m = rows(run_dir)
+    assert [x["version"] for x in m] == list(range(1, steps + 1))
+    assert all(x["buffer/balanced"] and x["buffer/dropped"] == 0 for x in m)
+    assert all(x["batch/groups"] == r.rollout.batch_size for x in m)
+    assert_took_turns(m[:1], 2)  # both engines took turns until one was lost in the first wake
+    assert_took_turns(m[-1:], 2)  # and the restarted one takes them by the end
+    assert [x["engines/lost"] for x in m[:2]] == [0, 1]
+    assert (m[-1]["engines/lost"], m[-1]["engines/restarted"], m[-1]["engines/serving"]) == (1, 1, 2)
+    # partial rollouts parked with their tokens before each sleep, resumed after the wake
+    assert sum(x["rollout/groups_resumed"] for x in m[1:]) > 0
+    assert all("rollout/ranker_recall@20" in x for x in m)
+    groups = rows(run_dir, "groups.jsonl")
+    ids = [g["group_id"] for g in groups]
+    assert len(ids) == len(set(ids)) == steps * r.rollout.batch_size  # nothing lost or twice
+    assert all(g["predicted"] is not None for g in groups)
+    ranker = json.loads(gzip.open(latest_checkpoint(run_dir).buffer_file).read())["attached"]["ranker"]
+    assert ranker["type"] == "HistoryRanker" and ranker["state"]["recent"]
+    assert processes_with(model_dir) == []
+
+
+def test_the_one_gpu_recipe_says_it_needs_a_gpu_on_a_cpu_machine(tmp_path, monkeypatch):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    monkeypatch.setenv("RLKIT_CACHE", str(tmp_path / "cache"))
+    r = load_recipe(ROOT / "recipes" / "grpo_smollm2_1gpu.yaml",
+                    [f"run.output_dir={tmp_path}", "model.path=tiny", "tracking.progress=false"])
+    with pytest.raises(PlacementError, match="needs a CUDA GPU .*no node of the Ray cluster has one"):
+        train(r)
