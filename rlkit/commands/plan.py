@@ -501,18 +501,20 @@ def format_choice(choice: Any, e: dict[str, Any]) -> str:
              "sync mode only):", "",
              "| placement | gen GPUs | train GPUs | mode | P_gen s | train s | sync or turns s | "
              "step s | |", "|---|---:|---:|---|---:|---:|---:|---:|---|"]
-    if d is not None:
-        lines.append(f"| disaggregated (best split) | {d.x} | {d.y} | {mode} | {d.gen_s:.1f} | "
-                     f"{d.cost.train_s:.1f} | {d.cost.sync_s:.1f} | {d.step(mode):.1f} | "
-                     f"{'**faster**' if win == 'disaggregated' and c is not None else ''} |")
-    elif choice.split_blocker:
-        lines.append(f"| disaggregated | | | | | | | | not possible: {choice.split_blocker} |")
-    if c is not None:
-        lines.append(f"| colocated | {c.gpus} ({c.engines} engines) | {c.gpus} | sync | "
-                     f"{c.gen_s:.1f} | {c.train_s:.1f} | {c.turn_s:.1f} | {c.step_s:.1f} | "
-                     f"{'**faster**' if win == 'colocated' and d is not None else ''} |")
-    elif choice.blocker:
-        lines.append(f"| colocated | | | | | | | | not possible: {choice.blocker} |")
+    def row(name: str, cells: tuple[Any, ...], tag: str, blocked: str | None) -> None:
+        if cells:
+            nums = " | ".join(f"{v:.1f}" if isinstance(v, float) else str(v) for v in cells)
+            lines.append(f"| {name} | {nums} | {'**faster**' if win == tag else ''} |")
+        elif blocked:
+            lines.append(f"| {name} | | | | | | | | not possible: {blocked} |")
+
+    both = d is not None and c is not None  # "faster" only beside the other
+    row("disaggregated (best split)", (d.x, d.y, mode, d.gen_s, d.cost.train_s, d.cost.sync_s,
+                                       d.step(mode)) if d else (),
+        "disaggregated" if both else "", choice.split_blocker)
+    engines = f"{c.engines} engine{'s' * (c.engines != 1)}" if c else ""
+    row("colocated", (f"{c.gpus} ({engines})", c.gpus, "sync", c.gen_s, c.train_s, c.turn_s,
+                      c.step_s) if c else (), "colocated" if both else "", choice.blocker)
     lines.append("")
     if c is not None:
         parts = ", ".join(f"{k.removeprefix('colocate/').removesuffix('_seconds')} {v:.2f}"

@@ -550,8 +550,9 @@ class PlacementChoice:
         if c is None:
             parts.append(f"colocated is not possible: {self.blocker}")
         else:
-            if mode_blocker(self.mode):
-                parts.append(f"{mode_blocker(self.mode)}; its sync step is compared")
+            why = mode_blocker(self.mode)
+            if why:
+                parts.append(f"{why}; its sync step is {'compared' if d else 'shown'}")
             parts.append(f"colocated {c.step_s:.1f} s/step = generation {c.gen_s:.1f} s on "
                          f"{c.gpus} GPUs ({c.engines} engines) + training {c.train_s:.1f} s on "
                          f"{c.gpus} GPUs + turns {c.turn_s:.1f} s (sleep {c.sleep_s:.1f}, wake "
