@@ -8,17 +8,15 @@ colocated in tests/e2e/test_train_tiny.py.)"""
 
 import gzip
 import json
-import os
 from pathlib import Path
 
 import pytest
 
-from rlkit.buffers.fault_switch import ENGINE_FAULT_ENV, read_fired
 from rlkit.checkpoint import latest_checkpoint
 from rlkit.config import load_recipe
 from rlkit.driver.placement import PlacementError
 from rlkit.driver.run import train
-from tests.e2e.test_engine_faults import hold_until_restarted
+from tests.e2e.test_engine_faults import QUICK_HEALTH, train_killing_at
 from tests.e2e.test_train_tiny import processes_with, rows
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,18 +49,11 @@ def test_ranked_partial_rollouts_colocated_survive_an_engine_lost_as_it_wakes(tm
         "cluster.placement=colocated", "checkpoint.every_steps=1",
         "rollout.policy=ranked_dispatch", "rollout.ranked_dispatch.base=partial",
         "rollout.ranker.name=history",
-        "rollout.health.interval_s=1", "rollout.health.probe_timeout_s=4",
-        "rollout.health.hung_after_timeouts=2", "rollout.health.restart_backoff_s=0.5",
+        *QUICK_HEALTH,
     ])
     assert r.train.weight_sync.method == "tensor"  # auto, colocated on CPU: shared memory
     run_dir = out / r.run.name
-    model_dir = str(Path(os.environ["RLKIT_CACHE"]) / "models" / "tiny")
-    folder, held = tmp_path / "fault", tmp_path / "hold"
-    monkeypatch.setenv(ENGINE_FAULT_ENV, f"action=kill,at=/resume_memory_occupation,dir={folder}")
-    releaser = hold_until_restarted(monkeypatch, model_dir, folder, held, step=3)
-    state = train(r)
-    releaser.join(timeout=30)
-    assert read_fired(folder)["at"] == "/resume_memory_occupation"
+    state, model_dir = train_killing_at(monkeypatch, r, tmp_path, "/resume_memory_occupation")
     assert (state.step, state.version) == (steps, steps)
     m = rows(run_dir)
     assert [x["version"] for x in m] == list(range(1, steps + 1))

@@ -33,6 +33,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration]
 STEPS = 6  # the trainer holds at step FAULT_STEP + 1 until the restarted engine answers
 FAULT_STEP = 2  # its rollout runs at weight version FAULT_STEP - 1 (sync mode)
 SERVER = "rlkit.rollout.engines.builtin.hf_server"
+# A lost engine found within seconds (a hang in two 4 s probes) and restarted at once.
+QUICK_HEALTH = ("rollout.health.interval_s=1", "rollout.health.probe_timeout_s=4",
+                "rollout.health.hung_after_timeouts=2", "rollout.health.restart_backoff_s=0.5")
 
 
 def set_engine_fault(monkeypatch, folder: Path, action: str, tokens: int, **more: object) -> None:
@@ -127,6 +130,22 @@ class RestartWatcher(threading.Thread):
             time.sleep(0.05)
 
 
+def train_killing_at(monkeypatch, r, tmp_path: Path, endpoint: str, *, hold_step: int = 3):
+    """Train `r` with one engine killed by its switch at its first call to `endpoint`, the
+    trainer held at step `hold_step` until the restarted engine answers; checks the fault fired
+    there. Returns the run's LoopState and the model folder (for the process check)."""
+    model_dir = str(Path(os.environ["RLKIT_CACHE"]) / "models" / "tiny")
+    folder, held = tmp_path / "fault", tmp_path / "hold"
+    monkeypatch.setenv(ENGINE_FAULT_ENV, f"action=kill,at={endpoint},dir={folder}")
+    releaser = hold_until_restarted(monkeypatch, model_dir, folder, held, step=hold_step)
+    state = train(r)
+    releaser.join(timeout=30)
+    fired = read_fired(folder)
+    assert fired is not None and fired["at"] == endpoint and fired["calls"] == 1
+    assert read_fired(held)["step"] == hold_step
+    return state, model_dir
+
+
 def hold_until_restarted(monkeypatch, model_dir: str, folder: Path, held: Path, *,
                          step: int) -> threading.Thread:
     """Hold the run's trainer at step `step` (its test-only switch, action=hold) until the
@@ -168,8 +187,7 @@ def test_an_engine_lost_mid_step_is_survived_and_restarted(tmp_path, monkeypatch
         # every response runs to 48 tokens: step 2 streams 8 x 48, so some engine gets to the
         # fault's 16th token with requests still running
         "rollout.sampling.ignore_eos=true",
-        "rollout.health.interval_s=1", "rollout.health.probe_timeout_s=4",
-        "rollout.health.hung_after_timeouts=2", "rollout.health.restart_backoff_s=0.5",
+        *QUICK_HEALTH,
         # the router would itself retry, from scratch, a killed request that had streamed
         # nothing yet, and rlkit would never see it lost (the one the fault strikes has tokens)
         "rollout.router.max_retries=0", "rollout.engine.stream_interval=1",
@@ -292,19 +310,10 @@ def test_an_engine_lost_during_a_weight_sync_is_survived_and_restarted(tmp_path,
     r = load_recipe(ROOT / "recipes" / "grpo_tiny_ci.yaml", [
         f"run.output_dir={out}", "tracking.progress=false", f"run.num_steps={steps}",
         "rollout.policy=sync", "train.weight_sync.method=distributed",
-        "rollout.health.interval_s=1", "rollout.health.probe_timeout_s=4",
-        "rollout.health.hung_after_timeouts=2", "rollout.health.restart_backoff_s=0.5",
+        *QUICK_HEALTH,
     ])
     run_dir = out / r.run.name
-    model_dir = str(Path(os.environ["RLKIT_CACHE"]) / "models" / "tiny")
-    folder, held = tmp_path / "fault", tmp_path / "hold"
-    monkeypatch.setenv(ENGINE_FAULT_ENV, f"action=kill,at=/begin_weight_update,dir={folder}")
-    releaser = hold_until_restarted(monkeypatch, model_dir, folder, held, step=3)
-    state = train(r)
-    releaser.join(timeout=30)
-    fired = read_fired(folder)
-    assert fired is not None and fired["at"] == "/begin_weight_update" and fired["calls"] == 1
-    assert read_fired(held)["step"] == 3
+    state, model_dir = train_killing_at(monkeypatch, r, tmp_path, "/begin_weight_update")
     assert (state.step, state.version) == (steps, steps)
     m = rows(run_dir)
     assert all(x["buffer/balanced"] for x in m) and not any(
