@@ -130,18 +130,19 @@ class RestartWatcher(threading.Thread):
             time.sleep(0.05)
 
 
-def train_killing_at(monkeypatch, r, tmp_path: Path, endpoint: str, *, hold_step: int = 3):
-    """Train `r` with one engine killed by its switch at its first call to `endpoint`, the
+def train_killing_at(monkeypatch, r, tmp_path: Path, endpoint: str, *, calls: int = 1,
+                     hold_step: int = 3):
+    """Train `r` with one engine killed by its switch at its `calls`-th call to `endpoint`, the
     trainer held at step `hold_step` until the restarted engine answers; checks the fault fired
     there. Returns the run's LoopState and the model folder (for the process check)."""
     model_dir = str(Path(os.environ["RLKIT_CACHE"]) / "models" / "tiny")
     folder, held = tmp_path / "fault", tmp_path / "hold"
-    monkeypatch.setenv(ENGINE_FAULT_ENV, f"action=kill,at={endpoint},dir={folder}")
+    monkeypatch.setenv(ENGINE_FAULT_ENV, f"action=kill,at={endpoint},calls={calls},dir={folder}")
     releaser = hold_until_restarted(monkeypatch, model_dir, folder, held, step=hold_step)
     state = train(r)
     releaser.join(timeout=30)
     fired = read_fired(folder)
-    assert fired is not None and fired["at"] == endpoint and fired["calls"] == 1
+    assert fired is not None and fired["at"] == endpoint and fired["calls"] == calls
     assert read_fired(held)["step"] == hold_step
     return state, model_dir
 
