@@ -157,6 +157,7 @@ async def test_release_all_then_staged_wake_frees_memory_queues_requests_and_gen
         assert answer["output_ids"] == before[0]
         assert answer["meta_info"]["weight_version"] == "1"
         assert await greedy(session, engine) == before
+    assert ctl.gpu_ids() == []  # a CPU engine names no GPU (the NCCL check's input)
 
 
 async def test_release_is_refused_while_requests_run_and_allowed_once_they_are_retracted(

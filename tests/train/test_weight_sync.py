@@ -14,8 +14,9 @@ from rlkit.train.weight_sync.sender import WeightSender, WeightSyncError, bucket
 class RecordingEngine:
     """An EngineControl that records calls (and optionally fails one)."""
 
-    def __init__(self, url: str, log: list, fail_on: str | None = None, tp: int = 1) -> None:
-        self.url, self.log, self.fail_on, self.tp = url, log, fail_on, tp
+    def __init__(self, url: str, log: list, fail_on: str | None = None, tp: int = 1,
+                 gpus: tuple[str, ...] = ()) -> None:
+        self.url, self.log, self.fail_on, self.tp, self.gpus = url, log, fail_on, tp, list(gpus)
 
     def _rec(self, *call):
         self.log.append((self.url, *call))
@@ -23,6 +24,7 @@ class RecordingEngine:
             raise RuntimeError(f"{call[0]} refused")
 
     def tp_size(self): return self.tp
+    def gpu_ids(self): return self.gpus
     def pause(self, mode): self._rec("pause", mode)
     def flush_cache(self): self._rec("flush")
     def continue_generation(self): self._rec("continue")
@@ -309,3 +311,18 @@ def test_a_wake_that_fails_half_way_resumes_only_what_is_still_released(tmp_path
     sender.sync_from_disk(["http://a"], tmp_path / "v1", 1, write=lambda p: p.mkdir())
     assert [(c[0], *c[1:2]) for _, *c in log if c[0] == "resume"] == [("resume", ("kv_cache", "cuda_graph"))]
     assert sender.sleeping == {}
+
+
+def test_an_nccl_group_that_would_put_two_ranks_on_one_gpu_is_named_before_it_is_formed():
+    """The failure of a disaggregated run on one GPU ("Duplicate GPU detected : rank 0 and rank
+    1 both on CUDA device"): GPUs are compared by the UUIDs the engines report in /server_info;
+    an engine on the trainer's GPU, or on another engine's, is named (the trainer then syncs by
+    disk); engines that report none are taken to have GPUs of their own."""
+    log: list = []
+    engines = {"a": RecordingEngine("a", log, gpus=("GPU-1",)), "b": RecordingEngine("b", log, gpus=("GPU-1",)),
+               "c": RecordingEngine("c", log, gpus=("GPU-0",)), "d": RecordingEngine("d", log)}
+    sender = WeightSender(control_factory=lambda u: engines[u])
+    assert sender.nccl_conflict(["a", "d"], "GPU-0") is None
+    clash = sender.nccl_conflict(["a", "b", "c", "d"], "GPU-0")
+    assert clash.startswith("b (its GPU(s) ['node/GPU-1'] already have a rank") and "c (" in clash
+    assert "a (" not in clash and "d (" not in clash

@@ -104,6 +104,8 @@ class MegatronTrainer:
 
         self._sender = None  # WeightSender, on the rank that talks to engines
         self._offload = None  # TrainerOffload, made when colocated placement first asks
+        self._warned_nccl = False
+        self._nccl_clash: dict[tuple[str, ...], str | None] = {}
         self.step_count = 0  # optimizer steps taken
         self.version = 0  # policy version of these weights, as engines were told (see sync)
         self._reset_accumulation()
@@ -455,6 +457,8 @@ class MegatronTrainer:
         else:
             sender = self._weight_sender()
             sender.forget(fresh)
+            if method == "distributed" and self.device.type == "cuda" and (folder or ws.disk_dir):
+                method = self._nccl_safe(sender, engines)
             if method == "disk":
                 root = Path(folder if folder is not None else ws.disk_dir)
                 report = sender.sync_from_disk(
@@ -529,6 +533,25 @@ class MegatronTrainer:
         finally:
             if away:
                 self._offload.offload(away)
+
+    def _nccl_safe(self, sender, engines: Sequence[str]) -> str:
+        """'distributed', or 'disk' (said once) when an engine shares a GPU with this rank or
+        with another engine: NCCL never takes two ranks on one GPU, whatever the placement."""
+        from rlkit.train.weight_sync.in_memory import gpu_uuid
+
+        key = tuple(engines)
+        if key not in self._nccl_clash:  # asked once per set of engines, as the group is formed
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            self._nccl_clash[key] = sender.nccl_conflict(engines, gpu_uuid(index))
+        clash = self._nccl_clash[key]
+        if clash is None:
+            return "distributed"
+        if not self._warned_nccl:
+            self._warned_nccl = True
+            import warnings
+
+            warnings.warn(f"weight sync by disk instead of the NCCL broadcast: {clash}", stacklevel=2)
+        return "disk"
 
     def _weight_sender(self):
         from rlkit.train.weight_sync.sender import WeightSender

@@ -28,6 +28,7 @@ class EngineControl(Protocol):
     url: str
 
     def tp_size(self) -> int: ...
+    def gpu_ids(self) -> list[str]: ...
     def pause(self, mode: str) -> None: ...
     def flush_cache(self) -> None: ...
     def continue_generation(self) -> None: ...
@@ -85,6 +86,11 @@ class HttpEngineControl:
         """The engine's tensor-parallel size, from /server_info (SGLang lists its server
         arguments there): each TP rank joins a weight-update group as rank_offset + tp_rank."""
         return int(self._post("/server_info", None).get("tp_size") or 1)
+
+    def gpu_ids(self) -> list[str]:
+        """The UUIDs of the engine's GPUs, from /server_info (the built-in engine's `gpu_uuids`);
+        [] when it does not say (SGLang, or a CPU engine)."""
+        return [str(u) for u in self._post("/server_info", None).get("gpu_uuids") or []]
 
     def pause(self, mode: str) -> None:
         self._post("/pause_generation", {"mode": mode})

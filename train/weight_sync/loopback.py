@@ -77,6 +77,7 @@ class LoopbackControl:
         return answers[0][1]
 
     def tp_size(self) -> int: return len(self._conns)
+    def gpu_ids(self) -> list[str]: return []
     def pause(self, mode: str) -> None: self._ask("pause", mode)
     def flush_cache(self) -> None: self._ask("flush")
     def continue_generation(self) -> None: self._ask("continue")

@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from rlkit.train.weight_sync.engine_control import EngineControl, EngineControlError, HttpEngineControl
 from rlkit.train.weight_sync.group import join_weight_group, leave_weight_group
-from rlkit.train.weight_sync.topology import TopologyError, rank_offsets
+from rlkit.train.weight_sync.topology import Place, TopologyError, plan_weight_sync, rank_offsets
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
@@ -262,6 +262,22 @@ class WeightSender:
                 raise WeightSyncError(f"{c.url}: init_weights_update_group failed: {e}") from e
         self._group, self._group_name, self._group_engines, self._group_backend = group, name, key, backend
         return time.perf_counter() - t0
+
+    def nccl_conflict(self, engines: Sequence[str], trainer_gpu: str) -> str | None:
+        """Why an NCCL broadcast group with these engines would put two ranks on one GPU (NCCL
+        refuses: "Duplicate GPU detected"), or None. GPUs are compared by UUID: the trainer
+        rank's and those the engines report (/server_info); an engine that reports none is
+        taken to be on a GPU of its own. The rule is train/weight_sync/topology.py's."""
+        controls = self._controls(engines)
+        ids = self._on_all(controls, "server_info (gpu_uuids)", lambda c: c.gpu_ids())
+        sizes = self._on_all(controls, "server_info (tp_size)", lambda c: c.tp_size())
+        here = "node"  # UUIDs are unique across nodes: one name for every node will do
+        ranks = [[Place(here, gid) for gid in gids] if gids
+                 else [Place(here, f"unknown-{i}-{r}") for r in range(n)]
+                 for i, (gids, n) in enumerate(zip(ids, sizes))]
+        plan = plan_weight_sync(Place(here, trainer_gpu), ranks, method="distributed")
+        clash = [f"{controls[e.index].url} ({e.reason})" for e in plan.engines if e.method == "disk"]
+        return "; ".join(clash) or None
 
     def disconnect(self) -> None:
         if self._group is None:

@@ -101,6 +101,10 @@ class EngineCore:
             "context_length": self.decoder.context_length,
             "eos_token_ids": sorted(self.decoder.eos_token_ids),
             "device": str(self.device),
+            # the GPU's identity across processes (CUDA_VISIBLE_DEVICES renumbers indices): the
+            # trainer checks it before forming an NCCL group (never two ranks on one GPU)
+            "gpu_uuids": [str(torch.cuda.get_device_properties(self.device).uuid)]
+            if self.device.type == "cuda" else [],
             "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
             "max_running_requests": self.decoder.max_running_requests,
             "max_total_tokens": self.decoder.max_total_tokens,
