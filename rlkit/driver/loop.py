@@ -81,6 +81,8 @@ class Run:
     colocated: bool = False
     _turn: dict[str, float] = field(default_factory=dict)  # the step's colocation metrics
     _asleep: bool = False  # colocated, from the engines' sleep to the push that wakes them
+    # Restarted engines the trainer was told of (once: a later call may have put them to sleep)
+    _told_restarted: set[str] = field(default_factory=set)
     _last_end: float | None = None
     _eval: asyncio.Task | None = None
     _eval_skip: int | None = None  # a resumed run's checkpoint step: evaluated before the stop
@@ -150,6 +152,14 @@ class Run:
         await self.rollout.set_version(version)
         if restarted:
             await self.rollout.admit_engines(restarted)
+            self._told_restarted -= set(restarted)  # serving now: a later restart is news again
+
+    def _fresh(self, restarted: list[str]) -> list[str]:
+        """The restarted engines the trainer hears of for the first time: awake, whatever it
+        knew of their URL before. Told once, since the next call may put them to sleep."""
+        fresh = [u for u in restarted if u not in self._told_restarted]
+        self._told_restarted.update(fresh)
+        return fresh
 
     async def to_training(self) -> None:
         """Colocated: the engines sleep (the step's rollout is over, so they are idle) and the
@@ -165,10 +175,9 @@ class Run:
 
     async def _on_engines_left(self, call: Callable[[list[str], list[str]], Awaitable[T]]
                                ) -> tuple[T, list[str]]:
-        """`call(urls, restarted)` on the engines serving and those restarted (waiting for
-        weights; `restarted` lists them), and
-        again on the engines left while engines are lost during it. Returns its answer and the
-        restarted engines it reached."""
+        """`call(urls, fresh)` on the engines serving and those restarted (waiting for weights),
+        and again on the engines left while engines are lost during it; `fresh`: the restarted
+        ones the trainer has not been told of. Returns its answer and the restarted engines."""
         failure: Exception | None = None
         targets: list[str] = []
         while True:
@@ -179,7 +188,7 @@ class Run:
             # Every engine lost: the trainer still records the version (a checkpoint written
             # now must agree with the step's), and the next rollout step stops the run.
             try:
-                return await call(targets, restarted), restarted
+                return await call(targets, self._fresh(restarted)), restarted
             except Exception as e:
                 # An engine that died during the call fails it (a sync leaves the engines left
                 # paused): probe every engine (rollout.health takes the dead one out, and
@@ -197,8 +206,9 @@ class Run:
         async with self._weights:
             _, restarted = await self.rollout.engine_set()
             if restarted:
-                await self.trainer.push_weights(self.state.version, restarted, restarted)
+                await self.trainer.push_weights(self.state.version, restarted, self._fresh(restarted))
                 await self.rollout.admit_engines(restarted)
+                self._told_restarted -= set(restarted)
 
     async def end_step(self, result: RolloutResult, handed: Handed, **row: float) -> None:
         """Every mode's end of a step, once the trainer has all of its groups: what training

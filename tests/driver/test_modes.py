@@ -506,5 +506,19 @@ def test_engines_put_to_sleep_while_one_dies_go_on_asleep_without_it():
     assert trainer.slept == [(["a", "b"], []), (["a", "b2"], ["b2"])] and engines.sweeps == 1
     assert engines.held == [True]  # released by the push that wakes them
     assert run._turn["colocate/engine_freed_bytes"] == 5.0 and "colocate/sleep_seconds" in run._turn
+
+    # The wake: b2 was put to sleep above, so it is no longer fresh (the sender knows it asleep)
+    pushed = []
+
+    async def push_weights(version, urls, fresh=()):
+        pushed.append((list(urls), list(fresh)))
+
+    async def nothing(*args):
+        return None
+
+    trainer.push_weights = push_weights
+    engines.set_version = engines.admit_engines = nothing
+    asyncio.run(run.push_weights(1))
+    assert pushed == [(["a", "b2"], [])] and engines.held == [True, True, False]
     asyncio.run(Run(engines, trainer, 1, 1, on_step=None).to_training())  # not colocated: nothing
     assert len(trainer.slept) == 2
