@@ -1,7 +1,7 @@
-"""One rule for finding every kind of plugin (rewards, group filters, length rankers): a
-built-in name, an entry point in the kind's group (so `pip install my-package` is all a user
-does), or a dotted path `pkg.module:attr` (or `pkg.module.attr`). `PLUGIN_KINDS` is the one
-list of kinds."""
+"""One rule for finding every kind of plugin (rewards, group filters, length rankers,
+environments): a built-in name, an entry point in the kind's group (so `pip install
+my-package` is all a user does), or a dotted path `pkg.module:attr` (or `pkg.module.attr`).
+`PLUGIN_KINDS` is the one list of kinds."""
 
 from __future__ import annotations
 
@@ -49,12 +49,21 @@ def _ranker_builtins() -> dict[str, Any]:
     return builtin_rankers()
 
 
+def _environment_builtins() -> dict[str, Any]:
+    from rlkit.environments.calculator import calculator
+    from rlkit.environments.guess_number import guess_number
+
+    return {"calculator": calculator, "guess_number": guess_number}
+
+
 PLUGIN_KINDS: dict[str, PluginKind] = {
     k.name: k
     for k in (
         PluginKind("reward", "rlkit.rewards", _reward_builtins),
         PluginKind("filter", "rlkit.filters", _filter_builtins),
         PluginKind("ranker", "rlkit.rankers", _ranker_builtins),  # factories: fn(**kwargs)
+        # factories: fn(EpisodePrompt, **kwargs) -> Environment (rlkit/environments/protocol.py)
+        PluginKind("environment", "rlkit.environments", _environment_builtins),
     )
 }
 
