@@ -138,6 +138,16 @@ class Sample:
         self.status = SampleStatus.RUNNING
         self.requests += 1
 
+    def reopen(self) -> None:
+        """A multi-turn episode goes on after a model turn stopped (rlkit/rollout/episodes.py):
+        the stop ended the turn, not the response. Back to RUNNING, no finish reason."""
+        if self.status is not SampleStatus.DONE or self.reward is not None:
+            raise SampleError(f"sample {self.index}: reopen of a {self.status.value} sample"
+                              + (" with a reward" if self.reward is not None else ""))
+        self.status = SampleStatus.RUNNING
+        self.finish_reason = None
+        self.finished_at = None
+
     def relabel_finish(self, finish_reason: str) -> None:
         """Correct how a finished sample ended (stop <-> length), e.g. a replayed trace whose
         response reached its natural length below the cap: a stop, not a truncation."""

@@ -41,6 +41,7 @@ from rlkit.buffers.sample import Sample, SampleStatus
 from rlkit.rollout.config import SamplingConfig
 from rlkit.rollout.dispatch import AdmissionGate, Dispatcher, GateClosed, LengthWindow
 from rlkit.rollout.engine_api import EngineError, Engines, WorkerLost
+from rlkit.rollout.episodes import EpisodeRunner, EpisodeStep
 from rlkit.rollout.filters import FilterFailure, GroupFilter
 from rlkit.rollout.health import EngineMonitor
 from rlkit.rollout.rankers import LengthRanker, group_lengths, mean_length
@@ -108,7 +109,10 @@ class RolloutManager:
         abort_grace_s: float = 30.0,
         health: EngineMonitor | None = None,
         relaunches_per_sample: int = 3,
+        episodes: "EpisodeRunner | None" = None,
     ) -> None:
+        """`episodes`: multi-turn rollouts (rlkit/rollout/episodes.py); None: one request per
+        sample."""
         self.buffer = buffer
         self.engines = engines
         self.policy = policy
@@ -121,6 +125,7 @@ class RolloutManager:
         self.abort_grace_s = abort_grace_s
         self.health = health
         self.relaunches_per_sample = relaunches_per_sample
+        self.episodes = episodes
         self.current: Step | None = None  # the step running now, for progress reports
         # Recent lengths of finished groups, across steps: the distribution D the dispatcher's
         # cost model and the ranker-driven policies' thresholds read (responses; group means).
@@ -205,6 +210,7 @@ class Step:
         self._wakeup = asyncio.Event()
         self._error: BaseException | None = None
         self._stopping = False  # also closes rewards: stop() does not wait for them
+        self._stopped = asyncio.Event()  # set by stop(): an episode waiting on a tool parks
         self._filter_failed = False
         self._t0 = self._loop.time()
         self._discarded0 = self.buffer.stats()["discarded_tokens"]
@@ -352,6 +358,7 @@ class Step:
         if self._stopping:
             return
         self._stopping = True
+        self._stopped.set()
         choose = park if callable(park) else (lambda g, p=park or self.park_to: p)
         for gate in self._gates.values():
             gate.close()
@@ -403,7 +410,12 @@ class Step:
     async def _sample(self, run: _GroupRun, s: Sample) -> None:
         try:
             if not s.status.terminal:
-                await self._generate(run, s)
+                if self._m.episodes is None:  # one request per sample (the default)
+                    await self._generate(run, s)
+                else:  # a multi-turn episode: model turns through _generate, tool calls between
+                    await self._m.episodes.run(s, run.group, EpisodeStep(
+                        lambda sampling: self._generate(run, s, sampling), self._stopped,
+                        lambda: self.version))
             if (
                 s.status in (SampleStatus.DONE, SampleStatus.TRUNCATED)
                 and s.reward is None
@@ -426,8 +438,11 @@ class Step:
                 self._in_flight[run.placed[s.index]] -= 1
             self._check(run, finishing=asyncio.current_task())
 
-    async def _generate(self, run: _GroupRun, s: Sample) -> None:
-        remaining = s.remaining_tokens(self._m.sampling.max_new_tokens)
+    async def _generate(self, run: _GroupRun, s: Sample, sampling: SamplingConfig | None = None) -> None:
+        """Generate `s` to its budget (or its next stop): requests, relaunched on a lost engine.
+        `sampling`: the episode's turn settings (its stop strings) instead of the recipe's."""
+        sampling = sampling or self._m.sampling
+        remaining = s.remaining_tokens(sampling.max_new_tokens)
         if remaining <= 0:  # resumed at its budget: nothing to ask for
             s.append([], [], self.version, finish_reason="length")
             return
@@ -441,9 +456,10 @@ class Step:
                 return
         try:
             for attempt in range(self._m.relaunches_per_sample + 1):
-                if not await self._request(run, s, pinned, last=attempt == self._m.relaunches_per_sample):
+                if not await self._request(run, s, pinned, sampling,
+                                           last=attempt == self._m.relaunches_per_sample):
                     return
-                remaining = s.remaining_tokens(self._m.sampling.max_new_tokens)
+                remaining = s.remaining_tokens(sampling.max_new_tokens)
                 if remaining <= 0:  # its engine was lost right at its budget
                     s.append([], [], self.version, finish_reason="length")
                     return
@@ -451,7 +467,8 @@ class Step:
             if gate is not None:
                 gate.release()
 
-    async def _request(self, run: _GroupRun, s: Sample, pinned: str | None, *, last: bool) -> bool:
+    async def _request(self, run: _GroupRun, s: Sample, pinned: str | None,
+                       sampling: SamplingConfig, *, last: bool) -> bool:
         """One request for `s`. True when its engine was lost and it should go again."""
         health = self._m.health
         if health is not None and not self.engines.workers():
@@ -462,7 +479,7 @@ class Step:
         before, start, worker, outcome = len(s.response_ids), self._loop.time(), pinned, "abort"
         try:
             worker = await self._m.engines.generate(
-                s, self._m.sampling, max_new_tokens=s.remaining_tokens(self._m.sampling.max_new_tokens),
+                s, sampling, max_new_tokens=s.remaining_tokens(sampling.max_new_tokens),
                 version=self.version, worker=pinned,
             ) or pinned
             if worker:
