@@ -1,5 +1,5 @@
 """One rule for finding every kind of plugin (rewards, group filters, length rankers,
-environments): a built-in name, an entry point in the kind's group (so `pip install
+environments, generators): a built-in name, an entry point in the kind's group (so `pip install
 my-package` is all a user does), or a dotted path `pkg.module:attr` (or `pkg.module.attr`).
 `PLUGIN_KINDS` is the one list of kinds."""
 
@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any, Callable
 from rlkit.buffers.errors import UserError
 
 if TYPE_CHECKING:
-    from rlkit.rollout.config import FilterConfig, RankerConfig
+    from rlkit.rollout.config import EpisodeConfig, FilterConfig, RankerConfig, SamplingConfig
+    from rlkit.rollout.episodes import EpisodeRunner
     from rlkit.rollout.filters import GroupFilter
     from rlkit.rollout.rankers import LengthRanker
 
@@ -56,6 +57,12 @@ def _environment_builtins() -> dict[str, Any]:
     return {"calculator": calculator, "guess_number": guess_number}
 
 
+def _generator_builtins() -> dict[str, Any]:
+    from rlkit.rollout.episodes import GENERATOR_BUILTINS
+
+    return dict(GENERATOR_BUILTINS)
+
+
 PLUGIN_KINDS: dict[str, PluginKind] = {
     k.name: k
     for k in (
@@ -64,6 +71,8 @@ PLUGIN_KINDS: dict[str, PluginKind] = {
         PluginKind("ranker", "rlkit.rankers", _ranker_builtins),  # factories: fn(**kwargs)
         # factories: fn(EpisodePrompt, **kwargs) -> Environment (rlkit/environments/protocol.py)
         PluginKind("environment", "rlkit.environments", _environment_builtins),
+        # async fn(EpisodeContext): one episode (rlkit/rollout/episodes.py)
+        PluginKind("generator", "rlkit.generators", _generator_builtins),
     )
 }
 
@@ -152,3 +161,18 @@ def load_ranker(cfg: "RankerConfig", **extra: Any) -> "LengthRanker | None":
         raise PluginNotFound(f"ranker {cfg.name!r} built a {type(ranker).__name__}, which lacks "
                              "predict / observe / state_dict / load_state_dict")
     return ranker
+
+
+def load_episode_runner(cfg: "EpisodeConfig", sampling: "SamplingConfig", tokenizer: Any) -> "EpisodeRunner | None":
+    """The recipe's multi-turn set-up (rollout.episode) over this tokenizer, or None when off."""
+    from rlkit.environments.tools import ToolRunner
+    from rlkit.rollout.episodes import EpisodeRunner, TokenizerCodec
+
+    if cfg.generator is None:
+        return None
+    generator = resolve_plugin("generator", cfg.generator)
+    make_env = resolve_plugin("environment", cfg.environment or "")
+    turn = sampling.model_copy(update={"stop": [*sampling.stop, *cfg.turn_stop]})
+    return EpisodeRunner(generator, make_env, TokenizerCodec(tokenizer, cfg.observation_template), turn,
+                         env_kwargs=cfg.env_kwargs,
+                         tools=ToolRunner(cfg.tool_concurrency, cfg.tool_timeout_s))

@@ -286,6 +286,58 @@ class RankedDispatchConfig(BaseModel):
     )
 
 
+CHATML_OBSERVATION = "<|im_end|>\n<|im_start|>user\n{observation}<|im_end|>\n<|im_start|>assistant\n"
+
+
+class EpisodeConfig(BaseModel):
+    """Multi-turn rollouts (rollout/episodes.py): each sample is an episode of model turns and
+    environment steps. Off (generator null): one request per sample, as always."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    generator: str | None = Field(
+        None,
+        description="Runs one episode per sample: 'multi_turn' (model turn, environment step, "
+        "observation, until the environment says done or the token budget ends), an entry point "
+        "in the 'rlkit.generators' group, or a dotted path 'pkg.module:function'. null: one "
+        "request per sample. Every policy and mode works with it: an abort parks an episode "
+        "mid-turn (resumed from its tokens) or on a tool call (re-run on resume).",
+    )
+    environment: str | None = Field(
+        None,
+        description="The environment each episode steps (needed with a generator): 'calculator', "
+        "'guess_number', an entry point in 'rlkit.environments', or a dotted path to a factory "
+        "fn(EpisodePrompt, **env_kwargs).",
+    )
+    env_kwargs: dict[str, Any] = Field(default_factory=dict, description="Passed to the environment's factory.")
+    turn_stop: list[str] = Field(
+        default_factory=list,
+        description="Stop strings that end a model turn (besides EOS), e.g. ['</calc>']: the "
+        "environment reads the turn. rollout.sampling.max_new_tokens bounds the whole episode "
+        "(model and observation tokens).",
+    )
+    observation_template: str = Field(
+        CHATML_OBSERVATION,
+        description="How an observation is tokenized (once, with loss mask 0): the text around "
+        "'{observation}' closes the model's turn and opens its next one. The default is ChatML "
+        "(SmolLM2, Qwen); set your model's turn markers.",
+    )
+    tool_concurrency: int = Field(32, ge=1, description="Environment steps (tool calls) running at once, per rollout actor.")
+    tool_timeout_s: float = Field(
+        30.0, gt=0,
+        description="Seconds an environment step may take; past it the episode gets an error "
+        "observation and goes on, and rollout/tool_failures/timeout counts it.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> "EpisodeConfig":
+        if self.generator is not None and self.environment is None:
+            raise ValueError("rollout.episode.generator needs rollout.episode.environment")
+        if "{observation}" not in self.observation_template:
+            raise ValueError("rollout.episode.observation_template must contain '{observation}'")
+        return self
+
+
 class RewardConfig(BaseModel):
     """How each finished sample is scored."""
 
@@ -426,7 +478,11 @@ class RolloutConfig(BaseModel):
         "'regenerate' it from the prompt, or 'correct' (keep it; the trainer's off-policy "
         "correction must be on).",
     )
-    reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward function.")
+    reward: RewardConfig = Field(
+        default_factory=RewardConfig,
+        description="Reward function (an episode whose environment gives a reward is not scored by it).")
+    episode: EpisodeConfig = Field(
+        default_factory=EpisodeConfig, description="Multi-turn rollouts: a generator and its environment.")
     health: HealthConfig = Field(
         default_factory=HealthConfig, description="Engine health checks and restarts."
     )

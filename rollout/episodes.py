@@ -69,6 +69,20 @@ class Codec(Protocol):
         ...
 
 
+class TokenizerCodec:
+    """A Codec over a Hugging Face tokenizer; observations through `template` (the recipe's
+    rollout.episode.observation_template), never with special tokens added."""
+
+    def __init__(self, tokenizer: Any, template: str) -> None:
+        self.tokenizer, self.template = tokenizer, template
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def encode_observation(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(self.template.format(observation=text), add_special_tokens=False))
+
+
 @dataclass(frozen=True)
 class TurnResult:
     text: str  # the model's turn, decoded (all of it, also when it was resumed mid-way)
@@ -96,6 +110,7 @@ class EpisodeContext:
         text = self.runner.codec.decode(s.response_ids[start:])
         if s.status is SampleStatus.DONE:  # the turn's stop, not (yet) the episode's end
             s.reopen()
+            self.runner.counts["turns"] += 1
             return TurnResult(text, "stop")
         if s.status is SampleStatus.TRUNCATED:
             return TurnResult(text, "length")

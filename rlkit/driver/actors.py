@@ -83,6 +83,7 @@ class RolloutActor:
         self.group_filter: Any = None
         self.ranker: Any = None
         self.evaluator: Any = None
+        self.episodes: Any = None  # rlkit.rollout.episodes.EpisodeRunner (rollout.episode)
         self.router = None
         self.client = None
         self.service: RolloutService | None = None
@@ -94,7 +95,7 @@ class RolloutActor:
 
         from rlkit.data.prompts import load_prompt_source
         from rlkit.evaluation import make_evaluator
-        from rlkit.plugins import load_group_filter, load_ranker
+        from rlkit.plugins import load_episode_runner, load_group_filter, load_ranker
         from rlkit.rewards.scoring import make_score_fn, tokenizer_decode
 
         r = self.recipe
@@ -103,6 +104,7 @@ class RolloutActor:
         self.score = make_score_fn(r.rollout.reward, tokenizer_decode(tokenizer))
         self.group_filter = load_group_filter(r.rollout.filter)
         self.ranker = load_ranker(r.rollout.ranker)
+        self.episodes = load_episode_runner(r.rollout.episode, r.rollout.sampling, tokenizer)
         if r.eval.enabled:  # held-out sets: a bad row fails the run here, before any step
             self.evaluator = make_evaluator(r.eval, r.rollout, tokenizer, self.score)
 
@@ -121,7 +123,8 @@ class RolloutActor:
         restarter = ActorRestarter(dict(zip(engine_urls, engine_actors))) if engine_actors else None
         self.service = RolloutService.from_config(r.rollout, self.source, self.client, self.score,
                                                   self.group_filter, self.ranker, restarter,
-                                                  self.evaluator, hand=ray_handed)
+                                                  self.evaluator, hand=ray_handed,
+                                                  episodes=self.episodes)
 
     async def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """Any RolloutBox call on the service, by name (RemoteRolloutBox sends them all here)."""

@@ -17,6 +17,7 @@ from rlkit.buffers import Group, PromptSource, RolloutBuffer, load_buffer, save_
 from rlkit.driver.rollout_box import Handed, RolloutResult, handed_of
 from rlkit.rollout.config import RolloutConfig
 from rlkit.rollout.engine_api import Engines
+from rlkit.rollout.episodes import EpisodeRunner
 from rlkit.rollout.eval import Evaluator, eval_metrics
 from rlkit.rollout.filters import GroupFilter
 from rlkit.rollout.health import EngineMonitor, Restarter
@@ -59,11 +60,13 @@ class RolloutService:
         restarter: Restarter | None = None,
         evaluator: Evaluator | None = None,
         hand: Callable[[list[Group]], Handed] = handed_of,
+        episodes: EpisodeRunner | None = None,
     ) -> "RolloutService":
         """`restarter`: how a lost engine is started again (none: the run goes on without it).
         A restarted engine serves once the driver has pushed it the weights (`admit_engines`).
         `evaluator`: the recipe's held-out evaluation, over the same engines. `hand`: how ready
-        groups go to the trainer (in process: the groups themselves)."""
+        groups go to the trainer (in process: the groups themselves). `episodes`: multi-turn
+        rollouts (rlkit.plugins.load_episode_runner; None: one request per sample)."""
         buffer = RolloutBuffer(
             source,
             n_samples_per_prompt=cfg.n_samples_per_prompt,
@@ -74,7 +77,8 @@ class RolloutService:
         health = EngineMonitor(engines, cfg.health, restarter) if cfg.health.enabled else None
         manager = RolloutManager(buffer, engines, make_policy(cfg), cfg.sampling, rewards,
                                  group_filter=group_filter, ranker=ranker, health=health,
-                                 relaunches_per_sample=cfg.health.relaunches_per_sample)
+                                 relaunches_per_sample=cfg.health.relaunches_per_sample,
+                                 episodes=episodes)
         return cls(buffer, manager, cfg.batch_size, evaluator, hand)
 
     def start_step(self, version: int, *, for_version: int,
@@ -100,8 +104,9 @@ class RolloutService:
         failures = self.manager.rewards.failures
         by_kind = {f"rollout/reward_failures/{kind}": failures[kind] - failures_before[kind]
                    for kind in REWARD_FAILURE_KINDS}
+        episodes = self.manager.episodes
         return RolloutResult(
-            metrics={**report.metrics(), **by_kind},
+            metrics={**report.metrics(), **by_kind, **(episodes.metrics() if episodes else {})},
             timeline=[s.to_json() for s in report.timeline],
             completed=report.completed,
             buffer=self.stats(),

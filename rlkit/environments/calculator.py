@@ -21,7 +21,8 @@ from rlkit.environments.protocol import EpisodePrompt, Observation
 MAX_EXPRESSION_CHARS = 200
 MAX_EXPONENT = 64
 MAX_MAGNITUDE = 1e18  # any intermediate value beyond this is refused (no giant integers)
-CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
+# the closing tag may be missing: a turn stopped at "</calc>" may come back without it
+CALL = re.compile(r"<calc>(.*?)(?:</calc>|$)", re.DOTALL)
 
 _BINARY: dict[type, Callable[[Any, Any], Any]] = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,

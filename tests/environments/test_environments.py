@@ -70,6 +70,7 @@ def test_a_calculator_episode_answers_calls_then_ends_on_the_answer():
     assert bad.text.startswith("<error>only numbers") and not bad.done
     over = run(env.step("<calc>1 + 1</calc>"))  # a third call: over its budget of two
     assert over.done and over.info["over_budget"]
+    assert run(CalculatorEnv(PROMPT).step("<calc>3 * 4")).text == "<result>12</result>"  # stop trimmed
     fresh = CalculatorEnv(PROMPT)
     assert run(fresh.step("The answer is \\boxed{84}")).done
     assert [format_value(v) for v in (3, 2.0, 1 / 3)] == ["3", "2", "0.333333"]
@@ -160,3 +161,24 @@ def test_environments_resolve_by_built_in_name_and_dotted_path():
     assert make(PROMPT, high=10).high == 10
     with pytest.raises(PluginNotFound, match="environment 'nope' not found"):
         resolve_plugin("environment", "nope")
+
+
+def test_the_recipe_s_episode_runner_tokenizes_observations_once_with_the_turn_markers(tmp_path):
+    """rollout.episode resolves to a runner over the model's tokenizer: the turn's stop strings
+    join the recipe's, and an observation becomes the template's tokens (ChatML's turn markers
+    around the text), which decode back to it."""
+    from transformers import AutoTokenizer
+
+    from rlkit.config import load_recipe
+    from rlkit.plugins import load_episode_runner
+    from rlkit.rollout.demo_models import build_tiny
+
+    build_tiny(tmp_path, arch="qwen2")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    r = load_recipe(None, ["rollout.episode.generator=multi_turn", "rollout.episode.environment=calculator",
+                           "rollout.episode.turn_stop=['</calc>']", "rollout.sampling.stop=['###']"])
+    runner = load_episode_runner(r.rollout.episode, r.rollout.sampling, tokenizer)
+    assert runner.turn_sampling.stop == ["###", "</calc>"] and runner.turn_sampling.max_new_tokens == 512
+    ids = runner.codec.encode_observation("<result>84</result>")
+    assert tokenizer.decode(ids) == "<|im_end|>\n<|im_start|>user\n<result>84</result><|im_end|>\n<|im_start|>assistant\n"
+    assert load_episode_runner(load_recipe(None, []).rollout.episode, r.rollout.sampling, tokenizer) is None
