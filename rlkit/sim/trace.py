@@ -28,6 +28,11 @@ docs/facts.md (P75 755-1.1k tokens, maxima at the cap, standard deviation 4,000-
 batch, under 1,500 within a group) and scale with the cap. Optional growth multiplies every
 prompt's mean length by (1 + growth_per_step) per training step (lengths grow as RL training
 goes on).
+
+A bimodal trace (`bimodal_spec`, `rlkit bench suite --long-share`) is the agentic shape: exactly
+round(long_share x rows) prompts, a random choice, are long (mean near the cap, about 40% of
+their responses at it: a long tool-using episode), the rest are the easy component (an answer
+in one turn).
 """
 
 from __future__ import annotations
@@ -81,6 +86,9 @@ class TraceSpec:
     # length is scaled by 1 + signal x (difficulty - 0.5). Real prompts carry such signal (StreamRL's ranker
     # premise); 0, the default, keeps token ids pure noise, so only per-prompt history ranks.
     prompt_signal: float = 0.0
+    # Bimodal traces (`bimodal_spec`): exactly round(long_share x rows) prompts are hard, chosen
+    # at random, instead of each one with probability p_hard. None: the long-tail mixture.
+    long_share: float | None = None
 
     def __post_init__(self) -> None:
         if self.rows < 1 or self.epochs < 1 or self.group_size < 1 or self.cap < 1:
@@ -93,6 +101,17 @@ class TraceSpec:
             raise ValueError("growth_per_step must be >= 0")
         if not 0 <= self.prompt_signal <= 1:
             raise ValueError("prompt_signal must be in [0, 1]")
+        if self.long_share is not None and not 0 <= self.long_share <= 1:
+            raise ValueError("long_share must be in [0, 1]")
+
+
+def bimodal_spec(long_share: float, **kw: Any) -> TraceSpec:
+    """A bimodal workload: `long_share` of the prompts long (mean length 0.9 x cap, little
+    spread, so about 40% of their responses reach the cap), the rest short (the default easy
+    component, median 2.4% of the cap). `kw`: any other TraceSpec field."""
+    kw.setdefault("hard_median_frac", 0.9)
+    kw.setdefault("hard_sigma", 0.05)
+    return TraceSpec(long_share=long_share, **kw)
 
 
 @dataclass(frozen=True)
@@ -260,7 +279,12 @@ def generate_trace(spec: TraceSpec, name: str | None = None) -> Trace:
     slots = spec.slots or 2 * spec.group_size
     order_seed = spec.seed if spec.order_seed is None else spec.order_seed
     rng = np.random.default_rng([spec.seed, 0])
-    hard = rng.random(spec.rows) < spec.p_hard
+    u = rng.random(spec.rows)
+    if spec.long_share is None:
+        hard = u < spec.p_hard
+    else:  # exactly the share: the rows with the lowest draws (the same draws, so seeds agree)
+        hard = np.zeros(spec.rows, dtype=bool)
+        hard[np.argsort(u, kind="stable")[:round(spec.long_share * spec.rows)]] = True
     easy_mu = math.log(max(spec.easy_median_frac * spec.cap, 1.0))
     hard_mu = math.log(max(spec.hard_median_frac * spec.cap, 1.0))
     log_mean = np.where(
@@ -293,7 +317,8 @@ def generate_trace(spec: TraceSpec, name: str | None = None) -> Trace:
             tuple(int(x) for x in lengths),
         )
     return Trace(
-        name=name or f"longtail-cap{spec.cap}-seed{spec.seed}", cap=spec.cap,
+        name=name or (f"longtail-cap{spec.cap}-seed{spec.seed}" if spec.long_share is None else
+                      f"bimodal{spec.long_share:g}-cap{spec.cap}-seed{spec.seed}"), cap=spec.cap,
         group_size=spec.group_size, rows=spec.rows, epochs=spec.epochs, order_seed=order_seed,
         batch_size=spec.batch_size, vocab_size=spec.vocab_size, records=records,
         spec=asdict(spec),

@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from rlkit.sim.trace import Trace, TraceError, TraceSpec, generate_trace, length_stats
+from rlkit.sim.trace import (Trace, TraceError, TraceSpec, bimodal_spec, generate_trace,
+                             length_stats)
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +41,21 @@ def test_same_spec_same_trace_and_other_seed_other_trace():
     assert generate_trace(spec).records == generate_trace(spec).records
     assert generate_trace(spec).records != generate_trace(TraceSpec(rows=64, epochs=2, cap=4096,
                                                                     seed=1)).records
+
+
+@pytest.mark.parametrize("share", [0.1, 0.5])
+def test_bimodal_traces_have_exactly_the_long_share_near_the_cap(share):
+    spec = bimodal_spec(share, rows=400, epochs=2, cap=8192, group_size=8)
+    t = generate_trace(spec)
+    assert t.name == f"bimodal{share:g}-cap8192-seed0"
+    means = {i: np.mean(t.records[(i, 0)].lengths[:8]) for i in range(t.rows)}
+    long = [i for i, m in means.items() if m > 0.5 * t.cap]
+    assert len(long) == round(share * 400)  # exactly the share, not a draw of it
+    assert min(means[i] for i in long) > 0.65 * t.cap
+    assert np.median([m for i, m in means.items() if i not in long]) < 0.05 * t.cap
+    assert generate_trace(spec).records == t.records  # deterministic by seed
+    assert generate_trace(bimodal_spec(share, rows=400, epochs=2, cap=8192, seed=1)).records \
+        != t.records
 
 
 def test_growth_lengthens_later_steps():
