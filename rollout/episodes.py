@@ -45,6 +45,9 @@ if TYPE_CHECKING:
     from rlkit.rollout.config import SamplingConfig
 
 STATE_KEY = "episode"  # in sample.metadata
+# What EpisodeRunner counts (run totals, in every step's metrics as rollout/episodes/<name>).
+EPISODE_COUNTS = ("episodes_started", "episodes_ended", "episodes_restored", "episodes_restarted",
+                  "turns", "tool_calls_rerun")
 
 
 @dataclass(frozen=True)
@@ -189,7 +192,7 @@ class EpisodeRunner:
         self.turn_sampling = sampling  # the recipe's sampling with the turn's stop strings
         self.tools = tools or ToolRunner()
         self.envs: dict[int, Environment] = {}  # sample index -> its live environment
-        self.counts: Counter[str] = Counter()
+        self.counts: Counter[str] = Counter({k: 0 for k in EPISODE_COUNTS})
 
     async def run(self, s: Sample, group: "Group", step: EpisodeStep) -> None:
         env = await self._environment(s, group, step)
