@@ -51,8 +51,8 @@ def _ranker_builtins() -> dict[str, Any]:
 
 
 def _environment_builtins() -> dict[str, Any]:
-    from rlkit.environments.calculator import calculator
-    from rlkit.environments.guess_number import guess_number
+    from rlkit.rollout.environments.calculator import calculator
+    from rlkit.rollout.environments.guess_number import guess_number
 
     return {"calculator": calculator, "guess_number": guess_number}
 
@@ -69,7 +69,7 @@ PLUGIN_KINDS: dict[str, PluginKind] = {
         PluginKind("reward", "rlkit.rewards", _reward_builtins),
         PluginKind("filter", "rlkit.filters", _filter_builtins),
         PluginKind("ranker", "rlkit.rankers", _ranker_builtins),  # factories: fn(**kwargs)
-        # factories: fn(EpisodePrompt, **kwargs) -> Environment (rlkit/environments/protocol.py)
+        # factories: fn(EpisodePrompt, **kwargs) -> Environment (rollout/environments/protocol.py)
         PluginKind("environment", "rlkit.environments", _environment_builtins),
         # async fn(EpisodeContext): one episode (rlkit/rollout/episodes.py)
         PluginKind("generator", "rlkit.generators", _generator_builtins),
@@ -165,7 +165,7 @@ def load_ranker(cfg: "RankerConfig", **extra: Any) -> "LengthRanker | None":
 
 def load_episode_runner(cfg: "EpisodeConfig", sampling: "SamplingConfig", tokenizer: Any) -> "EpisodeRunner | None":
     """The recipe's multi-turn set-up (rollout.episode) over this tokenizer, or None when off."""
-    from rlkit.environments.tools import ToolRunner
+    from rlkit.rollout.environments.tools import ToolRunner
     from rlkit.rollout.episodes import EpisodeRunner, TokenizerCodec
 
     if cfg.generator is None:

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Literal, Protocol, Sequence
 
 from rlkit.buffers.sample import Sample, SampleStatus
-from rlkit.environments.protocol import Environment, EnvironmentFactory, EpisodePrompt, Observation, can_snapshot
-from rlkit.environments.tools import ToolRunner
+from rlkit.rollout.environments.protocol import Environment, EnvironmentFactory, EpisodePrompt, Observation, can_snapshot
+from rlkit.rollout.environments.tools import ToolRunner
 
 if TYPE_CHECKING:
     from rlkit.buffers.group import Group

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rlkit.environments.calculator import CalcError, CalculatorEnv, evaluate, format_value
-from rlkit.environments.guess_number import GuessNumberEnv
-from rlkit.environments.protocol import Environment, EpisodePrompt, Observation, can_snapshot
-from rlkit.environments.tools import ToolRunner
+from rlkit.rollout.environments.calculator import CalcError, CalculatorEnv, evaluate, format_value
+from rlkit.rollout.environments.guess_number import GuessNumberEnv
+from rlkit.rollout.environments.protocol import Environment, EpisodePrompt, Observation, can_snapshot
+from rlkit.rollout.environments.tools import ToolRunner
 from rlkit.plugins import PluginNotFound, resolve_plugin
 
 PROMPT = EpisodePrompt("What is 12 * 7?", label="84", index=3)
@@ -157,7 +157,7 @@ def test_no_more_tools_run_at_once_than_the_bound():
 # -- plugins ------------------------------------------------------------------------------------
 def test_environments_resolve_by_built_in_name_and_dotted_path():
     assert isinstance(resolve_plugin("environment", "calculator")(PROMPT), CalculatorEnv)
-    make = resolve_plugin("environment", "rlkit.environments.guess_number:guess_number")
+    make = resolve_plugin("environment", "rlkit.rollout.environments.guess_number:guess_number")
     assert make(PROMPT, high=10).high == 10
     with pytest.raises(PluginNotFound, match="environment 'nope' not found"):
         resolve_plugin("environment", "nope")

@@ -15,7 +15,7 @@ import pytest
 
 from rlkit.buffers import Group, ListPromptSource, PromptRecord, SampleStatus
 from rlkit.buffers.sample import Sample
-from rlkit.environments.guess_number import guess_number
+from rlkit.rollout.environments.guess_number import guess_number
 from rlkit.rollout.config import SamplingConfig
 from rlkit.rollout.episodes import STATE_KEY, EpisodeRunner, EpisodeStep, multi_turn
 

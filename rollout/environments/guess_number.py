@@ -12,7 +12,7 @@ import random
 import re
 from typing import Any
 
-from rlkit.environments.protocol import EpisodePrompt, Observation
+from rlkit.rollout.environments.protocol import EpisodePrompt, Observation
 
 NUMBER = re.compile(r"-?\d+")
 

@@ -16,7 +16,7 @@ import operator
 import re
 from typing import Any, Callable
 
-from rlkit.environments.protocol import EpisodePrompt, Observation
+from rlkit.rollout.environments.protocol import EpisodePrompt, Observation
 
 MAX_EXPRESSION_CHARS = 200
 MAX_EXPONENT = 64

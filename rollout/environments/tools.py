@@ -15,7 +15,7 @@ import asyncio
 from collections import Counter
 from typing import Any
 
-from rlkit.environments.protocol import Environment, Observation
+from rlkit.rollout.environments.protocol import Environment, Observation
 
 TOOL_FAILURE_KINDS = ("raised", "timeout", "bad_output")
 
