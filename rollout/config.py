@@ -146,6 +146,44 @@ class TailBatchingConfig(BaseModel):
         "and for the rest of a round that has deferred 4 x its launch (a ranker predicting "
         "everything long must not drain the data into the long queue).",
     )
+    adaptive: bool = Field(
+        True,
+        description="Size each short round's over-launch from the estimated long share q (recent "
+        "finished groups whose mean length is at least long_fraction x the longest recent "
+        "response, plus the prompts in the long queue; with a ranker, at least the share of "
+        "fresh prompts it predicts that long): the fewest prompts L at which the expected short "
+        "ones, L(1-q) less cover_sigmas binomial standard deviations, still make batch_size, "
+        "within [eta_prompts, max_eta_prompts] x batch_size. When even max_eta_prompts x "
+        "batch_size prompts hold fewer than batch_size short ones on average, the short round "
+        "would wait for long prompts anyway, so deferring cannot pay: the step runs as sync "
+        "does instead (batch_size prompts, long queue first, no "
+        "speculation, every response to its end; rollout/round 'sync'). False: the paper's fixed "
+        "eta_prompts.",
+    )
+    max_eta_prompts: float = Field(
+        3.0,
+        ge=1.0,
+        le=8.0,
+        description="The most an adaptive short round launches, as a multiple of batch_size "
+        "(with eta_responses x n requests each). Tail batching falls back to sync rounds at a "
+        "long share above 1 - 1/max_eta_prompts (2/3 at 3.0).",
+    )
+    long_fraction: float = Field(
+        0.5,
+        gt=0.0,
+        le=1.0,
+        description="Adaptive sizing counts a finished group as long when its mean response "
+        "length is at least this share of the longest recent response (about the cap).",
+    )
+    cover_sigmas: float = Field(
+        1.0,
+        ge=0.0,
+        le=4.0,
+        description="Safety margin of the adaptive launch, in binomial standard deviations of "
+        "the number of short prompts among those launched: a short round that finds too few "
+        "short prompts waits for a long one (a whole sync step), where each extra prompt costs "
+        "only its short-round decode.",
+    )
 
 
 class FilterConfig(BaseModel):

@@ -126,6 +126,9 @@ class LengthWindow:
         ordered = sorted(self._recent)
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
+    def count_at_least(self, bar: float) -> int:
+        return sum(1 for x in self._recent if x >= bar)
+
 
 @dataclass(frozen=True)
 class Plan:

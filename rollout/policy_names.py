@@ -57,7 +57,8 @@ POLICIES: dict[str, PolicyDecl] = {
                                  when={"tail_batching.deferred": "resume"}),
             arg=("tail_batching.eta_prompts", "tail_batching.eta_responses"),
             options={"resume": {"tail_batching.deferred": "resume"},
-                     "proactive": {"tail_batching.proactive": True}, **RANKER_OPTIONS},
+                     "proactive": {"tail_batching.proactive": True},
+                     "fixed": {"tail_batching.adaptive": False}, **RANKER_OPTIONS},
         ),
         PolicyDecl(
             "ranked_dispatch",

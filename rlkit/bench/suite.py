@@ -1,7 +1,7 @@
 """`rlkit bench suite`: scheduling policies side by side on one simulated workload and cluster.
 
-For each response-length cap, one long-tail trace (rlkit.sim.trace) is generated (or
-`--trace` is replayed), and every policy runs the same trace through the real RolloutManager,
+For each response-length cap, one long-tail trace (rlkit.sim.trace) is generated (a bimodal
+one with `--long-share`; or `--trace` is replayed), and every policy runs the same trace through the real RolloutManager,
 policies and RolloutBuffer on simulated engines in virtual time (rlkit.sim), under a
 synchronous driver whose training and weight-sync times come from a TrainTimeModel. After
 `--warmup` steps (so partial rollouts reach their steady state), `--steps` steps are measured:
@@ -28,7 +28,7 @@ synchronous driver whose training and weight-sync times come from a TrainTimeMod
   x max (async): step / max(rollout, train + sync), 1.0 when the overlap is perfect;
 - resumed token share and the most policy versions in one trained sample;
 - for policies with rounds (tail batching): short- and long-round counts, mean seconds and the
-  longest response trained in each.
+  longest response trained in each, and the sync rounds adaptive tail batching fell back to.
 
 Writes DIR/suite.md (the table), DIR/suite.png (the chart), DIR/suite.json (every step), the
 traces under DIR/traces/ and a timeline per run under DIR/timelines/ (`rlkit plot timeline`).
@@ -95,6 +95,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "the learned ranker needs some)")
     w.add_argument("--growth", type=float, default=0.0,
                    help="length growth per training step (generated traces)")
+    w.add_argument("--long-share", type=float, default=None, metavar="SHARE",
+                   help="generate bimodal traces instead (rlkit.sim.trace.bimodal_spec): this "
+                   "share of the prompts long (near the cap), the rest short")
     w.add_argument("--seed", type=int, default=0)
     add_cluster_arguments(parser)
     r = parser.add_argument_group("run")
@@ -141,7 +144,7 @@ def cluster_of(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rlkit.sim.trace import Trace, TraceSpec, generate_trace
+    from rlkit.sim.trace import Trace, TraceSpec, bimodal_spec, generate_trace
 
     out = out_folder(args.out)
     cluster, train = cluster_of(args)
@@ -161,9 +164,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         traces = []
         for cap in (int(c) for c in args.caps.split(",")):
-            spec = TraceSpec(rows=args.prompts, epochs=args.epochs, group_size=args.group_size,
-                             cap=cap, seed=args.seed, batch_size=args.batch_size,
-                             growth_per_step=args.growth, prompt_signal=args.prompt_signal)
+            kw = dict(rows=args.prompts, epochs=args.epochs, group_size=args.group_size, cap=cap,
+                      seed=args.seed, batch_size=args.batch_size, growth_per_step=args.growth,
+                      prompt_signal=args.prompt_signal)
+            spec = (TraceSpec(**kw) if args.long_share is None
+                    else bimodal_spec(args.long_share, **kw))
             trace = generate_trace(spec)
             trace.save(out / "traces" / f"trace-cap{cap}.jsonl")
             traces.append(trace)
@@ -383,8 +388,8 @@ def format_table(rows: list[SuiteRow], header: str = "") -> str:
             "",
             "| cap | policy | short rounds | short s (mean) | longest short-round response | "
             "long rounds | long s (mean) | longest long-round response | long share | "
-            "sync s/step | longest sync response |",
-            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "sync rounds (adaptive fallback) | sync s/step | longest sync response |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in rounded:
             rd, base = r.rounds(), sync.get(r.cap)
@@ -396,6 +401,7 @@ def format_table(rows: list[SuiteRow], header: str = "") -> str:
                 f"{sh.get('rollout_s', 0):.1f} | {sh.get('max_response_length', 0):,} | "
                 f"{lo.get('steps', 0)} | {lo.get('rollout_s', 0):.1f} | "
                 f"{lo.get('max_response_length', 0):,} | {lo.get('steps', 0) / n:.0%} | "
+                f"{rd.get('sync', {}).get('steps', 0)} | "
                 f"{base.rollout_s if base else 0:.1f} | {longest_sync:,} |"
             )
     return "\n".join(out)

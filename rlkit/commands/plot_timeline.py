@@ -84,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-ROUND_COLOURS = {"short": "#5b7db8", "long": "#e08e0b"}
+# "sync": adaptive tail batching's fallback round
+ROUND_COLOURS = {"short": "#5b7db8", "long": "#e08e0b", "sync": "#6a9955"}
 
 
 def fill_policy(steps, run: Path) -> None:

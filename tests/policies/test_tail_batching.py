@@ -4,6 +4,8 @@ random length traces."""
 
 from __future__ import annotations
 
+import math
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -86,7 +88,9 @@ def test_the_final_step_drains_the_long_queue_oldest_first():
     trace = make_trace(scenario, rows=32, epochs=1, slots=4, group_size=2)
     buf = in_order_buffer(trace)
     batches = {}
-    policy = TailBatchingPolicy(eta_prompts=2.0, eta_responses=1.0, long_round_size=100)
+    # (the fixed over-launch: adaptive sizing would run this 50%-long trace as sync rounds)
+    policy = TailBatchingPolicy(eta_prompts=2.0, eta_responses=1.0, long_round_size=100,
+                                adaptive=False)
     steps = simulate(trace, policy, steps=3, batch_size=4, buffer=buf,
                      on_batch=lambda i, groups: batches.setdefault(i, groups))
     # the trigger (100) is never reached, but the run's last step is a long round
@@ -138,7 +142,9 @@ def test_a_prompt_deferred_max_deferrals_times_is_waited_for_not_deferred_again(
 def test_save_and_load_mid_cycle_continues_exactly_as_the_uninterrupted_run():
     trace = make_trace(lambda r, e, k: 700 if (r * 7 + e) % 5 == 0 else 20 + 3 * k + r % 4,
                        rows=24, epochs=4, slots=4, group_size=2)
-    policy = TailBatchingPolicy(eta_prompts=1.5, eta_responses=1.5)
+    # The adaptive estimate is learned from the manager's length windows, which a checkpoint
+    # does not hold: only the fixed over-launch replays exactly across a resume.
+    policy = TailBatchingPolicy(eta_prompts=1.5, eta_responses=1.5, adaptive=False)
 
     def run(buf, steps, first=0):
         out = []
@@ -167,9 +173,10 @@ def test_save_and_load_mid_cycle_continues_exactly_as_the_uninterrupted_run():
     long_round_size=st.integers(0, 6),
     deferred=st.sampled_from(["restart", "resume"]),
     rows=st.integers(5, 12),
+    adaptive=st.booleans(),
 )
 def test_properties_over_random_length_traces(seed, batch, n, eta_p, eta_r, long_round_size,
-                                               deferred, rows):
+                                               deferred, rows, adaptive):
     import random
 
     steps = 8
@@ -179,9 +186,10 @@ def test_properties_over_random_length_traces(seed, batch, n, eta_p, eta_r, long
              for r in range(rows) for e in range(epochs) for k in range(6)}
     trace = make_trace(lambda r, e, k: table[(r, e, k)], rows=rows, epochs=epochs, slots=6,
                        group_size=n)
-    policy = TailBatchingPolicy(eta_p, eta_r, long_round_size, deferred, max_deferrals=2)
 
     def once():
+        policy = TailBatchingPolicy(eta_p, eta_r, long_round_size, deferred, max_deferrals=2,
+                                    adaptive=adaptive, max_eta_prompts=2.5)
         buf = in_order_buffer(trace)
         drawn = []
         next_prompt = buf.source.next_prompt
@@ -216,6 +224,118 @@ def test_properties_over_random_length_traces(seed, batch, n, eta_p, eta_r, long
         assert sorted(drawn) == sorted(trained + queued + held)
         assert len(set(trained)) == len(trained)
         assert buf.stats()["dropped"] == 0
+        assert {r.round for r in results} <= {"short", "long", "sync", ""}  # "": batch was ready
         return [r.round for r in results], trained
 
     assert once() == once()  # the same seed gives the same rounds and batches
+
+
+# -- adaptive over-launch (issue 22: tail batching must never be a regression) ---------------
+def test_cover_launch_sizes_the_short_round_from_the_long_share():
+    from rlkit.rollout.policies.tail_batching import cover_launch
+
+    # no long prompts: the configured floor; a margin grows with the share
+    assert cover_launch(32, 0.0, eta_min=1.25) == 40
+    assert cover_launch(32, 0.1, eta_min=1.0, sigmas=0.0) == 36  # ceil(32 / 0.9)
+    assert cover_launch(32, 0.5, eta_min=1.0, sigmas=0.0) == 64
+    assert cover_launch(32, 0.5, eta_min=1.25, sigmas=1.0) == 73  # 36.5 - 3.0 >= 32
+    # bounded by eta_max while the expected short ones still cover the batch ...
+    assert cover_launch(32, 0.6, eta_max=3.0, sigmas=2.0) == 96
+    # ... and None (a sync round) once they cannot: share above 1 - 1/eta_max
+    assert cover_launch(32, 0.66, eta_max=3.0) == 96
+    assert cover_launch(32, 0.67, eta_max=3.0) is None
+    assert cover_launch(32, 1.0) is None
+
+
+@settings(max_examples=200)
+@given(target=st.integers(1, 512), share=st.floats(0.0, 1.0), eta_min=st.floats(1.0, 2.0),
+       extra=st.floats(0.0, 4.0), sigmas=st.floats(0.0, 3.0))
+def test_cover_launch_properties(target, share, eta_min, extra, sigmas):
+    from rlkit.rollout.policies.tail_batching import cover_launch
+
+    eta_max = eta_min + extra
+    launch = cover_launch(target, share, eta_min=eta_min, eta_max=eta_max, sigmas=sigmas)
+    most = int(eta_max * target + 1e-9)
+    if launch is None:  # fallback exactly when the max launch's expected short ones fall short
+        assert most * (1 - share) < target
+        return
+    assert most * (1 - share) >= target
+    assert target <= launch <= max(most, math.ceil(eta_min * target - 1e-9))
+    assert launch >= eta_min * target - 1e-6
+    # the margin holds unless the bound cut it: one prompt fewer would not cover
+    cover = launch * (1 - share) - sigmas * (launch * share * (1 - share)) ** 0.5
+    assert cover >= target - 1e-6 or launch == most
+    # more long prompts never launch fewer
+    more = cover_launch(target, min(1.0, share + 0.05), eta_min=eta_min, eta_max=eta_max,
+                        sigmas=sigmas)
+    assert more is None or more >= launch
+
+
+class _Window:
+    def __init__(self, xs):
+        self.xs = list(xs)
+
+    def __len__(self):
+        return len(self.xs)
+
+    def quantile(self, q):
+        return sorted(self.xs)[min(len(self.xs) - 1, int(q * len(self.xs)))] if self.xs else None
+
+    def count_at_least(self, bar):
+        return sum(x >= bar for x in self.xs)
+
+
+class _Step:
+    def __init__(self, groups, responses, queued=0, target=4):
+        from types import SimpleNamespace
+
+        self.group_lengths, self.response_lengths, self.target = groups, responses, target
+        self.buffer = SimpleNamespace(count=lambda place: queued if place == Place.LONG else 0)
+
+
+def test_the_long_share_counts_long_groups_and_the_long_queue():
+    from types import SimpleNamespace
+
+    from rlkit.rollout.policies.tail_batching import LongShare
+
+    est = LongShare(fraction=0.5)
+    responses = _Window([10, 20, 1000])  # the longest recent response: 1000 -> the bar is 500
+    assert est.estimate(_Step(_Window([10, 900, 20]), responses)) is None  # < a batch's worth
+    step = _Step(_Window([10, 900, 20, 15, 600, 30, 499, 12]), responses)
+    assert est.estimate(step) == 2 / 8
+    # deferred prompts are long until they finish (right after a short round: exactly them)
+    assert est.estimate(_Step(step.group_lengths, responses, queued=2)) == 4 / 10
+    # a ranker's predictions of fresh prompts raise it (never lower it)
+    fresh = [SimpleNamespace(predicted_length=x, deferrals=0, has_tokens=False)
+             for x in (800, 900, 10, 20)]
+    old = SimpleNamespace(predicted_length=900, deferrals=1, has_tokens=False)  # not fresh
+    est.observe_predictions(step, fresh + [old])
+    assert est.predicted == 0.5 and est.estimate(step) == 0.5
+    est.observe_predictions(step, fresh[2:])
+    assert est.predicted == est.estimate(step) == 0.5 * 0.7  # the larger of the two
+
+
+def test_on_a_half_long_bimodal_trace_adaptive_tail_batching_is_not_slower_than_sync():
+    """The issue's regression, simulated (virtual time, deterministic): with half the prompts
+    long, the fixed eta 1.25 is slower than sync (every short round still waits for long
+    prompts, and long rounds come on top); the adaptive over-launch is faster than sync."""
+    from rlkit.bench.suite import make_policy
+    from rlkit.rollout.engines.profile import load_profile
+    from rlkit.sim.engine import SimConfig
+    from rlkit.sim.simulate import run_simulation
+    from rlkit.sim.trace import bimodal_spec, generate_trace
+
+    trace = generate_trace(bimodal_spec(0.5, rows=512, epochs=2, cap=2048, group_size=4,
+                                        batch_size=8))
+    cluster = SimConfig(2, load_profile("h100-qwen3-4b-tp1"))
+
+    def rollout_s(spec):
+        steps = run_simulation(cluster, trace, make_policy(spec), steps=24, batch_size=8,
+                               final_step=False)[4:]  # after a warm-up
+        return sum(s.rollout_s for s in steps), {s.round for s in steps}
+
+    sync, _ = rollout_s("sync")
+    fixed, _ = rollout_s("tail_batching+fixed")
+    adaptive, rounds = rollout_s("tail_batching")
+    assert fixed > sync  # the regression the adaptive launch removes
+    assert adaptive < 0.9 * sync and rounds == {"short", "long"}
