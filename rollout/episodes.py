@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 STATE_KEY = "episode"  # in sample.metadata
 # What EpisodeRunner counts (run totals, in every step's metrics as rollout/episodes/<name>).
 EPISODE_COUNTS = ("episodes_started", "episodes_ended", "episodes_restored", "episodes_restarted",
-                  "turns", "tool_calls_rerun")
+                  "turns", "observations", "tool_calls_rerun")
 
 
 @dataclass(frozen=True)
@@ -240,6 +240,7 @@ class EpisodeRunner:
         """Append an observation's tokens (loss mask 0) within the episode's budget; the next
         model turn begins after them. One that does not fit ends the episode (truncated)."""
         ids = self.codec.encode_observation(text)
+        self.counts["observations"] += 1
         room = max(0, self.turn_sampling.max_new_tokens - len(s.response_ids))
         # No model produced them: they take the version of the tokens they follow.
         version = s.versions[-1] if s.versions else version_now

@@ -18,7 +18,8 @@ NUMBER = re.compile(r"-?\d+")
 
 
 class GuessNumberEnv:
-    def __init__(self, prompt: EpisodePrompt, high: int = 100, max_turns: int = 12, seed: int = 0) -> None:
+    def __init__(self, prompt: EpisodePrompt, high: int = 100, max_turns: int = 12, seed: int = 0,
+                 intro: bool = True) -> None:
         if high < 1 or max_turns < 1:
             raise ValueError(f"high and max_turns must be >= 1, got {high} and {max_turns}")
         label = prompt.label
@@ -26,11 +27,12 @@ class GuessNumberEnv:
             self.secret = label
         else:
             self.secret = random.Random(f"{seed}:{prompt.index}").randint(1, high)
-        self.high, self.max_turns = high, max_turns
+        self.high, self.max_turns, self.intro = high, max_turns, intro
         self.turns = 0
 
     async def reset(self) -> str | None:
-        return f"I am thinking of a number from 1 to {self.high}. Guess it."
+        """The rules as a first observation, unless `intro` is off (the prompt says them)."""
+        return f"I am thinking of a number from 1 to {self.high}. Guess it." if self.intro else None
 
     async def step(self, action: str) -> Observation:
         self.turns += 1
@@ -54,6 +56,7 @@ class GuessNumberEnv:
         self.secret, self.turns = int(state["secret"]), int(state["turns"])
 
 
-def guess_number(prompt: EpisodePrompt, high: int = 100, max_turns: int = 12, seed: int = 0) -> GuessNumberEnv:
+def guess_number(prompt: EpisodePrompt, high: int = 100, max_turns: int = 12, seed: int = 0,
+                 intro: bool = True) -> GuessNumberEnv:
     """The built-in `guess_number` environment's factory."""
-    return GuessNumberEnv(prompt, high=high, max_turns=max_turns, seed=seed)
+    return GuessNumberEnv(prompt, high=high, max_turns=max_turns, seed=seed, intro=intro)

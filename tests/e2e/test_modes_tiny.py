@@ -1,5 +1,6 @@
 """The stream and async modes end to end on the real stack (Ray, the sglang-router, two
-built-in engines, megatron-core) with partial rollouts and with tail batching: steps complete,
+built-in engines, megatron-core) with partial rollouts and with tail batching, two of them over
+multi-turn episodes: steps complete,
 versions advance, accounting balances, no trained token lags the bound, nothing is trained
 twice, and an async run resumed mid-run continues with its buffered partial groups."""
 
@@ -21,17 +22,28 @@ def trained_groups(run_dir: Path) -> list[int]:
     return [json.loads(x)["group_id"] for x in (run_dir / "groups.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("mode,recipe", [
-    ("stream", "grpo_tiny_ci.yaml"),
-    ("stream", "grpo_tiny_tail_ci.yaml"),
-    ("async", "grpo_tiny_tail_ci.yaml"),
+# Multi-turn episodes (docs/episodes.md): the tiny random model plays the guessing game, each of
+# its turns ended by any token with an 'e', so its episodes run several turns.
+EPISODES = ["rollout.episode.generator=multi_turn", "rollout.episode.environment=guess_number",
+            "rollout.episode.env_kwargs={high: 10, max_turns: 4, intro: false}",
+            "rollout.episode.turn_stop=['e']", "rollout.sampling.max_new_tokens=48"]
+
+
+@pytest.mark.parametrize("mode,recipe,episodes", [
+    ("stream", "grpo_tiny_ci.yaml", True),
+    ("stream", "grpo_tiny_tail_ci.yaml", False),
+    ("async", "grpo_tiny_tail_ci.yaml", True),
 ])
-def test_a_mode_with_a_policy_end_to_end(tmp_path, monkeypatch, mode, recipe):
+def test_a_mode_with_a_policy_end_to_end(tmp_path, monkeypatch, mode, recipe, episodes):
+    """Also, with `episodes`, over multi-turn episodes: observations go in with loss mask 0 and
+    the trainer trains on them; partial rollouts and tail batching park episodes with their
+    tokens (mid-turn or on a tool call) and resume them; no tool fails."""
     monkeypatch.setenv("RLKIT_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "runs"
     r = load_recipe(ROOT / "recipes" / recipe, [
         f"mode={mode}", f"run.output_dir={out}", "tracking.progress=false", "run.num_steps=3",
         "rollout.max_staleness=1", "train.algorithm.off_policy_correction=tis",
+        *(EPISODES if episodes else []),
     ])
     state = train(r)
     run_dir = out / r.run.name
@@ -49,6 +61,11 @@ def test_a_mode_with_a_policy_end_to_end(tmp_path, monkeypatch, mode, recipe):
         assert [m["async/overlapped"] for m in metrics] == [1.0, 1.0, 0.0]
     if "tail" in recipe:
         assert "long" in [m["rollout/round"] for m in metrics]
+    if episodes:  # several model turns per episode on average, each after an observation
+        last = metrics[-1]
+        assert last["rollout/episodes/turns"] > last["rollout/episodes/episodes_started"] > 0, last
+        assert last["rollout/episodes/observations"] > 0 and last["rollout/episodes/episodes_restarted"] == 0
+        assert all(last[f"rollout/tool_failures/{k}"] == 0 for k in ("raised", "timeout", "bad_output"))
     assert processes_with(str(Path(os.environ["RLKIT_CACHE"]) / "models" / "tiny")) == []
 
 
