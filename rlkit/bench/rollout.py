@@ -45,6 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "fixed costs (abort round trips) dominate")
     parser.add_argument("--over-provision", type=float, default=2.0,
                         help="partial's over-provision when a spec gives none")
+    parser.add_argument("--tail-fixed", action="store_true",
+                        help="tail batching specs run the paper's fixed eta_prompts "
+                        "(rollout.tail_batching.adaptive=false; results recorded without this "
+                        "option in their config predate adaptive sizing and ran so)")
     parser.add_argument("--steps", type=int, default=6, help="steps per policy")
     parser.add_argument("--rows", type=int, default=0,
                         help="prompts in the generated trace; 0: enough that none repeats. A "
@@ -89,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
 
 def policy_specs(args: argparse.Namespace) -> dict[str, Any]:
     """spec -> RolloutConfig for each --policy entry (partial's default from --over-provision)."""
-    from rlkit.rollout.config import DispatchConfig, RolloutConfig
+    from rlkit.rollout.config import DispatchConfig, RolloutConfig, TailBatchingConfig
     from rlkit.rollout.policies import PolicySpecError
     from rlkit.rollout.policies.specs import policy_config
 
@@ -97,7 +101,9 @@ def policy_specs(args: argparse.Namespace) -> dict[str, Any]:
     base = RolloutConfig(over_provision=args.over_provision, batch_size=args.batch_size,
                          n_samples_per_prompt=args.n,
                          dispatch=DispatchConfig(profile=str(profile) if profile.is_file() else None,
-                                                 slots_per_engine=ENGINE_SLOTS))
+                                                 slots_per_engine=ENGINE_SLOTS),
+                         tail_batching=TailBatchingConfig(
+                             adaptive=not getattr(args, "tail_fixed", False)))
     specs = [p.strip() for p in args.policy.split(",") if p.strip()]
     try:
         return {spec: policy_config(spec, base) for spec in specs}
@@ -262,7 +268,8 @@ def summarise(steps: dict[str, list[dict[str, Any]]], args: dict[str, Any], trac
         step_s = seconds / len(rows) if rows else 0.0
         base_tput = base_tput if base_tput is not None else tput
         base_step = base_step if base_step is not None else step_s
-        rounds = {kind: [r for r in rows if r.get("round") == kind] for kind in ("short", "long")}
+        rounds = {kind: [r for r in rows if r.get("round") == kind]
+                  for kind in ("short", "long", "sync")}  # sync: adaptive tail batching's fallback
         out["policies"][name] = {
             "steps": len(rows),
             "groups": sum(r["completed"] for r in rows),

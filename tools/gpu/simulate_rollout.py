@@ -28,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     result = json.loads(Path(args.result).read_text())
     bench_args = argparse.Namespace(**result["config"])
     bench_args.trace, bench_args.simulate = args.trace, args.profile
+    # a result recorded before tail batching's adaptive over-launch ran the fixed eta_prompts
+    bench_args.tail_fixed = result["config"].get("tail_fixed", True)
     result["simulated"] = simulate_same(bench_args, result)
     print(format_table(result))
     if args.out:
