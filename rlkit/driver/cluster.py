@@ -30,6 +30,7 @@ from rlkit.driver.placement import (
     advertised,
     bundle,
     check_reachable,
+    colocated_rank_cpus,
     local_num_cpus,
     plan_colocated,
     plan_placement,
@@ -81,9 +82,9 @@ class Cluster:
             eng = r.rollout.engine
             world = r.train.parallelism.tensor * r.train.parallelism.data
             cpus = eng.num_engines * r.cluster.cpus_per_engine + world * r.cluster.cpus_per_train_worker
-            if r.cluster.placement == "colocated":  # uniform bundles: the fullest rank's size
-                cpus = world * (r.cluster.cpus_per_train_worker
-                                + -(-eng.num_engines // world) * r.cluster.cpus_per_engine)
+            if r.cluster.placement == "colocated":  # the engines' CPUs are in the ranks' bundles
+                cpus = world * colocated_rank_cpus(eng.num_engines, world, r.cluster.cpus_per_train_worker,
+                                                   r.cluster.cpus_per_engine)
             ray.init(address="local", num_cpus=local_num_cpus(cpus), **common)
         else:
             where = (f"cluster.address {r.cluster.address!r}, RAY_ADDRESS "

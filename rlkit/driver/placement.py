@@ -134,6 +134,13 @@ def plan_placement(
 COLOCATED_GPU_SHARE = 0.5  # of a bundle's GPU, to the trainer rank and to the engine on it
 
 
+def colocated_rank_cpus(num_engines: int, world: int, train_cpus: float, engine_cpus: float) -> float:
+    """CPUs of each colocated bundle: a trainer rank's and those of the most engines one rank's
+    bundle holds (engines go over the ranks in turn). Every bundle is the biggest one: Ray's
+    groups are uniform here, and CPUs are cheap."""
+    return train_cpus + -(-num_engines // world) * engine_cpus
+
+
 def plan_colocated(
     *,
     num_engines: int,
@@ -160,13 +167,8 @@ def plan_colocated(
                 f"cluster.placement colocated puts one engine on each trainer rank's GPU: "
                 f"{num_engines} engines x 1 GPU != {world} trainer ranks (TP {tp} x DP {dp}). "
                 f"Set rollout.engine.num_engines to {world}")
-    per_bundle = [0] * world  # engines sharing each rank's bundle
-    slots = []
-    for i in range(num_engines):
-        per_bundle[i % world] += 1
-        slots.append(i % world)
-    # Every bundle the same (the biggest): Ray's groups are uniform here, and CPUs are cheap.
-    shared = bundle(train_cpus + max(per_bundle) * engine_cpus, 1 if on_gpu else 0)
+    slots = [i % world for i in range(num_engines)]  # engines in turn over the ranks' bundles
+    shared = bundle(colocated_rank_cpus(num_engines, world, train_cpus, engine_cpus), 1 if on_gpu else 0)
     plan = plan_placement(num_engines=0, engine_bundle={}, tp=tp, dp=dp, trainer_bundle=shared,
                           nodes=nodes)
     ranks = plan.trainer_slots()
