@@ -195,10 +195,11 @@ class EpisodeRunner:
         self.counts: Counter[str] = Counter({k: 0 for k in EPISODE_COUNTS})
 
     async def run(self, s: Sample, group: "Group", step: EpisodeStep) -> None:
-        env = await self._environment(s, group, step)
+        prompt = _prompt(group)
+        env = await self._environment(s, prompt, step)
         try:
             if not s.status.terminal:  # (a first observation may already fill the budget)
-                await self.generator(EpisodeContext(self, s, _prompt(group), env, step))
+                await self.generator(EpisodeContext(self, s, prompt, env, step))
         finally:
             if s.status.terminal:
                 self.envs.pop(s.index, None)
@@ -208,31 +209,27 @@ class EpisodeRunner:
                 if can_snapshot(env):
                     s.metadata[STATE_KEY]["env"] = env.snapshot()  # type: ignore[attr-defined]
 
-    async def _environment(self, s: Sample, group: "Group", step: EpisodeStep) -> Environment:
+    async def _environment(self, s: Sample, prompt: EpisodePrompt, step: EpisodeStep) -> Environment:
         """The episode's environment: the live one, one restored from its snapshot (resumed
         from a checkpoint), or a fresh one (a fresh episode, or one whose environment could not
         be restored: then its tokens are dropped and it starts from the prompt, counted)."""
-        if not s.response_ids:  # a fresh episode (also after a reset)
-            self.envs.pop(s.index, None)
-            s.metadata.pop(STATE_KEY, None)
-        elif s.index in self.envs:
+        if s.response_ids and s.index in self.envs:
             return self.envs[s.index]
-        env = self.make_env(_prompt(group), **self.env_kwargs)
-        state = s.metadata.get(STATE_KEY)
-        if state is not None and "env" in state and can_snapshot(env):
-            env.restore(state["env"])  # type: ignore[attr-defined]
-            self.counts["episodes_restored"] += 1
-        elif s.response_ids:  # tokens but no environment to go on with
-            s.reset()
+        env = self.make_env(prompt, **self.env_kwargs)
+        if s.response_ids:  # resumed from a checkpoint: no live environment
+            state = s.metadata.get(STATE_KEY) or {}
+            if "env" in state and can_snapshot(env):
+                env.restore(state["env"])  # type: ignore[attr-defined]
+                self.counts["episodes_restored"] += 1
+            else:  # tokens but no environment to go on with
+                s.reset()
+                self.counts["episodes_restarted"] += 1
+        if not s.response_ids:  # a fresh episode (also after a reset): no state from before
             s.metadata.pop(STATE_KEY, None)
-            self.counts["episodes_restarted"] += 1
-        if not s.response_ids:
             self.counts["episodes_started"] += 1
             first = await env.reset()
-            self.envs[s.index] = env
             if first:  # the environment speaks first: its words open the response, mask 0
                 self.observe(s, first, step.version())
-            return env
         self.envs[s.index] = env
         return env
 
