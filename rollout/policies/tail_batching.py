@@ -60,14 +60,16 @@ def cover_launch(target: int, share: float, *, eta_min: float = 1.0, eta_max: fl
     average, q > 1 - 1/eta_max: the typical round could not end without waiting for a long
     prompt, so deferring cannot pay."""
     q = min(max(share, 0.0), 1.0)
-    most = math.floor(eta_max * target + 1e-9)
+    least = math.ceil(eta_min * target - 1e-9)
+    # the bound never falls below the floor (eta_min = eta_max with a fractional product
+    # would otherwise launch ceil(eta x target) yet judge coverage on floor(eta x target))
+    most = max(math.floor(eta_max * target + 1e-9), least)
     if most * (1.0 - q) < target:
         return None
     # sqrt(L) is the positive root of (1-q) x^2 - sigmas sqrt(q(1-q)) x - target = 0
     b = sigmas * math.sqrt(q * (1.0 - q))
     root = (b + math.sqrt(b * b + 4.0 * (1.0 - q) * target)) / (2.0 * (1.0 - q))
-    launch = min(math.ceil(root * root - 1e-9), most)
-    return max(launch, math.ceil(eta_min * target - 1e-9))
+    return max(min(math.ceil(root * root - 1e-9), most), least)
 
 
 @dataclass

@@ -245,6 +245,8 @@ def test_cover_launch_sizes_the_short_round_from_the_long_share():
     assert cover_launch(32, 0.66, eta_max=3.0) == 96
     assert cover_launch(32, 0.67, eta_max=3.0) is None
     assert cover_launch(32, 1.0) is None
+    # eta_min = eta_max with a fractional product: the launch is the bound, judged as launched
+    assert cover_launch(3, 0.375, eta_min=1.75, eta_max=1.75) == 6
 
 
 @settings(max_examples=200)
@@ -255,13 +257,13 @@ def test_cover_launch_properties(target, share, eta_min, extra, sigmas):
 
     eta_max = eta_min + extra
     launch = cover_launch(target, share, eta_min=eta_min, eta_max=eta_max, sigmas=sigmas)
-    most = int(eta_max * target + 1e-9)
+    least = math.ceil(eta_min * target - 1e-9)
+    most = max(int(eta_max * target + 1e-9), least)
     if launch is None:  # fallback exactly when the max launch's expected short ones fall short
         assert most * (1 - share) < target
         return
     assert most * (1 - share) >= target
-    assert target <= launch <= max(most, math.ceil(eta_min * target - 1e-9))
-    assert launch >= eta_min * target - 1e-6
+    assert target <= least <= launch <= most
     # the margin holds unless the bound cut it: one prompt fewer would not cover
     cover = launch * (1 - share) - sigmas * (launch * share * (1 - share)) ** 0.5
     assert cover >= target - 1e-6 or launch == most
