@@ -59,6 +59,7 @@ class Group:
     target_n: int
     lane: Lane = Lane.REGULAR
     predicted_length: float | None = None
+    predicted_turns: float | None = None  # multi-turn rollouts: a ranker's mean model turns
     birth_version: int = 0  # policy version when the group was first handed out
     attempts: int = 0  # times handed to the manager (1 + resumptions)
     deferrals: int = 0  # times parked in the long queue (tail batching bounds this)
@@ -161,6 +162,7 @@ class Group:
             "target_n": self.target_n,
             "lane": self.lane.value,
             "predicted_length": self.predicted_length,
+            "predicted_turns": self.predicted_turns,
             "birth_version": self.birth_version,
             "attempts": self.attempts,
             "deferrals": self.deferrals,
@@ -177,6 +179,7 @@ class Group:
             target_n=int(state["target_n"]),
             lane=Lane(state["lane"]),
             predicted_length=state["predicted_length"],
+            predicted_turns=state.get("predicted_turns"),  # absent in states saved before it
             birth_version=int(state["birth_version"]),
             attempts=int(state["attempts"]),
             deferrals=int(state.get("deferrals", 0)),  # absent in states saved before it existed

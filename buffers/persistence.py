@@ -57,3 +57,13 @@ def load_buffer(buffer: RolloutBuffer, path: str | os.PathLike) -> None:
         buffer.load_state_dict(state)
     except BufferStateError as e:
         raise BufferStateError(f"{path}: {e}") from None
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a rename into `path` durable (a power cut after it keeps the new name): the one
+    helper the run's and the trainer's checkpoints share."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -16,9 +16,11 @@ Parking (an abort ends the step, or the run stops): the episode stays exactly wh
     mid-turn      the turn's tokens so far are kept (the sample is PARTIAL); the next step
                   continues that turn from them
     on a tool     the tool call is abandoned and RE-RUN when the episode resumes (its action
-                  text is kept in the episode state): a tool must tolerate being called twice
+                  text is kept in the episode state); an environment with snapshot/restore is
+                  first put back as it was before the call, one without must tolerate being
+                  called twice
 The environment object stays in memory across steps (`EpisodeRunner.envs`). The episode's own
-state (phase, where the current turn began, turns, the pending action) lives in
+state (phase, where the current turn began, the turns ended, the pending action) lives in
 `sample.metadata["episode"]`, so it is saved with the buffer; an environment that implements
 snapshot/restore is saved there too at every park. Resumed from a checkpoint, an episode whose
 environment cannot be restored starts again from its prompt (`episodes_restarted`).
@@ -46,8 +48,16 @@ if TYPE_CHECKING:
 
 STATE_KEY = "episode"  # in sample.metadata
 # What EpisodeRunner counts (run totals, in every step's metrics as rollout/episodes/<name>).
+# env_steps_rerun: environment steps abandoned by a park and run again on resume (a tool call,
+# or the step that ends an episode, such as the calculator's reading of a final answer).
 EPISODE_COUNTS = ("episodes_started", "episodes_ended", "episodes_restored", "episodes_restarted",
-                  "turns", "observations", "tool_calls_rerun")
+                  "turns", "observations", "env_steps_rerun")
+
+
+def episode_turns(s: Sample) -> int:
+    """Model turns of an episode that ended at their stop (kept in its state by the runner);
+    0 for a sample that is not an episode."""
+    return int((s.metadata.get(STATE_KEY) or {}).get("turns", 0))
 
 
 @dataclass(frozen=True)
@@ -114,6 +124,7 @@ class EpisodeContext:
         if s.status is SampleStatus.DONE:  # the turn's stop, not (yet) the episode's end
             s.reopen()
             self.runner.counts["turns"] += 1
+            self.state["turns"] = episode_turns(s) + 1  # what rankers learn (rankers/lengths.py)
             return TurnResult(text, "stop")
         if s.status is SampleStatus.TRUNCATED:
             return TurnResult(text, "length")
@@ -121,7 +132,11 @@ class EpisodeContext:
 
     async def tool_step(self, action: str) -> Observation | None:
         """The environment's answer to `action` (failures become error observations, counted);
-        None when the step ends first: the episode parks, and the call is run again on resume."""
+        None when the step ends first: the episode parks, and the call is run again on resume.
+        An environment with snapshot/restore is put back as it was before the abandoned call
+        (which may have run to its end before the cancellation reached it), so the re-run is
+        exact; one without must tolerate being called twice."""
+        before = self.env.snapshot() if can_snapshot(self.env) else None  # type: ignore[attr-defined]
         call = asyncio.ensure_future(self.runner.tools.step(self.env, action))
         stop = asyncio.ensure_future(self._step.stopped.wait())
         try:
@@ -132,7 +147,9 @@ class EpisodeContext:
             return call.result()
         call.cancel()
         await asyncio.gather(call, return_exceptions=True)
-        self.runner.counts["tool_calls_rerun"] += 1
+        if before is not None:
+            self.env.restore(before)  # type: ignore[attr-defined]
+        self.runner.counts["env_steps_rerun"] += 1
         return None
 
     def append_observation(self, text: str) -> None:
@@ -161,7 +178,7 @@ async def multi_turn(ctx: EpisodeContext) -> None:
             turn = await ctx.model_turn()
             if turn.ended != "stop":
                 return  # parked mid-turn (resumed from its tokens), or out of budget
-            st.update(phase="tool", action=turn.text, turns=int(st.get("turns", 0)) + 1)
+            st.update(phase="tool", action=turn.text)
         obs = await ctx.tool_step(st["action"])
         if obs is None:
             return  # the step ended during the tool call: re-run on resume
@@ -195,7 +212,7 @@ class EpisodeRunner:
         self.counts: Counter[str] = Counter({k: 0 for k in EPISODE_COUNTS})
 
     async def run(self, s: Sample, group: "Group", step: EpisodeStep) -> None:
-        prompt = _prompt(group)
+        prompt = _prompt(group, s)
         env = await self._environment(s, prompt, step)
         try:
             if not s.status.terminal:  # (a first observation may already fill the budget)
@@ -246,12 +263,19 @@ class EpisodeRunner:
         if len(ids) > room:
             s.append([], [], version, finish_reason="length")
 
+    def retain(self, live: set[int]) -> None:
+        """Forget the environments of samples that left the buffer while parked (a dropped or
+        filtered group, a speculative response cut off): the manager calls it at every step's
+        end with the indices of the samples still in the buffer."""
+        for index in self.envs.keys() - live:
+            del self.envs[index]
+
     def metrics(self) -> dict[str, float]:
         out = {f"rollout/episodes/{k}": float(v) for k, v in sorted(self.counts.items())}
         out.update({f"rollout/tool_failures/{k}": float(v) for k, v in self.tools.failures.items()})
         return out
 
 
-def _prompt(group: "Group") -> EpisodePrompt:
+def _prompt(group: "Group", s: Sample) -> EpisodePrompt:
     p = group.prompt
-    return EpisodePrompt(p.text, p.label, dict(p.metadata), p.source_index)
+    return EpisodePrompt(p.text, p.label, dict(p.metadata), p.source_index, p.epoch, s.slot)

@@ -44,7 +44,7 @@ from rlkit.rollout.engine_api import EngineError, Engines, WorkerLost
 from rlkit.rollout.episodes import EpisodeRunner, EpisodeStep
 from rlkit.rollout.filters import FilterFailure, GroupFilter
 from rlkit.rollout.health import EngineMonitor
-from rlkit.rollout.rankers import LengthRanker, group_lengths, mean_length
+from rlkit.rollout.rankers import LengthRanker, TurnRanker, group_lengths, mean_length, mean_turns
 from rlkit.rollout.rewards import RewardFailure, RewardScheduler
 from rlkit.rollout.step_report import StepReport
 from rlkit.rollout.timeline import Span
@@ -160,6 +160,9 @@ class RolloutManager:
             self.current = None
             if self.health is not None:
                 step.report_.engines = self.health.metrics()
+            if self.episodes is not None:  # parked episodes keep their environments; no others
+                self.episodes.retain({s.index for place in (Place.IN_FLIGHT, Place.PARTIAL, Place.LONG)
+                                      for g in self.buffer.queued(place) for s in g.samples})
         return step.report()
 
     async def close(self) -> None:
@@ -323,10 +326,14 @@ class Step:
 
     def predict(self, groups: list[Group]) -> None:
         """Set each group's predicted_length from the ranker (again at each launch: a parked
-        group's partial progress changes it). A no-op without a ranker."""
+        group's partial progress changes it), and its predicted_turns in multi-turn rollouts
+        when the ranker predicts turns. A no-op without a ranker."""
         if self.ranker is not None and groups:
             for g, length in zip(groups, self.ranker.predict(groups)):
                 g.predicted_length = float(length)
+            if self._m.episodes is not None and isinstance(self.ranker, TurnRanker):
+                for g, turns in zip(groups, self.ranker.predict_turns(groups)):
+                    g.predicted_turns = float(turns)
 
     def defer(self, group: Group) -> None:
         """Send an in-flight group that was never launched straight to the long queue (a ranker
@@ -683,6 +690,9 @@ class Step:
         r.long_queue = self.buffer.count(Place.LONG)
         r.predictions = [
             (g.predicted_length, mean_length(g)) for g in self._completed if g.predicted_length is not None
+        ]
+        r.turn_predictions = [
+            (g.predicted_turns, mean_turns(g)) for g in self._completed if g.predicted_turns is not None
         ]
         rewards: list[float] = []
         for g in self._completed:

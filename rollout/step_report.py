@@ -42,6 +42,8 @@ class StepReport:
     # (predicted, actual) mean response length of each group completed, when a ranker predicted
     predictions: list[tuple[float, float]] = field(default_factory=list)
     launched_predictions: list[tuple[int, float]] = field(default_factory=list)  # (group, predicted)
+    # multi-turn rollouts: (predicted, actual) mean model turns of the groups completed
+    turn_predictions: list[tuple[float, float]] = field(default_factory=list)
     dispatch: dict[str, Any] = field(default_factory=dict)  # the dispatcher's plan, if any
     dropped: dict[str, int] = field(default_factory=dict)
     reward_mean: float = math.nan
@@ -67,6 +69,12 @@ class StepReport:
         if not self.predictions:
             return {}
         return recalls([a for _, a in self.predictions], [p for p, _ in self.predictions])
+
+    def ranker_turn_recalls(self) -> dict[str, float]:
+        """The same for episodes' model turns (multi-turn rollouts, a ranker of turns)."""
+        if not self.turn_predictions:
+            return {}
+        return recalls([a for _, a in self.turn_predictions], [p for p, _ in self.turn_predictions])
 
     def metrics(self) -> dict[str, Any]:
         """Flat numbers for the metrics log."""
@@ -100,6 +108,7 @@ class StepReport:
             "rollout/filter_exhausted": self.filter_exhausted,
             "rollout/surplus_restarted": self.surplus_restarted,
             **{f"rollout/ranker_{k}": v for k, v in self.ranker_recalls().items()},
+            **{f"rollout/ranker_turns_{k}": v for k, v in self.ranker_turn_recalls().items()},
             **{f"rollout/dispatch/{k}": v for k, v in self.dispatch.items()},
             **{f"rollout/filtered/{k}": v for k, v in self.filtered.items()},
             **{f"rollout/dropped/{k}": v for k, v in self.dropped.items()},

@@ -1,7 +1,8 @@
 """`rlkit bench suite`: scheduling policies side by side on one simulated workload and cluster.
 
 For each response-length cap, one long-tail trace (rlkit.sim.trace) is generated (a bimodal
-one with `--long-share`; or `--trace` is replayed), and every policy runs the same trace through the real RolloutManager,
+one with `--long-share`, a multi-turn one with `--episodes`: rlkit.sim.episodes; or `--trace`
+is replayed), and every policy runs the same trace through the real RolloutManager,
 policies and RolloutBuffer on simulated engines in virtual time (rlkit.sim), under a
 synchronous driver whose training and weight-sync times come from a TrainTimeModel. After
 `--warmup` steps (so partial rollouts reach their steady state), `--steps` steps are measured:
@@ -38,6 +39,7 @@ Policies are specs of the policy list (rollout/policy_names.py).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import statistics
 import time
@@ -98,6 +100,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--long-share", type=float, default=None, metavar="SHARE",
                    help="generate bimodal traces instead (rlkit.sim.trace.bimodal_spec): this "
                    "share of the prompts long (near the cap), the rest short")
+    w.add_argument("--episodes", action="store_true",
+                   help="generate multi-turn (agentic) traces instead (rlkit.sim.episodes): every "
+                   "sample an episode of 1-10 turns with tool calls; engines get a prefix cache")
+    w.add_argument("--tool-share", type=float, default=0.6,
+                   help="--episodes: share of prompts solved with tools (several turns)")
+    w.add_argument("--tool-median", type=float, default=0.8,
+                   help="--episodes: median seconds of a tool call (log-normal)")
+    w.add_argument("--tool-sigma", type=float, default=1.0,
+                   help="--episodes: log-normal sigma of tool seconds (the heavy tail)")
     w.add_argument("--seed", type=int, default=0)
     add_cluster_arguments(parser)
     r = parser.add_argument_group("run")
@@ -129,21 +140,32 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--train-params", type=float, default=4.02e9, help="trained parameters")
     c.add_argument("--train-gpus", type=int, default=8, help="trainer GPUs")
     c.add_argument("--train-mfu", type=float, default=0.35)
+    c.add_argument("--train-unit", type=int, default=1,
+                   help="trainer GPUs per data-parallel replica (TP x PP): the step waits for "
+                   "its slowest replica")
+    c.add_argument("--attention-weight", type=float, default=None,
+                   help="attention FLOPs per token pair over matmul FLOPs per token, pricing the "
+                   "long tail's attention in training; default: the profile's own; 0: tokens alone")
 
 
 def cluster_of(args: argparse.Namespace) -> tuple[Any, Any]:
     """The SimConfig and TrainTimeModel that `add_cluster_arguments`' options describe."""
     from rlkit.sim.engine import SimConfig
     from rlkit.rollout.engines.profile import load_profile
-    from rlkit.sim.train_time import TrainTimeModel
+    from rlkit.sim.train_time import TrainTimeModel, attention_weight_of_profile
 
     cluster = SimConfig(args.engines, load_profile(args.profile), router=args.router,
                         abort_latency_s=args.abort_latency,
                         request_latency_s=args.request_latency)
-    return cluster, TrainTimeModel(params=args.train_params, gpus=args.train_gpus, mfu=args.train_mfu)
+    weight = (attention_weight_of_profile(cluster.profile) if args.attention_weight is None
+              else args.attention_weight)
+    return cluster, TrainTimeModel(params=args.train_params, gpus=args.train_gpus,
+                                   mfu=args.train_mfu, attention_weight=weight,
+                                   model_parallel=args.train_unit)
 
 
 def run(args: argparse.Namespace) -> int:
+    from rlkit.sim.episodes import EpisodeTraceSpec, generate_episode_trace
     from rlkit.sim.trace import Trace, TraceSpec, bimodal_spec, generate_trace
 
     out = out_folder(args.out)
@@ -159,19 +181,27 @@ def run(args: argparse.Namespace) -> int:
             make_policy(p, base)  # fail early on a bad spec
         except ValueError as e:
             raise SystemExit(f"--policies: {e}") from None
+    if args.episodes and args.long_share is not None:
+        raise SystemExit("--episodes and --long-share generate different traces: choose one")
     if args.trace:
         traces = [Trace.load(args.trace)]
     else:
         traces = []
         for cap in (int(c) for c in args.caps.split(",")):
             kw = dict(rows=args.prompts, epochs=args.epochs, group_size=args.group_size, cap=cap,
-                      seed=args.seed, batch_size=args.batch_size, growth_per_step=args.growth,
-                      prompt_signal=args.prompt_signal)
-            spec = (TraceSpec(**kw) if args.long_share is None
-                    else bimodal_spec(args.long_share, **kw))
-            trace = generate_trace(spec)
+                      seed=args.seed, batch_size=args.batch_size, prompt_signal=args.prompt_signal)
+            if args.episodes:
+                trace = generate_episode_trace(EpisodeTraceSpec(
+                    **kw, tool_share=args.tool_share, tool_median_s=args.tool_median,
+                    tool_sigma=args.tool_sigma))
+            else:
+                kw["growth_per_step"] = args.growth
+                trace = generate_trace(TraceSpec(**kw) if args.long_share is None
+                                       else bimodal_spec(args.long_share, **kw))
             trace.save(out / "traces" / f"trace-cap{cap}.jsonl")
             traces.append(trace)
+    if any(t.multi_turn for t in traces):  # each turn resends the episode: SGLang's radix cache
+        cluster = dataclasses.replace(cluster, prefix_cache=True)
     suite = SuiteSpec(cluster, train, args.batch_size, args.warmup, args.steps,
                       args.max_staleness, args.seed, base)
     t0 = time.perf_counter()
@@ -294,6 +324,11 @@ class SuiteRow:
         return sum(got) / len(got) if got else math.nan
 
     @property
+    def turns_recall20(self) -> float:
+        got = [s.ranker_turns_recall["recall@20"] for s in self.steps if s.ranker_turns_recall]
+        return sum(got) / len(got) if got else math.nan
+
+    @property
     def parked_groups(self) -> float:
         """Groups carried over per step (partial rollouts' parked work)."""
         return self._sum("groups_carried_over") / len(self.steps)
@@ -305,6 +340,7 @@ class SuiteRow:
                 "idle_share": self.idle_share, "bound_ratio": self.bound_ratio,
                 "resumed_share": self.resumed_share, "max_versions": self.max_versions,
                 "bound_s": self.bound_s, "rounds": self.rounds(), "recall20": self.recall20,
+                "turns_recall20": self.turns_recall20,
                 "parked_groups": self.parked_groups, "train_hidden": self.train_hidden,
                 "overlap_ratio": self.overlap_ratio,
                 "steps": [s.to_json() for s in self.steps]}
@@ -342,13 +378,27 @@ def describe(suite: SuiteSpec, traces: list[Any], wall_s: float) -> str:
         f"{c.request_latency_s:g} s.",
         f"Workload: {suite.batch_size} groups x {traces[0].group_size} responses per step; "
         + "; ".join(f"trace `{tr.name}` (cap {tr.cap})" for tr in traces) + ".",
-        f"Trainer: {t.params / 1e9:.2f}B params on {t.gpus} GPUs at MFU {t.mfu:g} "
-        f"({t.tokens_per_s:,.0f} tokens/s), weight sync {t.sync_s():.1f} s.",
+        *(_episodes_line(tr) for tr in traces if tr.multi_turn),
+        f"Trainer: {t.params / 1e9:.2f}B params on {t.gpus} GPUs ({t.dp} data-parallel "
+        f"replicas) at MFU {t.mfu:g} ({t.tokens_per_s:,.0f} tokens/s), attention weight "
+        f"{t.attention_weight:.3g} per token, weight sync {t.sync_s():.1f} s.",
         f"Steps: {suite.warmup} warm-up, {suite.steps} measured (means over measured steps); "
         f"max staleness {suite.max_staleness}; seed {suite.seed}. "
         f"Simulated in {wall_s:.0f} s of wall time.",
     ]
     return "\n".join(lines)
+
+
+def _episodes_line(trace: Any) -> str:
+    from rlkit.sim.episodes import episode_stats
+
+    e = episode_stats(trace)
+    return (f"Episodes (cap {trace.cap}): {e['turns_mean']:.1f} model turns on average (P90 "
+            f"{e['turns_p90']:.0f}, max {e['turns_max']:.0f}), {e['tokens_mean']:,.0f} tokens (P99 "
+            f"{e['tokens_p99']:,.0f}, {e['cap_fraction']:.1%} at the cap); a tool call takes "
+            f"{e['tool_call_s_median']:.2f} s median, {e['tool_call_s_p99']:.1f} s P99, "
+            f"{e['tool_s_per_episode_mean']:.1f} s per episode on average; engines with a prefix "
+            "cache (cache-aware routing).")
 
 
 def format_table(rows: list[SuiteRow], header: str = "") -> str:
@@ -378,7 +428,7 @@ def format_table(rows: list[SuiteRow], header: str = "") -> str:
             f"{r.throughput:,.0f} | {gain} | {r.trained_throughput:,.0f} | {r.step_s:.1f} | "
             f"{speed} | {perfect} | {limit} | {of_limit} | {hidden} | {x_max} | {r.idle_share:.1%} | {r.bound_ratio:.2f} | {vs_bound} | "
             f"{r.resumed_share:.0%} | {r.max_versions} | {r.parked_groups:.1f} | "
-            f"{'-' if math.isnan(r.recall20) else f'{r.recall20:.2f}'} |"
+            f"{_recall(r)} |"
         )
     rounded = [r for r in rows if r.rounds()]
     if rounded:
@@ -405,6 +455,12 @@ def format_table(rows: list[SuiteRow], header: str = "") -> str:
                 f"{base.rollout_s if base else 0:.1f} | {longest_sync:,} |"
             )
     return "\n".join(out)
+
+
+def _recall(r: SuiteRow) -> str:
+    """Recall@20 of lengths, and of turns after a slash in multi-turn runs."""
+    out = "-" if math.isnan(r.recall20) else f"{r.recall20:.2f}"
+    return out if math.isnan(r.turns_recall20) else f"{out} / {r.turns_recall20:.2f} turns"
 
 
 def plot_suite(rows: list[SuiteRow], path: Path, title: str = "") -> None:

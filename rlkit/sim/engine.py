@@ -54,6 +54,10 @@ Model of one worker (an SGLang-like server):
   `hang(worker)` freezes it (requests never return, probes time out). `abort_worker`,
   `remove_worker`, `add_worker` and `respawn` (a restart: a fresh worker under a new id) are
   the monitor's side; `SimRestarter` restarts after a delay.
+- Prefix cache (`prefix_cache`, off by default): a request goes to the worker that served
+  its sample's last request and prefills only what that one did not leave cached, unless the
+  weights changed since (an update flushes the cache). Multi-turn episodes need it: each turn
+  resends the whole episode so far, which SGLang's radix cache mostly has.
 - Sampling. Simulated engines know no text: a request generates exactly its budget
   (`max_new_tokens`) and finishes with 'length'. Natural lengths come from a trace through
   `TraceReplayEngines` (rlkit.sim.replay), exactly as on real engines.
@@ -107,6 +111,12 @@ class SimConfig:
     stream_interval: int = 1  # tokens per streamed chunk
     control_rtt_s: float = 0.0  # one control call (abort, loads) to a worker, round trip
     abort_poll_s: tuple[float, float] | None = None  # the client's abort-until-idle back-off
+    # A prefix cache (SGLang's radix cache; paged layout only): a sample's next request (an
+    # episode's next turn) goes to the worker that served its last one if that worker is up
+    # (cache-aware routing) and, if the weights are the same version (an update flushes the
+    # cache), prefills only the tokens after what that request left cached. False: every
+    # request prefills its whole context (single-turn figures were measured so).
+    prefix_cache: bool = False
 
     @classmethod
     def from_profile(cls, engines: int, profile: EngineProfile, **overrides: Any) -> "SimConfig":
@@ -217,6 +227,7 @@ class _Request:
     flushed: int = 0  # of those, appended to the sample
     admitted: float | None = None
     seg_start_tokens: int = 0  # `generated` when the current segment began
+    cached: int = 0  # of `context`, tokens already in the worker's prefix cache
 
     @property
     def kv(self) -> int:
@@ -543,6 +554,7 @@ class SimWorker:
                 self._end_segment(victim, now, "preempt")
                 self._flush(victim, None)
                 victim.admitted = None
+                victim.cached = 0  # its KV is freed: re-prefilled whole
                 victim.enqueued = now
                 self.waiting.appendleft(victim)
         if self.stream_spans:
@@ -585,10 +597,11 @@ class SimWorker:
         if not admitted:
             return 0.0
         s = self.stats
-        s.prefill_tokens += tokens
+        cached = [r.cached for r in admitted] if not self.padded else None
+        s.prefill_tokens += tokens - sum(cached or ())
         s.max_running = max(s.max_running, len(self.running))
         s.max_kv_used = max(s.max_kv_used, self.kv_used)
-        return self.profile.prefill_forward_s([r.kv for r in admitted], self.padded)
+        return self.profile.prefill_forward_s([r.kv for r in admitted], self.padded, cached)
 
     def _flush(self, r: _Request, finish_reason: str | None) -> None:
         k = r.generated - r.flushed
@@ -638,6 +651,7 @@ class SimEngines:
         self._next_rr = 0
         self._next_rid = 0
         self._aborts = 0  # abort_all calls so far: requests on their way see it on arrival
+        self._prefix: dict[int, tuple[str, int, int]] = {}  # sample -> (worker, version, tokens)
 
     # -- Engines ----------------------------------------------------------------------------
     def workers(self) -> list[str]:
@@ -654,10 +668,16 @@ class SimEngines:
     ) -> str | None:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        context = len(sample.prompt_ids) + len(sample.response_ids)
+        cached = 0
+        last = self._prefix.get(sample.index) if self.cfg.prefix_cache else None
+        if last is not None and worker in (None, last[0]) and any(
+                w.id == last[0] and w.state == "up" for w in self._order):
+            worker = last[0]  # cache-aware routing: where its prefix is
+            cached = min(last[2], context) if last[1] == version else 0
         w = self._route(worker)
         if w.state == "dead":
             raise EngineError(f"{w.id}: connection refused", w.id)
-        context = len(sample.prompt_ids) + len(sample.response_ids)
         if w.capacity is not None and context + max_new_tokens > w.capacity:
             raise EngineError(
                 f"{w.id}: request needs {context} + {max_new_tokens} KV tokens; the engine "
@@ -677,7 +697,7 @@ class SimEngines:
                 sample.interrupt()
                 return w.id
         req = _Request(self._next_rid, sample, max_new_tokens, context, version,
-                       loop.create_future(), loop.time())
+                       loop.create_future(), loop.time(), cached=cached)
         self._next_rid += 1
         w.submit(req)
         try:
@@ -686,6 +706,9 @@ class SimEngines:
             w.cancel(req)
             sample.interrupt()
             raise
+        finally:
+            if self.cfg.prefix_cache:  # what its KV leaves in the worker's cache
+                self._prefix[sample.index] = (w.id, version, len(sample.prompt_ids) + len(sample.response_ids))
         if outcome != "length":
             sample.interrupt()
         if req.lost == "killed":

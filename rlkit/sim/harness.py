@@ -64,6 +64,8 @@ class SimulatedStep:
     placement: str = "disaggregated"  # colocated: engines and trainer took turns on every GPU
     # colocated: the step row's colocate/* metrics (Run's sleep and wake seconds, the parts)
     turn: dict[str, float] = field(default_factory=dict)
+    # multi-turn: recall@20/10/5 of the episodes' model turns (a ranker of turns)
+    ranker_turns_recall: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -123,6 +125,7 @@ def measure(step: int, policy: str, cluster: SimConfig, report: Any,
         filtered_groups=sum(report.filtered.values()),
         max_response_length=report.max_response_length,
         ranker_recall=report.ranker_recalls(), predictions=report.predictions,
+        ranker_turns_recall=report.ranker_turn_recalls(),
         group_predictions=report.launched_predictions,
         long_engines=int(report.dispatch.get("long_engines", 0)),
         preemptions=int(delta("preemptions")),

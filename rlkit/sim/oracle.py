@@ -29,3 +29,14 @@ class OracleRanker(Stateless):
             lengths = [self.trace.length(src, epoch, s.slot) for s in g.samples]
             out.append(sum(lengths) / len(lengths))
         return out
+
+    def predict_turns(self, groups: Sequence[Group]) -> list[float]:
+        """The episodes' model turns (a multi-turn trace; 1 each in a single-turn one)."""
+        if not self.trace.multi_turn:
+            return [1.0] * len(groups)
+        out = []
+        for g in groups:
+            src, epoch = g.prompt.source_index, g.prompt.epoch
+            turns = [len(self.trace.episode(src, epoch, s.slot)) for s in g.samples]
+            out.append(sum(turns) / len(turns))
+        return out

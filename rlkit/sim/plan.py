@@ -441,13 +441,21 @@ def trained_tokens_per_step(trace: Any, batch_size: int, first_step: int, steps:
     """Mean prompt + response tokens a step trains, over steps [first_step, first_step + steps)
     of a synchronous run over `trace` (draw order, `batch_size` groups of trace.group_size):
     the workload W of the trainer's time model."""
+    return sum(map(sum, trained_lengths_per_step(trace, batch_size, first_step, steps))) / steps
+
+
+def trained_lengths_per_step(trace: Any, batch_size: int, first_step: int,
+                             steps: int) -> list[list[int]]:
+    """Each of those steps' samples' prompt + response lengths (what `TrainTimeModel.batch_s`
+    prices: the long tail's attention and the data-parallel balance)."""
     g = trace.group_size
-    per_group = [r.prompt_len * g + sum(r.lengths[:g]) for r in trace.in_draw_order()]
+    per_group = [[r.prompt_len + n for n in r.lengths[:g]] for r in trace.in_draw_order()]
     lo, hi = first_step * batch_size, (first_step + steps) * batch_size
     if hi > len(per_group):
         raise PlanError(f"trace {trace.name!r} has {len(per_group)} groups, {hi} needed for "
                         f"{first_step + steps} steps of {batch_size}")
-    return sum(per_group[lo:hi]) / steps
+    return [[n for group in per_group[lo + k * batch_size:lo + (k + 1) * batch_size] for n in group]
+            for k in range(steps)]
 
 
 # -- placement: colocated (engines and trainer take turns on every GPU) vs disaggregated -----

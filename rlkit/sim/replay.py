@@ -6,7 +6,9 @@ and asks the inner engines for exactly the tokens still missing to reach it (nev
 the manager's `max_new_tokens`), with `ignore_eos=True` so a real model cannot stop early.
 A response that reaches its natural length below the trace's cap then ends as a stop
 ('stop', status DONE), as the traced response did; one that reaches the cap is truncated
-('length'); an aborted one is partial, exactly as without the wrapper.
+('length'); an aborted one is partial, exactly as without the wrapper. In a multi-turn trace
+(rlkit.sim.episodes) a request is one model turn of an episode: it ends as a stop where the
+trace ends that turn (as a stop string would), and the episode layer goes on.
 
 The key never involves the global sample index (which depends on the policy: over-provisioned
 groups take indices), so sync and partial runs over the same trace do the same work.
@@ -62,8 +64,17 @@ class TraceReplayEngines:
         self._replay_sampling: dict[int, tuple[SamplingConfig, SamplingConfig]] = {}
 
     def natural_length(self, sample: Sample) -> int:
+        """Where the sample's request ends: its traced length, or in a multi-turn trace the end
+        of the episode's current model turn (the turn that holds its response so far)."""
         p = self.prompt_of(sample)
-        return self.trace.length(p.source_index, p.epoch, sample.slot)
+        if not self.trace.multi_turn:
+            return self.trace.length(p.source_index, p.epoch, sample.slot)
+        at, n = 0, len(sample.response_ids)
+        for model, _, observation in self.trace.episode(p.source_index, p.epoch, sample.slot):
+            if n < at + model + observation:
+                return min(self.trace.cap, at + model)
+            at += model + observation
+        return min(self.trace.cap, at)  # past the episode's end: nothing left to generate
 
     # -- Engines ----------------------------------------------------------------------------
     def workers(self) -> list[str]:

@@ -24,6 +24,9 @@ What the simulated trainer does not model: in async mode a weight sync pauses th
 real cluster (retract, update, continue); here generation goes on through it (sync_s is a few
 seconds against steps of minutes).
 
+A multi-turn trace (rlkit.sim.episodes) runs every sample as an episode through the real
+episode layer: model turns end where the trace says, tool calls wait their traced seconds.
+
 Engine faults (`health`, `faults`, `restart_s`; `rlkit bench faults`): the manager gets the real
 EngineMonitor over the replay engines, restarting a lost engine `restart_s` after its backoff
 (SimRestarter; None: never), and a task injects each Fault at its virtual time
@@ -52,12 +55,14 @@ from rlkit.rollout.rankers import LengthRanker
 from rlkit.rollout.rewards import RewardScheduler
 from rlkit.sim.clock import run_virtual
 from rlkit.sim.engine import SimConfig, SimEngines, SimRestarter, SimWorker
+from rlkit.sim.episodes import episode_runner
 from rlkit.sim.faults import Fault, FaultedRun, FaultInjector
 from rlkit.sim.harness import SimulatedStep, measure, span, trace_reward, trace_source
 from rlkit.sim.replay import BufferPrompts, TraceReplayEngines
 from rlkit.sim.trace import Trace
 from rlkit.sim.plan import gpus_per_engine
 from rlkit.sim.train_time import ColocationModel, TrainTimeModel
+from rlkit.train.microbatch_plan import sample_cost
 from rlkit.rollout.timeline import StepTimeline, append_step
 
 
@@ -90,12 +95,17 @@ class TimedTrainerBox:
         now = asyncio.get_running_loop().time()
         for g in handed.refs:
             self._groups.append(g)
-            if self.model is not None:
-                self._free = max(now, self._free) + tokens_of([g]) / self.model.tokens_per_s
+            if self.model is not None:  # each group's compute as it arrives (stream mode's overlap)
+                cost = sum(sample_cost(n, self.model.attention_weight) for n in lengths_of([g]))
+                self._free = max(now, self._free) + cost / self.model.tokens_per_s
 
     async def finish(self) -> dict[str, float]:
         loop = asyncio.get_running_loop()
-        end = self._free + (self.model.overhead_s if self.model is not None else 0.0)
+        end = self._free
+        if self.model is not None:  # the step waits for its slowest data-parallel replica
+            lengths = lengths_of(self._groups)
+            even = sum(sample_cost(n, self.model.attention_weight) for n in lengths)
+            end += self.model.overhead_s + (self.model.slowest_replica(lengths) - even) / self.model.tokens_per_s
         if end > loop.time():
             await asyncio.sleep(end - loop.time())
         if self.on_batch is not None:
@@ -156,7 +166,12 @@ class MeasuredRolloutBox:
 
 def tokens_of(groups: list[Group]) -> int:
     """Prompt + response tokens of the trained samples (what the trainer computes over)."""
-    return sum(len(s.prompt_ids) + len(s.response_ids) for g in groups for s in g.samples)
+    return sum(lengths_of(groups))
+
+
+def lengths_of(groups: list[Group]) -> list[int]:
+    """Each trained sample's prompt + response tokens."""
+    return [len(s.prompt_ids) + len(s.response_ids) for g in groups for s in g.samples]
 
 
 async def simulate(
@@ -221,6 +236,8 @@ async def simulate(
         watch = {"health": monitor, "relaunches_per_sample": health.relaunches_per_sample}
     elif faults:
         raise ValueError("faults need a health monitor (health.enabled)")
+    if trace.multi_turn:  # every sample an episode, through the real episode layer
+        watch["episodes"] = episode_runner(trace, sampling)
     manager = RolloutManager(buffer, replay, policy, sampling,
                              RewardScheduler(trace_reward(trace, seed)), group_filter=group_filter,
                              ranker=ranker, **watch)
@@ -235,7 +252,7 @@ async def simulate(
         sync_s = (colocation.wake_s() if colocation is not None
                   else train.sync_s() if train else 0.0)
         r = measure(step, policy.name, cluster, report, before, after, tokens,
-                    train.train_s(tokens) if train else 0.0, sync_s)
+                    train.batch_s(lengths_of(handed.refs)) if train else 0.0, sync_s)
         r.step_s, r.mode, r.placement = row["step/seconds"], mode, placement
         r.turn = {k: v for k, v in row.items() if k.startswith("colocate/")}
         r.waited_train_s = (row["train/seconds"] + row["sync/seconds"]

@@ -12,7 +12,11 @@ File format (jsonl): a header line, then one line per (prompt, epoch):
      "slots": int, "rows": int, "epochs": int, "order_seed": int, "batch_size": int,
      "vocab_size": int, "spec": {generator parameters} | null}
     {"source_index": int, "epoch": int, "prompt_len": int, "difficulty": float,
-     "step": int, "lengths": [int, ... one per slot]}
+     "step": int, "lengths": [int, ... one per slot],
+     "turns": [[[model tokens, tool s, observation tokens], ... per turn], ... per slot]}
+
+`turns` (multi-turn traces, rlkit.sim.episodes; absent in single-turn ones) gives each episode's
+turns; its length is then its response length: model and observation tokens, capped.
 
 `lengths` are natural lengths already capped at `cap` (a length equal to the cap is a
 truncated response). `difficulty` in [0, 1] is the prompt's rank by expected length (what a
@@ -114,6 +118,9 @@ def bimodal_spec(long_share: float, **kw: Any) -> TraceSpec:
     return TraceSpec(long_share=long_share, **kw)
 
 
+Turn = tuple[int, float, int]  # (model tokens, tool seconds, observation tokens)
+
+
 @dataclass(frozen=True)
 class TraceRecord:
     source_index: int
@@ -122,11 +129,18 @@ class TraceRecord:
     difficulty: float
     step: int
     lengths: tuple[int, ...]
+    # Multi-turn traces (rlkit.sim.episodes): per slot, the episode's turns, each (model tokens,
+    # tool seconds, observation tokens); the last turn is the answer (0 s, 0 tokens). `lengths`
+    # are then the episodes' response lengths (model + observation tokens, capped).
+    turns: tuple[tuple[Turn, ...], ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"source_index": self.source_index, "epoch": self.epoch,
-                "prompt_len": self.prompt_len, "difficulty": self.difficulty,
-                "step": self.step, "lengths": list(self.lengths)}
+        out = {"source_index": self.source_index, "epoch": self.epoch,
+               "prompt_len": self.prompt_len, "difficulty": self.difficulty,
+               "step": self.step, "lengths": list(self.lengths)}
+        if self.turns is not None:
+            out["turns"] = [[list(t) for t in episode] for episode in self.turns]
+        return out
 
 
 @dataclass
@@ -142,6 +156,7 @@ class Trace:
     records: dict[tuple[int, int], TraceRecord]
     spec: dict[str, Any] | None = None
     slots: int = field(init=False)
+    multi_turn: bool = field(init=False)  # records carry episodes' turns
 
     def __post_init__(self) -> None:
         if not self.records:
@@ -155,6 +170,19 @@ class Trace:
                     f"trace {self.name!r}: prompt {r.source_index} epoch {r.epoch} has a "
                     f"length outside [1, cap={self.cap}]"
                 )
+        kinds = {r.turns is not None for r in self.records.values()}
+        if len(kinds) > 1:
+            raise TraceError(f"trace {self.name!r}: some records have turns and some not")
+        self.multi_turn = kinds == {True}
+        for r in self.records.values() if self.multi_turn else ():
+            if len(r.turns) != len(r.lengths) or any(  # type: ignore[arg-type]
+                    not ep or min(m for m, _, _ in ep) < 1 or min(min(s, o) for _, s, o in ep) < 0
+                    or min(self.cap, sum(m + o for m, _, o in ep)) != n
+                    for ep, n in zip(r.turns, r.lengths)):  # type: ignore[arg-type]
+                raise TraceError(
+                    f"trace {self.name!r}: prompt {r.source_index} epoch {r.epoch}: every slot "
+                    "needs turns of >= 1 model token, >= 0 s and observation tokens, summing "
+                    "(capped) to its length")
 
     # -- lookups --------------------------------------------------------------------------
     def length(self, source_index: int, epoch: int, slot: int) -> int:
@@ -172,6 +200,14 @@ class Trace:
                 "need a trace with more slots)"
             )
         return rec.lengths[slot]
+
+    def episode(self, source_index: int, epoch: int, slot: int) -> tuple[Turn, ...]:
+        """The turns of the slot-th episode of prompt `source_index` in `epoch` (multi-turn)."""
+        self.length(source_index, epoch, slot)  # the same checks, the same errors
+        turns = self.records[(source_index, epoch)].turns
+        if turns is None:
+            raise TraceError(f"trace {self.name!r} is single-turn: it has no episodes")
+        return turns[slot]
 
     def difficulty(self, source_index: int) -> float:
         return self.records[(source_index, 0)].difficulty
@@ -246,9 +282,13 @@ class Trace:
                 continue
             try:
                 d = json.loads(line)
+                turns = d.get("turns")
                 rec = TraceRecord(int(d["source_index"]), int(d["epoch"]), int(d["prompt_len"]),
                                   float(d["difficulty"]), int(d.get("step", 0)),
-                                  tuple(int(x) for x in d["lengths"]))
+                                  tuple(int(x) for x in d["lengths"]),
+                                  None if turns is None else tuple(
+                                      tuple((int(m), float(t), int(o)) for m, t, o in ep)
+                                      for ep in turns))
             except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
                 raise TraceError(f"{where}:{n}: bad record ({type(e).__name__}: {e})") from None
             if (rec.source_index, rec.epoch) in records:
@@ -294,20 +334,10 @@ def generate_trace(spec: TraceSpec, name: str | None = None) -> Trace:
     )
     ranks = np.argsort(np.argsort(log_mean, kind="stable"), kind="stable")
     difficulty = (ranks + 0.5) / spec.rows
-    prompt_len = np.clip(
-        np.round(spec.prompt_median * np.exp(spec.prompt_sigma * rng.standard_normal(spec.rows))
-                 * (1.0 + spec.prompt_signal * (difficulty - 0.5))),
-        spec.prompt_min, spec.prompt_max,
-    ).astype(int)
-
-    order = EpochOrder(spec.rows, order_seed, shuffle=True)
-    step_of: dict[tuple[int, int], int] = {}
-    for draw in range(spec.rows * spec.epochs):
-        row, epoch = order.next()
-        step_of[(row, epoch)] = draw // spec.batch_size
+    prompt_len = prompt_lengths(rng, spec, difficulty)
 
     records: dict[tuple[int, int], TraceRecord] = {}
-    for (row, epoch), step in step_of.items():
+    for (row, epoch), step in draw_steps(spec.rows, spec.epochs, order_seed, spec.batch_size).items():
         noise = np.random.default_rng([spec.seed, row, epoch, 1]).standard_normal(slots)
         growth = (1.0 + spec.growth_per_step) ** step
         lengths = np.exp(log_mean[row] + spec.within_sigma * noise) * growth
@@ -323,6 +353,22 @@ def generate_trace(spec: TraceSpec, name: str | None = None) -> Trace:
         batch_size=spec.batch_size, vocab_size=spec.vocab_size, records=records,
         spec=asdict(spec),
     )
+
+
+def prompt_lengths(rng: np.random.Generator, spec: Any, difficulty: np.ndarray) -> np.ndarray:
+    """Each row's prompt length: log-normal (spec.prompt_median, prompt_sigma), longer for
+    harder prompts by spec.prompt_signal, clipped to [prompt_min, prompt_max]."""
+    return np.clip(
+        np.round(spec.prompt_median * np.exp(spec.prompt_sigma * rng.standard_normal(spec.rows))
+                 * (1.0 + spec.prompt_signal * (difficulty - 0.5))),
+        spec.prompt_min, spec.prompt_max,
+    ).astype(int)
+
+
+def draw_steps(rows: int, epochs: int, order_seed: int, batch_size: int) -> dict[tuple[int, int], int]:
+    """(row, epoch) -> the training step at which a synchronous run draws it."""
+    order = EpochOrder(rows, order_seed, shuffle=True)
+    return {order.next(): draw // batch_size for draw in range(rows * epochs)}
 
 
 # -- statistics -----------------------------------------------------------------------------

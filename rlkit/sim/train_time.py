@@ -7,7 +7,19 @@
                                 + 2 if reference model (KL))
     sync_s = sync_overhead_s + weight_bytes / sync_bandwidth
 
-Tokens are prompt + response tokens of the trained samples. The 6P rule and the forward
+Tokens are prompt + response tokens of the trained samples. With the batch's sample lengths
+(`batch_s`) the model also counts what a long tail costs beyond its tokens, as the trainer plans
+it (train/microbatch_plan.py):
+
+    a sample of n tokens costs n + w n^2 token-equivalents (causal attention over its own
+    tokens: packed rows attend block-diagonally; w = attention_weight, the model's attention
+    FLOPs per token pair over its matmul FLOPs per token)
+    samples go to the dp = gpus / model_parallel replicas by cost (LPT, as the trainer does),
+    and the step waits for the slowest replica: train_s = overhead_s + slowest x dp / tokens/s
+
+so a 32k response costs 1 + 32k w times its tokens (Qwen3-4B: w = 3.7e-5, 2.2x) and a batch
+whose long tail lands on one replica pays for it there. w = 0 and dp = 1 give train_s(tokens).
+The 6P rule and the forward
 passes are the standard dense-transformer accounting (Kaplan et al. 2020); the default MFU of
 0.35 is in the range Megatron-LM reports for models of a few billion parameters (Narayanan et
 al. 2021 report 0.44-0.52 at large scale; small models and RL's short micro-batches do
@@ -24,6 +36,9 @@ training, the trainer's offload, the engines' wake and the in-memory weight upda
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Sequence
+
+from rlkit.train.microbatch_plan import balance_replicas, sample_cost
 
 
 @dataclass(frozen=True)
@@ -38,12 +53,36 @@ class TrainTimeModel:
     sync_overhead_s: float = 2.0  # pause, flush, continue on the engines
     sync_bandwidth: float = 10e9  # bytes/s achieved while broadcasting weights
     bytes_per_param: int = 2  # bf16 weights sent to the engines
+    # Attention FLOPs per token pair over matmul FLOPs per token (`attention_weight_of_profile`
+    # reads it from an engine profile of the same model); 0: tokens alone.
+    attention_weight: float = 0.0
+    model_parallel: int = 1  # GPUs per data-parallel replica (TP x PP)
 
     def __post_init__(self) -> None:
         if self.params <= 0 or self.gpus < 1 or self.peak_flops <= 0:
             raise ValueError("params, gpus and peak_flops must be positive")
         if not 0 < self.mfu <= 1:
             raise ValueError("mfu must be in (0, 1]")
+        if self.attention_weight < 0 or self.model_parallel < 1 or self.gpus % self.model_parallel:
+            raise ValueError(f"attention_weight must be >= 0 and the {self.gpus} GPUs whole "
+                             f"replicas of model_parallel {self.model_parallel}")
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // self.model_parallel
+
+    def slowest_replica(self, lengths: Sequence[int]) -> float:
+        """Token-equivalents of the busiest replica when `lengths` are balanced over dp
+        replicas by cost, times dp: what the step's compute takes at the whole trainer's
+        tokens/s."""
+        costs = [sample_cost(n, self.attention_weight) for n in lengths]
+        if self.dp == 1:
+            return sum(costs)
+        return self.dp * max(sum(costs[i] for i in r) for r in balance_replicas(costs, self.dp))
+
+    def batch_s(self, lengths: Sequence[int]) -> float:
+        """Training time of a batch of samples of these (prompt + response) lengths."""
+        return self.overhead_s + self.slowest_replica(lengths) / self.tokens_per_s
 
     @property
     def flops_per_token(self) -> float:
@@ -64,6 +103,15 @@ class TrainTimeModel:
     def sync_step_s(self, rollout_s: float, tokens: int) -> float:
         """End-to-end time of one synchronous step (rollout, then training, then sync)."""
         return rollout_s + self.train_s(tokens) + self.sync_s()
+
+
+def attention_weight_of_profile(profile: Any) -> float:
+    """The attention weight of an engine profile's model: its prefill's quadratic over linear
+    cost per token (rollout/engines/profile.py), the same FLOPs ratio a trainer pays; 0 when
+    the profile has no quadratic term."""
+    linear = float(getattr(profile, "prefill_s_per_token", 0.0) or 0.0)
+    square = float(getattr(profile, "prefill_s_per_token_sq", 0.0) or 0.0)
+    return square / linear if linear > 0 else 0.0
 
 
 @dataclass(frozen=True)

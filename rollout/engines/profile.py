@@ -129,13 +129,19 @@ class EngineProfile:
         """Seconds of one decode step of `batch` requests holding `kv_tokens` of KV cache."""
         return self.step_base_s(batch) + self.kv_s(batch) * kv_tokens
 
-    def prefill_forward_s(self, contexts: Sequence[int], padded: bool = False) -> float:
-        """Seconds of one prefill forward over requests of these context lengths."""
+    def prefill_forward_s(self, contexts: Sequence[int], padded: bool = False,
+                          cached: Sequence[int] | None = None) -> float:
+        """Seconds of one prefill forward over requests of these context lengths. `cached`:
+        each request's prefix already in the KV cache (paged only): only the rest is computed,
+        attending to the whole context."""
         if not contexts:
             return 0.0
         if padded:
             w = max(contexts)
             t1, t2 = len(contexts) * w, len(contexts) * w * w
+        elif cached is not None:
+            t1 = sum(c - h for c, h in zip(contexts, cached))
+            t2 = sum((c - h) * c for c, h in zip(contexts, cached))
         else:
             t1, t2 = sum(contexts), sum(c * c for c in contexts)
         return (self.prefill_s_per_forward + self.prefill_s_per_token * t1

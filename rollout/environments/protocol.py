@@ -23,6 +23,10 @@ class EpisodePrompt:
     label: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)
     index: int = 0  # the prompt's position in its source (seeds per-prompt randomness)
+    epoch: int = 0  # the pass over the data that drew it
+    slot: int = 0  # which of its group's responses this episode is (Sample.slot): a group's
+    # episodes all face the same environment, so only per-response randomness (a sampled user
+    # simulator, the simulator's traced episodes) reads it
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,9 @@ the rule every plugin kind follows). Pure Python: no torch, HTTP or Ray (`learne
 scikit-learn when it first fits).
 
 Only the order of predictions drives dispatch and deferral; the values feed cost models, so
-they are expected response lengths in tokens (the mean over a group's responses).
+they are expected response lengths in tokens (the mean over a group's responses). With
+multi-turn rollouts a response is an episode: its length counts model and observation tokens,
+and a ranker may also predict its model turns (`TurnRanker`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 from rlkit.buffers.group import Group
-from rlkit.rollout.rankers.lengths import group_lengths, mean_length, prompt_key
+from rlkit.rollout.rankers.lengths import group_lengths, group_turns, mean_length, mean_turns, prompt_key
 
 
 @runtime_checkable
@@ -39,6 +41,16 @@ class LengthRanker(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+@runtime_checkable
+class TurnRanker(Protocol):
+    """Optional, for multi-turn rollouts: a ranker that also predicts episodes' model turns
+    (`history` and `learned` do). The manager reports its recall beside the length recall."""
+
+    def predict_turns(self, groups: Sequence[Group]) -> list[float]:
+        """Expected mean model turns of each group's episodes."""
+        ...
+
+
 def builtin_rankers() -> dict[str, Any]:
     from rlkit.rollout.rankers.basic import HistoryRanker, PromptLengthRanker
     from rlkit.rollout.rankers.learned import LearnedRanker
@@ -47,4 +59,5 @@ def builtin_rankers() -> dict[str, Any]:
             "learned": LearnedRanker}
 
 
-__all__ = ["LengthRanker", "builtin_rankers", "group_lengths", "mean_length", "prompt_key"]
+__all__ = ["LengthRanker", "TurnRanker", "builtin_rankers", "group_lengths", "group_turns",
+           "mean_length", "mean_turns", "prompt_key"]

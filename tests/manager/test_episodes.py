@@ -14,6 +14,7 @@ import re
 import pytest
 
 from rlkit.buffers import Group, ListPromptSource, PromptRecord, SampleStatus
+from rlkit.buffers.buffer import Place
 from rlkit.buffers.sample import Sample
 from rlkit.rollout.environments.guess_number import guess_number
 from rlkit.rollout.config import SamplingConfig
@@ -271,18 +272,31 @@ def test_partial_rollouts_park_episodes_mid_turn_and_on_tools_and_every_one_ends
         play(runner(), g, ScriptedModel(g.samples[0]))
         return g.samples[0]
 
+    envs = service.manager.episodes.envs
+    dropped: list[int] = []
+
     async def steps():
         trained = []
         for v in range(5):
             report = await service.run_step(v)
+            # Parked episodes keep their environments, and only they do.
+            parked = {s.index for g in service.buffer.queued(Place.PARTIAL) for s in g.samples
+                      if s.response_ids and not s.status.terminal}
+            assert parked <= set(envs) <= {s.index for g in service.buffer.queued(Place.PARTIAL)
+                                           for s in g.samples}, v
+            if v == 1:  # a parked group dropped (as a filter or the staleness rule would)
+                g = next(g for g in service.buffer.queued(Place.PARTIAL) if set(envs) & {s.index for s in g.samples})
+                dropped.extend(s.index for s in g.samples)
+                service.buffer.drop(g, "test")
             trained += (await service.take(3)).refs
             assert report.buffer["balanced"], v
             await service.set_version(v + 1)
         return trained
 
     trained = asyncio.run(steps())
+    assert dropped and not set(dropped) & set(envs)  # its environments were forgotten
     assert len(trained) == 15
-    assert sum(service.manager.episodes.counts[k] for k in ("tool_calls_rerun",)) > 0 or any(
+    assert sum(service.manager.episodes.counts[k] for k in ("env_steps_rerun",)) > 0 or any(
         s.requests > 1 for g in trained for s in g.samples)
     resumed = 0
     for g in trained:

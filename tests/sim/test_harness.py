@@ -91,7 +91,24 @@ def test_end_to_end_step_adds_training_and_sync():
     train = TrainTimeModel(params=1e9, gpus=2)
     [r] = run(SyncPolicy(), steps=1, train=train)
     assert r.train_tokens > 0
-    assert r.step_s == pytest.approx(r.rollout_s + train.train_s(r.train_tokens) + train.sync_s())
+    assert r.step_s == pytest.approx(r.rollout_s + r.train_s + train.sync_s())
+    # 2 data-parallel replicas: the slowest holds at most one sample more than an even share
+    assert train.train_s(r.train_tokens) - 1e-9 <= r.train_s
+    assert r.train_s <= train.train_s(r.train_tokens) + 2 * 24_000 / train.tokens_per_s
+
+
+def test_the_trainer_s_time_counts_the_tail_s_attention_and_its_slowest_replica():
+    """TrainTimeModel.batch_s: n + w n^2 token-equivalents per sample, balanced over the
+    data-parallel replicas by cost (the trainer's rule), the slowest replica timed."""
+    even = TrainTimeModel(params=1e9, gpus=2, overhead_s=0.0)
+    assert even.batch_s([100, 100]) == pytest.approx(even.train_s(200) - 0.0)
+    assert even.batch_s([300, 100]) == pytest.approx(600 / even.tokens_per_s)  # 300 waits
+    one = TrainTimeModel(params=1e9, gpus=2, overhead_s=0.0, model_parallel=2)
+    assert one.dp == 1 and one.batch_s([300, 100]) == pytest.approx(one.train_s(400))
+    w = TrainTimeModel(params=1e9, gpus=1, overhead_s=0.0, attention_weight=1e-3)
+    assert w.batch_s([1000]) == pytest.approx((1000 + 1e-3 * 1000 ** 2) / w.tokens_per_s)
+    with pytest.raises(ValueError, match="whole replicas"):
+        TrainTimeModel(params=1e9, gpus=3, model_parallel=2)
 
 
 def test_a_packaged_gpu_profile_runs_a_step_at_scale_quickly():

@@ -72,3 +72,22 @@ def test_policy_specs_come_from_the_registry():
         make_policy("tail_batching+fast")
     with pytest.raises(ValueError, match="over_provision"):
         make_policy("partial@0.5")  # the schema's own range check
+
+
+def test_the_suite_runs_multi_turn_episodes_with_the_ranker_s_turns(tmp_path):
+    """`--episodes`: every sample an agentic episode (turns, tool calls), replayed through the
+    real episode layer; the table says what the episodes were and the rankers' turn recall."""
+    code = main([
+        "bench", "suite", "--episodes", "--caps", "4096", "--policies", "sync,partial+history",
+        "--modes", "sync,async", "--batch-size", "4", "--group-size", "2", "--prompts", "16",
+        "--epochs", "12", "--engines", "2", "--profile", "h100-qwen3-4b-tp1", "--warmup", "4",
+        "--steps", "2", "--train-gpus", "1", "--no-timelines", "--out", str(tmp_path),
+    ])
+    assert code == 0
+    table = (tmp_path / "suite.md").read_text()
+    assert "model turns on average" in table and "prefix cache" in table
+    assert "| 4k | async | partial+history |" in table and " turns |" in table
+    rows = json.loads((tmp_path / "suite.json").read_text())
+    assert len(rows) == 4 and all(s["tokens_in_batch"] > 0 for r in rows for s in r["steps"])
+    partial = next(r for r in rows if r["policy"] == "partial+history")
+    assert 0.0 <= partial["turns_recall20"] <= 1.0
