@@ -22,6 +22,7 @@ from typing import Callable
 
 from rlkit.buffers import BufferStateError, RolloutBuffer, load_buffer
 from rlkit.buffers.errors import CheckpointError, find_user_error
+from rlkit.buffers.persistence import fsync_dir
 
 STATE = "state.json"
 TRAINER_DIR = "trainer"
@@ -98,7 +99,7 @@ def save_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(final)
-        _fsync_dir(root)
+        fsync_dir(root)
     except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)
         cause = find_user_error(e) or getattr(e, "cause", None) or e  # unwrapped from Ray's
@@ -135,15 +136,6 @@ def _write_synced(path: Path, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make the rename durable (a power cut after it keeps the new name)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def restore_buffer(ckpt: Checkpoint, buffer: RolloutBuffer) -> bool:

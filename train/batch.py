@@ -59,6 +59,10 @@ class TrainBatch:
     samples: list[TrainSample]
     policy_version: int = 0
     metadata: dict = field(default_factory=dict)
+    # Micro-batches already planned for this batch (train/microbatch_plan.py): positions in
+    # `samples`, () for empty work that keeps DP replicas' micro-batch counts equal. None: the
+    # trainer plans them itself from its config. Not carried by subset/concat (positions change).
+    micro_batch_plan: list[tuple[int, ...]] | None = None
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -99,7 +103,7 @@ class TrainBatch:
             if ref is not None:
                 changes["ref_logprobs"] = ref[i]
             samples.append(replace(s, **changes))
-        return TrainBatch(samples, self.policy_version, dict(self.metadata))
+        return TrainBatch(samples, self.policy_version, dict(self.metadata), self.micro_batch_plan)
 
     @staticmethod
     def concat(batches: Iterable["TrainBatch"]) -> "TrainBatch":

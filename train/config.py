@@ -11,7 +11,15 @@ class ParallelismConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     tensor: int = Field(1, ge=1, le=64, description="Tensor-parallel size.")
-    data: int = Field(1, ge=1, le=4096, description="Data-parallel size.")
+    data: int = Field(
+        1,
+        ge=1,
+        le=4096,
+        description="Data-parallel size. Samples go to replicas by compute cost (tokens plus "
+        "attention's square term), most expensive first to the least-loaded replica (in arrival "
+        "order in stream mode); every replica runs as many micro-batches as the busiest one, the "
+        "others padded with empty ones.",
+    )
 
 
 class OptimizerConfig(BaseModel):
@@ -45,14 +53,31 @@ class AlgorithmConfig(BaseModel):
     ratio_level: Literal["token", "sequence"] = Field(
         "token",
         description="Importance ratio per token (PPO/GRPO) or per sequence (GSPO: exp of the "
-        "sequence's mean token log-ratio, clipped per sequence). 'sequence' makes "
-        "loss_aggregation default to 'sequence_mean' and refuses 'token_mean'.",
+        "sequence's mean token log-ratio, clipped per sequence). Both log-ratios are clamped to "
+        "+-20 before exp. 'sequence' makes loss_aggregation default to 'sequence_mean' and "
+        "refuses the other aggregations.",
     )
-    loss_aggregation: Literal["token_mean", "sequence_mean"] = Field(
+    loss_aggregation: Literal["token_mean", "sequence_mean", "sequence_mean_token_sum_norm"] = Field(
         "token_mean",
-        description="Average the loss over all tokens of the batch ('token_mean'), or per "
-        "sequence then over sequences ('sequence_mean'). With ratio_level 'sequence' the default "
-        "is 'sequence_mean' (GSPO's objective) and 'token_mean' is an error.",
+        description="How token losses become the batch loss (sums over trainable tokens, over the "
+        "whole global batch). 'token_mean': sum / trainable tokens (TRL loss_type 'dapo', verl "
+        "'token-mean', slime --calculate-per-token-loss). 'sequence_mean': each sequence's token "
+        "mean, averaged over sequences with a trainable token (TRL 'grpo', verl "
+        "'seq-mean-token-mean', slime's default). 'sequence_mean_token_sum_norm' (Dr.GRPO): each "
+        "sequence's token sum divided by the constant loss_norm_length, averaged over sequences "
+        "with a trainable token, i.e. sum / (sequences x loss_norm_length) (TRL 'dr_grpo' with "
+        "max_completion_length = loss_norm_length, verl 'seq-mean-token-sum-norm' with "
+        "loss_scale_factor = loss_norm_length). With ratio_level 'sequence' the default is "
+        "'sequence_mean' (GSPO's objective) and the others are an error.",
+    )
+    loss_norm_length: int = Field(
+        0,
+        ge=0,
+        description="The constant C of loss_aggregation 'sequence_mean_token_sum_norm' (Dr.GRPO's "
+        "MAX_TOKENS): each sequence's token-loss sum is divided by C, whatever the sequence's "
+        "length. Set it to rollout.sampling.max_new_tokens to match TRL's max_completion_length "
+        "and verl's response length; keep it fixed for a run (it scales the gradient, like the "
+        "learning rate). 0 (unset) is an error with that aggregation; the others ignore it.",
     )
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the reference model.")
     kl_estimator: Literal["k1", "k3", "low_var"] = Field(
@@ -81,6 +106,13 @@ class AlgorithmConfig(BaseModel):
                     f"(got {self.loss_aggregation!r}, which weights each sequence by its length); "
                     "set it to 'sequence_mean' or leave it unset"
                 )
+        if self.loss_aggregation == "sequence_mean_token_sum_norm" and self.loss_norm_length < 1:
+            raise ValueError(
+                "loss_aggregation 'sequence_mean_token_sum_norm' divides each sequence's token "
+                "sum by the constant loss_norm_length, which is unset: set "
+                "train.algorithm.loss_norm_length (Dr.GRPO, TRL and verl use the generation "
+                "limit: rollout.sampling.max_new_tokens)"
+            )
         return self
 
 
@@ -131,7 +163,26 @@ class TrainConfig(BaseModel):
     parallelism: ParallelismConfig = Field(default_factory=ParallelismConfig, description="Tensor and data parallelism of the trainer.")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer and learning-rate schedule.")
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="Advantage estimator, policy loss, regularisers, off-policy correction.")
-    micro_batch_size: int = Field(4, ge=1, description="Samples per forward/backward pass.")
+    micro_batch_size: int = Field(
+        4,
+        ge=1,
+        description="Samples per forward/backward pass; not used when max_tokens_per_micro_batch "
+        "is set (the token budget replaces it).",
+    )
+    max_tokens_per_micro_batch: int = Field(
+        0,
+        ge=0,
+        description="Token budget of one forward/backward pass; 0 keeps micro-batches by sample "
+        "count (micro_batch_size). When set it replaces micro_batch_size: a replica's samples are "
+        "placed first-fit-decreasing into micro-batches of at most this many tokens (with packing "
+        "false: samples x longest sample, the padded slots), in arrival order in stream mode; a "
+        "sample longer than the budget gets a micro-batch of its own and a warning with its "
+        "length. Packed, a micro-batch then has fewer than 3 x budget slots and 3 x budget^2 "
+        "attention-mask entries whatever the length mix (by count: micro_batch_size x the "
+        "longest sample^2); pack_row_tokens above the budget packs each micro-batch into one "
+        "row. global_batch_size need not be a multiple of micro_batch_size then. Loss and "
+        "gradient do not depend on it (global normalisation).",
+    )
     global_batch_size: int = Field(
         0,
         ge=0,
@@ -155,7 +206,8 @@ class TrainConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
-        if self.global_batch_size and self.global_batch_size % self.micro_batch_size:
+        if (self.global_batch_size and not self.max_tokens_per_micro_batch
+                and self.global_batch_size % self.micro_batch_size):
             raise ValueError(
                 f"global_batch_size ({self.global_batch_size}) must be a multiple of "
                 f"micro_batch_size ({self.micro_batch_size})"

@@ -12,7 +12,17 @@ attention work than one padded row per sample, and removes most of the padding. 
 row length, which dominates for small models). `pack=False` puts each sample in its own row: the
 classic padded batch, kept so both schemes can be measured (`rlkit bench train`).
 Cost model: linear layers see `slots` = rows x longest row tokens, of which `tokens` are real;
-attention costs the sum over rows of (row length)^2.
+attention costs the sum over rows of (row length)^2. The mask costs rows x S^2 entries: a token
+budget per micro-batch bounds it (train/microbatch_plan.py: fewer than 3 x budget^2 entries).
+
+`layout="thd"` is the seam for a varlen attention path (TransformerEngine's THD format on GPUs):
+all samples in one unpadded row, no mask, `cu_seqlens` marking where each sample starts, and the
+trainer hands megatron a `PackedSeqParams` instead of the mask; memory then grows with the
+tokens, not with their square. It is not used today and could not run here: megatron-core's
+local layer spec (the one rlkit builds, train/megatron/model.py) has no THD attention, and
+TransformerEngine (needed for it) is neither installed nor buildable on the CPU machines; wiring
+it needs the TE layer spec in model.py, its fused layer-norm names in train/convert.py, and a
+parity test on a GPU with TE.
 """
 
 from __future__ import annotations
@@ -22,41 +32,30 @@ from typing import Sequence
 
 import torch
 
+from rlkit.train.microbatch_plan import assign_rows
+
+__all__ = ["PackedRows", "assign_rows", "pack_samples"]
+
+LAYOUTS = ("dense", "thd")
+
 
 @dataclass
 class PackedRows:
     input_ids: torch.Tensor  # [R, S] long
     position_ids: torch.Tensor  # [R, S] long, restarting at 0 for each sample
-    attention_mask: torch.Tensor  # [R, 1, S, S] bool, True = masked (Megatron's convention)
+    attention_mask: torch.Tensor | None  # [R, 1, S, S] bool, True = masked (Megatron's); None in THD
     logit_index: torch.Tensor  # [T] flat index into R*S of the logits that predict each response token
     target_ids: torch.Tensor  # [T] response token ids
     sample_ids: torch.Tensor  # [T] position of the token's sample in the input sequence
     response_lengths: list[int]
     tokens: int  # real tokens
     slots: int  # R * S
+    cu_seqlens: torch.Tensor | None = None  # THD only: [samples + 1] int32 offsets into the one row
+    max_seqlen: int = 0  # THD only: the longest sample
 
     @property
     def padding_fraction(self) -> float:
         return 1.0 - self.tokens / self.slots if self.slots else 0.0
-
-
-def assign_rows(lengths: Sequence[int], row_tokens: int = 0, pack: bool = True) -> list[list[int]]:
-    """Sample indices per row: first-fit-decreasing bins of capacity max(row_tokens, longest)."""
-    if not pack:
-        return [[i] for i in range(len(lengths))]
-    capacity = max([row_tokens, *lengths])
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        for r, free in enumerate(room):
-            if lengths[i] <= free:
-                rows[r].append(i)
-                room[r] -= lengths[i]
-                break
-        else:
-            rows.append([i])
-            room.append(capacity - lengths[i])
-    return rows
 
 
 def pack_samples(
@@ -66,8 +65,13 @@ def pack_samples(
     *,
     pack: bool = True,
     pad_id: int = 0,
+    layout: str = "dense",
 ) -> PackedRows:
-    """Pack sequences (prompt + response token ids) whose first `prompt_lengths[i]` are prompt."""
+    """Pack sequences (prompt + response token ids) whose first `prompt_lengths[i]` are prompt.
+    `layout`: 'dense' (rows with a block-diagonal mask) or 'thd' (one row, `cu_seqlens`, no mask;
+    `row_tokens` and `pack` do not apply)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     lengths = [int(t.numel()) for t in tokens]
     for i, (n, p) in enumerate(zip(lengths, prompt_lengths)):
         if p < 1 or p > n:
@@ -75,7 +79,8 @@ def pack_samples(
                 f"sample {i}: prompt length {p} must be in [1, {n}] (the first response token "
                 "is predicted from the last prompt token)"
             )
-    rows = assign_rows(lengths, row_tokens, pack)
+    thd = layout == "thd"
+    rows = [list(range(len(lengths)))] if thd else assign_rows(lengths, row_tokens, pack)
     width = max(sum(lengths[i] for i in row) for row in rows)
     n_rows = len(rows)
     input_ids = torch.full((n_rows, width), pad_id, dtype=torch.long)
@@ -92,14 +97,17 @@ def pack_samples(
             # logits at position q predict the token at q + 1
             logit_index[i] = r * width + offset + torch.arange(p - 1, n - 1)
             offset += n
-    causal = torch.ones(width, width, dtype=torch.bool).tril()
-    same = segment.unsqueeze(2) == segment.unsqueeze(1)
-    allowed = same & causal
+    if thd:
+        mask, cu_seqlens = None, torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    else:
+        causal = torch.ones(width, width, dtype=torch.bool).tril()
+        same = segment.unsqueeze(2) == segment.unsqueeze(1)
+        mask, cu_seqlens = (~(same & causal)).unsqueeze(1), None
     response_lengths = [n - p for n, p in zip(lengths, prompt_lengths)]
     return PackedRows(
         input_ids=input_ids,
         position_ids=position_ids,
-        attention_mask=(~allowed).unsqueeze(1),
+        attention_mask=mask,
         logit_index=torch.cat(logit_index),
         target_ids=torch.cat([t[p:] for t, p in zip(tokens, prompt_lengths)]).long(),
         sample_ids=torch.repeat_interleave(
@@ -108,4 +116,6 @@ def pack_samples(
         response_lengths=response_lengths,
         tokens=sum(lengths),
         slots=n_rows * width,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max(lengths) if thd else 0,
     )

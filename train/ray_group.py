@@ -3,8 +3,10 @@
 Rank layout follows megatron (TP innermost): global rank g has tp_rank = g % TP and
 dp_rank = g // TP. The driver-side group
 
-- splits each batch over DP replicas (longest-processing-time by token count, so replicas get
-  similar work) and sends every TP rank of a replica the same samples;
+- plans each batch for every DP replica (train/microbatch_plan.py: samples to replicas by
+  compute cost, longest-processing-time first; micro-batches by token budget or count; every
+  replica as many, padded with empty ones) and sends every TP rank of a replica the same samples
+  with that replica's micro-batches;
 - gathers per-sample results from TP rank 0 of each replica and restores the batch order;
 - calls `step`, `sync_weights`, `save`, `load`, `export_hf` on every rank (they are collective).
 
@@ -25,17 +27,28 @@ from rlkit.buffers.control_token import CONTROL_TOKEN_ENV
 from rlkit.buffers.fault_switch import TRAINER_FAULT_ENV, FaultSwitch, FaultSwitchError
 from rlkit.train.batch import TrainBatch
 from rlkit.train.config import TrainConfig
+from rlkit.train.microbatch_plan import MicroBatchPlan, plan_micro_batches, warn_over_budget
 
 
-def split_for_data_parallel(batch: TrainBatch, dp: int) -> list[list[int]]:
-    """Sample indices per DP replica: each sample, longest first, to the least-loaded replica."""
-    loads = [0] * dp
-    parts: list[list[int]] = [[] for _ in range(dp)]
-    for i in sorted(range(len(batch)), key=lambda i: (-batch.samples[i].length, i)):
-        r = min(range(dp), key=lambda r: (loads[r], r))
-        parts[r].append(i)
-        loads[r] += batch.samples[i].length
-    return [sorted(p) for p in parts]
+def plan_for_data_parallel(batch: TrainBatch, config: TrainConfig, weight: float) -> MicroBatchPlan:
+    """The batch's plan over `config.parallelism.data` replicas (`weight`: the attention term of
+    the sample cost, train.megatron.trainer.MegatronTrainer.attention_weight)."""
+    return plan_micro_batches(
+        [s.length for s in batch.samples], dp_size=config.parallelism.data,
+        max_tokens=config.max_tokens_per_micro_batch, micro_batch_size=config.micro_batch_size,
+        attention_weight=weight, padded=not config.packing,
+    )
+
+
+def replica_batches(batch: TrainBatch, plan: MicroBatchPlan) -> list[tuple[list[int], TrainBatch]]:
+    """Per replica: its sample indices in `batch` and its sub-batch carrying its micro-batches."""
+    out = []
+    for d in range(len(plan.replicas)):
+        idx = plan.samples_of(d)
+        sub = batch.subset(idx)
+        sub.micro_batch_plan = plan.local(d)
+        out.append((idx, sub))
+    return out
 
 
 class TrainerFault:
@@ -113,7 +126,8 @@ class TrainWorker:
         self.trainer = MegatronTrainer(model_path, cfg, temperature=temperature)
         self.config = cfg
         r = self.trainer.rank
-        return {"rank": r.rank, "tp_rank": r.tp_rank, "dp_rank": r.dp_rank, "pid": os.getpid()}
+        return {"rank": r.rank, "tp_rank": r.tp_rank, "dp_rank": r.dp_rank, "pid": os.getpid(),
+                "attention_weight": self.trainer.attention_weight}
 
     def logprobs(self, batch: TrainBatch, policy: str) -> list[torch.Tensor] | None:
         out = self.trainer.logprobs(batch, policy=policy)
@@ -168,6 +182,9 @@ class TrainWorker:
 
     def finalize_grads_for_test(self) -> dict[str, torch.Tensor]:
         return self.trainer.finalize_grads_for_test()
+
+    def discard_gradients(self) -> None:
+        self.trainer.discard_gradients()
 
     def shutdown(self) -> None:
         from rlkit.train.megatron.parallel import shutdown_parallel
@@ -228,18 +245,22 @@ class TrainerGroup:
         except Exception:
             self.shutdown()
             raise
+        # the sample cost's attention term (the model's shape, read where the model is)
+        self.attention_weight: float = self.ranks[0]["attention_weight"]
 
     # -- helpers -------------------------------------------------------------------------------
     def _scatter(self, batch: TrainBatch, method: str, *args: Any) -> tuple[list[list[int]], list[Any]]:
         import ray
 
-        parts = split_for_data_parallel(batch, self.dp)
+        if method == "accumulate":
+            warn_over_budget([s.length for s in batch.samples], self.config.max_tokens_per_micro_batch)
+        shares = replica_batches(batch, plan_for_data_parallel(batch, self.config, self.attention_weight))
         refs = []
-        for d, idx in enumerate(parts):
-            sub = ray.put(batch.subset(idx))
+        for d, (_, sub) in enumerate(shares):
+            ref = ray.put(sub)
             for t in range(self.tp):
-                refs.append(getattr(self.workers[d * self.tp + t], method).remote(sub, *args))
-        return parts, refs
+                refs.append(getattr(self.workers[d * self.tp + t], method).remote(ref, *args))
+        return [idx for idx, _ in shares], refs
 
     def _all(self, method: str, *args: Any) -> list[Any]:
         import ray

@@ -16,8 +16,14 @@ normalises by the global denominator at `step` (train/protocol.py), so the updat
 synchronous one whatever the arrival order and grouping (tests/train/test_megatron_local.py).
 
 Data parallel: each rank keeps the samples of its replica (each sample, as it arrives, to the
-least-loaded replica by tokens, the same choice on every rank since every rank sees the same
-arrival order); TP ranks of a replica make the same calls, as their collectives need.
+least-loaded replica of its global batch by compute cost, tokens plus attention's square term:
+train/microbatch_plan.py's rule in arrival order, the same choice on every rank since every rank
+sees the same arrival order); TP ranks of a replica make the same calls, as their collectives
+need. Micro-batches of the first global batch close as samples arrive (by count, or by token
+budget: a micro-batch closes when the next sample does not fit); later global batches are
+planned as a whole at `finish`. Every rank knows every replica's lengths, so at `finish` each
+pads its replica with empty micro-batches to the busiest one's count, as the synchronous plan
+does.
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ from typing import Iterable
 
 from rlkit.buffers.group import Group
 from rlkit.train.batch import TrainBatch, build_batch_from_config
+from rlkit.train.microbatch_plan import (
+    least_loaded, micro_batches, pad_to_equal, sample_cost, stream_micro_batches, warn_over_budget,
+)
 from rlkit.train.protocol import Trainer
 
 
@@ -61,26 +70,38 @@ class RolloutBatchStep:
         micro_batch_size: int,
         dp_rank: int = 0,
         dp_size: int = 1,
+        max_tokens_per_micro_batch: int = 0,
+        padded: bool = False,
+        attention_weight: float = 0.0,
     ) -> None:
         """`algorithm` is a train.config.AlgorithmConfig; `rollout_samples` the planned
         batch (rollout.batch_size x n_samples_per_prompt: failed samples may make it smaller,
-        the plan of logprobs does not change with them)."""
+        the plan of logprobs does not change with them). `max_tokens_per_micro_batch` > 0
+        replaces `micro_batch_size` (`padded`: the budget counts samples x longest, packing off);
+        `attention_weight`: the sample cost's square term (train/microbatch_plan.py)."""
         if micro_batch_size < 1 or rollout_samples < 1:
             raise ValueError("micro_batch_size and rollout_samples must be >= 1")
+        if max_tokens_per_micro_batch < 0:
+            raise ValueError("max_tokens_per_micro_batch must be >= 0 (0: by micro_batch_size)")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} outside a data-parallel size of {dp_size}")
         self.trainer = trainer
         self.algorithm = algorithm
         self.policy_version = policy_version
         self.micro_batch_size = micro_batch_size
+        self.max_tokens = max_tokens_per_micro_batch
+        self.padded = padded
+        self.attention_weight = attention_weight
         self.steps_planned = optimizer_steps_for(rollout_samples, global_batch_size)
         self.part_size = global_batch_size if self.steps_planned > 1 else 0  # 0: one part
         self.need_old, self.need_ref = logprobs_needed(algorithm, self.steps_planned)
         self.dp_rank, self.dp_size = dp_rank, dp_size
-        self._loads = [0] * dp_size
         self._seen = 0  # samples of the whole batch (every replica) so far, in arrival order
+        # per global batch: every replica's cost so far and sample lengths in arrival order
+        self._loads: list[list[float]] = []
+        self._lengths: list[list[list[int]]] = []
         self._parts: list[TrainBatch] = []  # this replica's samples, per global batch
-        self._accumulated = 0  # of this replica's first part
+        self._accumulated = 0  # micro-batches of this replica's first part trained so far
         self.groups = 0
         self.off_policy_samples = 0
         self.finished = False
@@ -91,7 +112,10 @@ class RolloutBatchStep:
         """With the knobs of a train.config.TrainConfig (algorithm, global and micro batch)."""
         return cls(trainer, cfg.algorithm, policy_version=policy_version,
                    rollout_samples=rollout_samples, global_batch_size=cfg.global_batch_size,
-                   micro_batch_size=cfg.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
+                   micro_batch_size=cfg.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
+                   max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
+                   padded=not cfg.packing,
+                   attention_weight=getattr(trainer, "attention_weight", 0.0))
 
     def add(self, group: Group) -> None:
         """One complete group: its samples, their logprobs, and the micro-batches now full."""
@@ -104,8 +128,12 @@ class RolloutBatchStep:
         for s in batch.samples:
             part = self._seen // self.part_size if self.part_size else 0
             self._seen += 1
-            replica = min(range(self.dp_size), key=lambda r: (self._loads[r], r))
-            self._loads[replica] += s.length
+            while len(self._loads) <= part:
+                self._loads.append([0.0] * self.dp_size)
+                self._lengths.append([[] for _ in range(self.dp_size)])
+            replica = least_loaded(self._loads[part])
+            self._loads[part][replica] += sample_cost(s.length, self.attention_weight)
+            self._lengths[part][replica].append(s.length)
             if replica == self.dp_rank:
                 mine.append((part, s))
         if not mine:
@@ -135,21 +163,54 @@ class RolloutBatchStep:
         # from the whole batch's count, so every rank steps as often (the step is collective)
         steps = max(1, -(-self._seen // self.part_size)) if self.part_size else 1
         for i in range(steps):
-            if 0 < i < len(self._parts) and len(self._parts[i]):
-                self.trainer.accumulate(self._parts[i])
+            if i > 0:
+                self._accumulate_later_part(i)
             metrics = self.trainer.step()
         metrics["train/optimizer_steps"] = float(steps)
         metrics["train/off_policy_samples"] = float(self.off_policy_samples)
         return metrics
 
+    def _own(self, part: int) -> list:
+        """This replica's samples of one global batch, in arrival order."""
+        return self._parts[part].samples if part < len(self._parts) else []
+
+    def _accumulate(self, samples: list, plan: list[tuple[int, ...]]) -> None:
+        """The micro-batches `plan` (indices into `samples`, () = empty work), in one call."""
+        used = sorted(i for mb in plan for i in mb)
+        pos = {i: k for k, i in enumerate(used)}
+        batch = TrainBatch([samples[i] for i in used], self.policy_version,
+                           micro_batch_plan=[tuple(pos[i] for i in mb) for mb in plan])
+        warn_over_budget([s.length for s in batch.samples], self.max_tokens)
+        self.trainer.accumulate(batch)
+
     def _accumulate_first_part(self, *, full_only: bool) -> None:
-        """The first global batch trains as it arrives (full micro-batches until it is
-        complete); later parts wait for the first optimizer step."""
-        if not self._parts:
+        """The first global batch trains as it arrives: each micro-batch (arrival order) once it
+        is closed; at the end the rest, then empty ones up to the busiest replica's count. Later
+        parts wait for the first optimizer step."""
+        samples = self._own(0)
+        mbs, last_closed = stream_micro_batches(
+            [s.length for s in samples], max_tokens=self.max_tokens,
+            micro_batch_size=self.micro_batch_size, padded=self.padded)
+        ready = mbs if not full_only or last_closed else mbs[:-1]
+        todo = ready[self._accumulated:]
+        if not full_only and self._lengths:
+            busiest = max(len(stream_micro_batches(
+                lengths, max_tokens=self.max_tokens, micro_batch_size=self.micro_batch_size,
+                padded=self.padded)[0]) for lengths in self._lengths[0])
+            todo = [*todo, *[()] * (busiest - len(mbs))]
+        if todo:
+            self._accumulate(samples, todo)
+        self._accumulated = len(ready)
+
+    def _accumulate_later_part(self, part: int) -> None:
+        """A later global batch, planned whole (train/microbatch_plan.py: by budget or count),
+        every replica padded to the busiest one's count."""
+        if part >= len(self._lengths):
             return
-        first = self._parts[0]
-        n = len(first) - self._accumulated
-        take = (n // self.micro_batch_size) * self.micro_batch_size if full_only else n
-        if take > 0:
-            self.trainer.accumulate(first.subset(range(self._accumulated, self._accumulated + take)))
-            self._accumulated += take
+        plans = pad_to_equal([
+            micro_batches(lengths, max_tokens=self.max_tokens, micro_batch_size=self.micro_batch_size,
+                          padded=self.padded)
+            for lengths in self._lengths[part]
+        ])
+        if plans[self.dp_rank]:
+            self._accumulate(self._own(part), plans[self.dp_rank])

@@ -23,6 +23,26 @@ safetensors folder, as an engine's receive side does, without a model: the trans
 (b) one built-in engine server (rollout/engines/builtin/hf_server.py) that also loads the weights into
 its model. Seconds per GB = wall time of one whole update (write + pause/flush/update/continue)
 divided by the GB sent; the first distributed update, which forms the group, is reported apart.
+
+Length mix (`--length-mix`: this comparison alone, the sections above skipped): one batch of
+`--mix-samples` samples with short prompts and log-normal response lengths (median
+`--mix-median`, sigma `--mix-sigma`; every sample, prompt included, at most `--mix-cap` tokens),
+trained on `--mix-model` (tiny) at DP=`--mix-dp` (TrainerGroup, Ray, gloo) in two configurations:
+micro-batches by count (`train.micro_batch_size` = `--mix-micro-batch-size`) and by token budget
+(`train.max_tokens_per_micro_batch` = `--mix-max-tokens`). Each configuration has its own
+TrainerGroup (fresh rank processes, so each rank's peak RSS is that configuration's alone); both
+live side by side and their steps alternate round-robin (one warm-up round, then `--steps`
+timed rounds), so load changes on a shared machine hit both alike. Per configuration: tokens/s
+(prompt + response tokens / (accumulate + step) seconds; fastest step, median in the JSON); peak
+RSS per rank (the kernel's high-water mark, /proc/PID/status VmHWM = getrusage's ru_maxrss of
+that process, read from here) and its growth over the RSS after setup; and the slowest DP
+replica's share of the step: each replica's accumulate seconds (from the call's dispatch to its
+result's arrival here; accumulate makes no cross-replica collective, so this is the replica's
+own compute, plus milliseconds of Ray), slowest / mean, median over the timed steps (1.0: even).
+The planner's own figure (cost n + w n^2 per replica, slowest / mean) and the largest
+micro-batch (tokens, dense slots rows x width, mask entries rows x width^2) are reported beside;
+the JSON adds each replica's dense slots and mask entries (the packed layout's work, padding
+included, which the planner's per-sample cost does not count).
 """
 
 from __future__ import annotations
@@ -32,7 +52,9 @@ import json
 import os
 import statistics
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from rlkit.bench.report import add_out_argument, out_folder, write_report
@@ -59,12 +81,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma list: 'loopback' (receive-only processes), 'engine' (a built-in engine server "
         "started here), or engine worker URLs given as url1+url2",
     )
+    mix = parser.add_argument_group("length mix (--length-mix)")
+    mix.add_argument(
+        "--length-mix", action="store_true",
+        help="only the length-mix comparison: micro-batches by count vs by token budget on a "
+        "long-tail batch, DP replicas as Ray actors (--steps and --cpus apply; the other "
+        "sections are skipped)",
+    )
+    mix.add_argument("--mix-model", default="tiny", help=f"model of the length mix, one of {MODELS}")
+    mix.add_argument("--mix-samples", type=int, default=64, help="samples in the batch")
+    mix.add_argument("--mix-prompt", type=int, default=32, help="prompt tokens per sample")
+    mix.add_argument("--mix-median", type=int, default=512, help="median response tokens (log-normal)")
+    mix.add_argument("--mix-sigma", type=float, default=1.2, help="sigma of the log-normal response lengths")
+    mix.add_argument("--mix-cap", type=int, default=8192, help="longest sample, prompt included (tokens)")
+    mix.add_argument("--mix-dp", type=int, default=2, help="data-parallel replicas")
+    mix.add_argument("--mix-micro-batch-size", type=int, default=4, help="samples per micro-batch (by count)")
+    mix.add_argument("--mix-max-tokens", type=int, default=0,
+                     help="train.max_tokens_per_micro_batch of the token-budget configuration "
+                     "(0: --mix-cap, so that no sample is over the budget)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_out_argument(parser, "train")
 
 
 def run(args: argparse.Namespace) -> int:
     out = out_folder(args.out)
+    if args.length_mix:
+        result = bench_length_mix(
+            model=args.mix_model, samples=args.mix_samples, prompt=args.mix_prompt,
+            median=args.mix_median, sigma=args.mix_sigma, cap=args.mix_cap, dp=args.mix_dp,
+            micro_batch_size=args.mix_micro_batch_size, max_tokens=args.mix_max_tokens or args.mix_cap,
+            steps=args.steps, cpus=args.cpus,
+        )
+        table = format_length_mix_table(result)
+        print(json.dumps(result, indent=2) if args.json else table)
+        write_report(out, "train", result, table)
+        return 0
     result = bench_train(
         models=[m for m in args.models.split(",") if m],
         tps=[int(t) for t in args.tp.split(",") if t],
@@ -262,6 +313,285 @@ def time_weight_sync(path: str, rounds: int, receivers: str, workdir: Path) -> l
     return out
 
 
+# -- length mix: micro-batches by count vs by token budget, DP replicas ----------------------
+MIX_CONFIGS = ("by-count", "by-tokens")
+
+
+def length_mix_batch(vocab: int, *, samples: int, prompt: int, median: int, sigma: float, cap: int,
+                     seed: int = 0):
+    """`samples` samples of `prompt` prompt tokens and log-normal response lengths (median,
+    sigma), each sample at most `cap` tokens in all."""
+    from rlkit.buffers.errors import UserError
+
+    if cap < prompt + 4:
+        raise UserError(f"--mix-cap {cap}: a sample needs its {prompt} prompt tokens and at least 4 "
+                        "response tokens")
+    if samples < 1:
+        raise UserError(f"--mix-samples {samples}: at least one sample")
+    return synthetic_batch(vocab, samples, prompt, median, cap - prompt, sigma=sigma, seed=seed)
+
+
+def slowest_share(seconds: list[float]) -> float:
+    """The slowest replica's share of the step: slowest / mean (1.0: all equal)."""
+    if not seconds:
+        raise ValueError("no replica seconds")
+    mean = sum(seconds) / len(seconds)
+    return max(seconds) / mean if mean > 0 else 1.0
+
+
+def process_memory_mb(pid: int) -> dict[str, float | None]:
+    """A local process's resident memory now (VmRSS) and its lifetime peak (VmHWM, the figure
+    getrusage's ru_maxrss gives that process), in MB; None where /proc cannot tell (not Linux)."""
+    out: dict[str, float | None] = {"rss_mb": None, "peak_rss_mb": None}
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            out["rss_mb" if key == "VmRSS" else "peak_rss_mb"] = int(value.split()[0]) / 1024
+    return out
+
+
+def timed_accumulate(group, batch) -> list[float]:
+    """`accumulate(batch)` on every rank of `group` as TrainerGroup does it (the same plan and
+    shares), returning each DP replica's seconds: from the calls' dispatch to the arrival of its
+    result here (the slowest of its TP ranks)."""
+    import ray
+
+    from rlkit.train.ray_group import plan_for_data_parallel, replica_batches
+
+    shares = replica_batches(batch, plan_for_data_parallel(batch, group.config, group.attention_weight))
+    objects = [ray.put(sub) for _, sub in shares]
+    t0 = time.perf_counter()
+    refs = [group.workers[d * group.tp + t].accumulate.remote(obj)
+            for d, obj in enumerate(objects) for t in range(group.tp)]
+    arrived: dict = {}
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        now = time.perf_counter() - t0
+        for ref in ready:
+            arrived[ref] = now
+    ray.get(refs)  # raise a rank's error
+    per_rank = [arrived[ref] for ref in refs]
+    return [max(per_rank[d * group.tp:(d + 1) * group.tp]) for d in range(len(shares))]
+
+
+def mix_train_config(kind: str, *, dp: int, micro_batch_size: int, max_tokens: int):
+    from rlkit.train.config import TrainConfig
+
+    cfg: dict = {"device": "cpu", "parallelism": {"tensor": 1, "data": dp}, "optimizer": {"lr": 1e-6},
+                 "micro_batch_size": micro_batch_size}
+    if kind == "by-tokens":
+        cfg["max_tokens_per_micro_batch"] = max_tokens
+    elif kind != "by-count":
+        raise ValueError(f"unknown length-mix configuration {kind!r}")
+    return TrainConfig.model_validate(cfg)
+
+
+def plan_figures(batch, config, weight: float) -> dict:
+    """The planner's view of `batch` under `config`: micro-batches per replica (empty ones too),
+    the largest micro-batch (tokens; dense slots rows x width and mask entries rows x width^2 as
+    train/packing.py lays it out) and the planned slowest / mean replica cost."""
+    from rlkit.train.microbatch_plan import row_slots
+    from rlkit.train.ray_group import plan_for_data_parallel
+
+    plan = plan_for_data_parallel(batch, config, weight)
+    lengths = [s.length for s in batch.samples]
+    largest = {"tokens": 0, "slots": 0, "mask_entries": 0}
+    slots, mask = [0] * len(plan.replicas), [0] * len(plan.replicas)
+    for d, replica in enumerate(plan.replicas):
+        for mb in replica:
+            if not mb:
+                continue
+            rows, width = row_slots([lengths[i] for i in mb], config.pack_row_tokens, config.packing)
+            largest["tokens"] = max(largest["tokens"], sum(lengths[i] for i in mb))
+            largest["slots"] = max(largest["slots"], rows * width)
+            largest["mask_entries"] = max(largest["mask_entries"], rows * width * width)
+            slots[d] += rows * width
+            mask[d] += rows * width * width
+    return {
+        # the dense layout's work per replica (padding included): what the planner's cost
+        # (n + w n^2 per sample) does not see
+        "slots_per_replica": slots, "mask_entries_per_replica": mask,
+        "micro_batches_per_replica": len(plan.replicas[0]) if plan.replicas else 0,
+        "empty_micro_batches": [sum(1 for mb in r if not mb) for r in plan.replicas],
+        "samples_per_replica": [len(plan.samples_of(d)) for d in range(len(plan.replicas))],
+        "largest_micro_batch": largest,
+        "planned_share": slowest_share(list(plan.loads)),
+    }
+
+
+class RssSampler:
+    """The largest resident memory (VmRSS) seen per process, polled every `interval` seconds in
+    a thread: a lower bound of the peak, kept for processes that died (the exact peak, VmHWM,
+    dies with the process)."""
+
+    def __init__(self, pids: list[int], interval: float = 0.2) -> None:
+        self.peak_mb: dict[int, float] = {p: 0.0 for p in pids}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(interval,), daemon=True)
+        self._thread.start()
+
+    def _run(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            for pid in self.peak_mb:
+                rss = process_memory_mb(pid)["rss_mb"]
+                if rss is not None:
+                    self.peak_mb[pid] = max(self.peak_mb[pid], rss)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def kill_group(group) -> None:
+    """Stop a group one of whose ranks died: kill every rank (a survivor may wait in a
+    collective for the dead one, so no graceful shutdown)."""
+    import ray
+
+    for w in group.workers:
+        try:
+            ray.kill(w)
+        except Exception:  # noqa: BLE001 - dead already
+            pass
+    group.workers = []
+
+
+def measure_length_mix(path: str, batch, *, dp: int, micro_batch_size: int, max_tokens: int,
+                       steps: int, cpus: int) -> dict:
+    """The two configurations of the length mix on `batch` (Ray initialised by the caller): a
+    fresh TrainerGroup each, side by side, one warm-up round then `steps` timed rounds, the
+    configurations alternated in every round. A configuration whose rank dies (the node's
+    memory: Ray kills a rank at 95%) is reported as failed, with the steps it completed and the
+    memory its ranks were seen at; the other goes on."""
+    import ray
+
+    from rlkit.train.ray_group import TrainerGroup
+
+    steps = max(1, steps)
+    threads = max(1, cpus // dp)  # one configuration trains at a time: its ranks share the CPUs
+    configs = {kind: mix_train_config(kind, dp=dp, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
+               for kind in MIX_CONFIGS}
+    groups: dict = {}
+    out: dict = {}
+
+    def start(kind: str) -> None:
+        groups[kind] = TrainerGroup(path, configs[kind], num_cpus_per_worker=cpus / (dp * len(configs)),
+                                    threads_per_worker=threads)
+
+    sampler = None
+    try:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(len(configs)) as pool:  # both groups start at once
+            for f in [pool.submit(start, kind) for kind in configs]:
+                f.result()
+        setup_s = time.perf_counter() - t0
+        for kind, cfg in configs.items():
+            pids = [r["pid"] for r in groups[kind].ranks]
+            out[kind] = {
+                "config": ({"max_tokens_per_micro_batch": max_tokens} if kind == "by-tokens"
+                           else {"micro_batch_size": micro_batch_size}),
+                "setup_s": setup_s, "pids": pids,
+                "rss_after_setup_mb": [process_memory_mb(p)["rss_mb"] for p in pids],
+                **plan_figures(batch, cfg, groups[kind].attention_weight),
+                "step_s_all": [], "replica_s_all": [], "shares": [],
+            }
+        sampler = RssSampler([p for r in out.values() for p in r["pids"]])
+        for round_ in range(1 + steps):
+            for kind in MIX_CONFIGS:
+                group, r = groups[kind], out[kind]
+                if "failed" in r:
+                    continue
+                t = time.perf_counter()
+                try:
+                    replica_s = timed_accumulate(group, batch)
+                    metrics = group.step()
+                except ray.exceptions.RayError as e:
+                    r["failed"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
+                    r["failed_in_round"] = round_
+                    kill_group(group)
+                    continue
+                step_s = time.perf_counter() - t
+                if round_ == 0:  # warm-up
+                    r["warmup_step_s"] = step_s
+                    r["padding_fraction"] = metrics["train/padding_fraction"]
+                    r["step_micro_batches"] = metrics["train/micro_batches"]
+                    r["step_empty_micro_batches"] = metrics["train/empty_micro_batches"]
+                    continue
+                r["step_s_all"].append(step_s)
+                r["replica_s_all"].append(replica_s)
+                r["shares"].append(slowest_share(replica_s))
+        sampler.stop()
+        for kind in MIX_CONFIGS:
+            r = out[kind]
+            r["rss_sampled_max_mb"] = [sampler.peak_mb[p] for p in r["pids"]]
+            if "failed" in r:  # the ranks are gone, and their exact peaks with them
+                r["peak_rss_mb"] = [None] * len(r["pids"])
+                r["rss_growth_mb"] = [None] * len(r["pids"])
+                continue
+            memory = [process_memory_mb(p) for p in r["pids"]]
+            r["peak_rss_mb"] = [m["peak_rss_mb"] for m in memory]
+            r["rss_growth_mb"] = [
+                None if m["peak_rss_mb"] is None or a is None else m["peak_rss_mb"] - a
+                for m, a in zip(memory, r["rss_after_setup_mb"])
+            ]
+    finally:
+        if sampler is not None:
+            sampler.stop()
+        for group in groups.values():
+            group.shutdown()
+    for r in out.values():
+        if not r["step_s_all"]:
+            continue
+        best = min(r["step_s_all"])
+        median = statistics.median(r["step_s_all"])
+        r.update(
+            step_s=best, step_s_median=median,
+            train_tokens_per_s=batch.tokens / best, train_tokens_per_s_median=batch.tokens / median,
+            slowest_share=statistics.median(r["shares"]),
+        )
+    return out
+
+
+def bench_length_mix(*, model: str, samples: int, prompt: int, median: int, sigma: float, cap: int,
+                     dp: int, micro_batch_size: int, max_tokens: int, steps: int, cpus: int) -> dict:
+    import ray
+
+    from rlkit.train.hf_io import read_config
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    load_before = os.getloadavg()
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="rlkit-bench-train-") as tmp:
+        path = model_path(model, Path(tmp))
+        batch = length_mix_batch(int(read_config(path)["vocab_size"]), samples=samples, prompt=prompt,
+                                 median=median, sigma=sigma, cap=cap)
+        lengths = sorted(s.length for s in batch.samples)
+        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        try:
+            configs = measure_length_mix(path, batch, dp=dp, micro_batch_size=micro_batch_size,
+                                         max_tokens=max_tokens, steps=steps, cpus=cpus)
+        finally:
+            ray.shutdown()
+    return {
+        "length_mix": {
+            "model": model, "dp": dp, "samples": samples, "prompt_tokens": prompt,
+            "median_response": median, "sigma": sigma, "cap": cap, "steps": max(1, steps),
+            "tokens": batch.tokens, "longest": lengths[-1], "median_length": statistics.median(lengths),
+            "lengths": lengths, "configs": configs,
+        },
+        "conditions": {
+            "cpus": os.cpu_count(), "ray_cpus": cpus, "loadavg_before": load_before,
+            "loadavg_after": os.getloadavg(), "wall_s": time.perf_counter() - t_start,
+            "memory_gb": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9,
+            "note": "shared machine: other processes may run; compare figures within one run",
+        },
+    }
+
+
 def bench_train(
     *, models: list[str], tps: list[int], steps: int, cpus: int, compare_padding: bool,
     packing_rounds: int,
@@ -335,5 +665,46 @@ def format_table(result: dict) -> str:
     lines.append(
         f"{c['cpus']} CPUs ({c['ray_cpus']} to Ray); load average before {c['loadavg_before'][0]:.2f}, "
         f"after {c['loadavg_after'][0]:.2f}; {c['wall_s']:.0f} s; {c['note']}"
+    )
+    return "\n".join(lines)
+
+
+
+def format_length_mix_table(result: dict) -> str:
+    m = result["length_mix"]
+    lines = [
+        f"length mix: {m['model']}, DP={m['dp']}, {m['samples']} samples, {m['tokens']} tokens "
+        f"(median {m['median_length']:g}, longest {m['longest']}, cap {m['cap']}); fastest of "
+        f"{m['steps']} timed step(s) after a warm-up, configurations alternated",
+        "config           mbs/rep  largest mb tok  mask entries  pad%  best step s  tok/s best  "
+        "tok/s med  peak RSS MB per rank  slowest/mean  planned",
+    ]
+    notes = []
+    for kind, r in m["configs"].items():
+        c = r["config"]
+        label = (f"by-count {c['micro_batch_size']}" if kind == "by-count"
+                 else f"by-tokens {c['max_tokens_per_micro_batch']}")
+        big = r["largest_micro_batch"]
+        head = f"{label:<16} {r['micro_batches_per_replica']:>7}  {big['tokens']:>14}  {big['mask_entries']:>12.3g}"
+        if "step_s" in r:
+            rss = "/".join("?" if v is None else f"{v:.0f}" for v in r["peak_rss_mb"])
+            lines.append(
+                f"{head}  {100 * r['padding_fraction']:4.1f}  {r['step_s']:11.2f}  "
+                f"{r['train_tokens_per_s']:10.1f}  {r['train_tokens_per_s_median']:9.1f}  {rss:>20}  "
+                f"{r['slowest_share']:12.3f}  {r['planned_share']:7.3f}"
+            )
+        else:
+            lines.append(f"{head}  failed in round {r.get('failed_in_round')}: no timed step"
+                         f"{' ' * 36}{r['planned_share']:7.3f}")
+        if "failed" in r:
+            seen = "/".join(f"{v:.0f}" for v in r["rss_sampled_max_mb"])
+            notes.append(f"{label}: failed in round {r['failed_in_round']} (0: warm-up); its ranks "
+                         f"were seen at {seen} MB RSS (sampled every 0.2 s); {r['failed']}")
+    c = result["conditions"]
+    lines.append("")
+    lines.extend(notes)
+    lines.append(
+        f"{c['cpus']} CPUs ({c['ray_cpus']} to Ray), {c['memory_gb']:.1f} GB; load average before "
+        f"{c['loadavg_before'][0]:.2f}, after {c['loadavg_after'][0]:.2f}; {c['wall_s']:.0f} s; {c['note']}"
     )
     return "\n".join(lines)

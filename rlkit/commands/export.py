@@ -1,9 +1,11 @@
 """`rlkit export CHECKPOINT OUT`: write a trainer checkpoint as an HF model folder.
 
-CHECKPOINT is a trainer checkpoint folder (meta.json + model_tp*.pt) or a run checkpoint
-(`<run>/checkpoints/step_N`, whose trainer/ subfolder is used). TP shards are merged; the
-config and tokenizer files saved with the checkpoint are copied, so OUT loads with
-`AutoModelForCausalLM.from_pretrained(OUT)` and serves with SGLang or the built-in engine.
+CHECKPOINT is a trainer checkpoint folder (meta.json + dist/, or format 1's model_tp*.pt) or a
+run checkpoint (`<run>/checkpoints/step_N`, whose trainer/ subfolder is used). dist/ is read as
+whole tensors in this process (torch.distributed.checkpoint, no process group, no megatron),
+format 1's TP shards are merged; the config and tokenizer files saved with the checkpoint are
+copied, so OUT loads with `AutoModelForCausalLM.from_pretrained(OUT)` and serves with SGLang or
+the built-in engine.
 """
 
 from __future__ import annotations

@@ -5,8 +5,10 @@
 
 P_gen(x): the real rollout policy on x / (GPUs per engine) simulated engines over a long-tail
 trace (as `rlkit bench suite` builds it), rollout seconds per step averaged over `--steps`
-steps after `--warmup`. P_train(y): a TrainTimeModel on y GPUs for the trace's trained tokens
-per step, plus the weight sync. Generation sizes are measured on a grid (powers of two of an
+steps after `--warmup`. P_train(y): a TrainTimeModel on y GPUs for the batches those steps
+train (each sample n + w n^2 token-equivalents with the profile's attention weight w, split
+over the data-parallel replicas as the trainer balances them, the slowest one timed), plus
+the weight sync. Generation sizes are measured on a grid (powers of two of an
 engine, or every `--gen-step` GPUs, plus the even split and the largest), then bisected around
 the best, at most `--max-sim` simulations (`--cache FILE` keeps them across calls). The split
 with the least step time of `--mode` wins (rlkit/sim/plan.py); with `--gen-budget` and
@@ -86,6 +88,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "the trainer's GPU count is a multiple of it")
     t.add_argument("--train-mfu", type=float, default=0.35)
     t.add_argument("--peak-flops", type=float, default=989e12, help="per trainer GPU")
+    t.add_argument("--attention-weight", type=float, default=None,
+                   help="attention FLOPs per token pair over matmul FLOPs per token, which "
+                   "prices the long tail's attention in training (TrainTimeModel); default: "
+                   "the engine profile's own (its prefill's quadratic over linear cost); 0: "
+                   "tokens alone")
     t.add_argument("--host-bandwidth", type=float, default=25.0, metavar="GB/S",
                    help="colocated: pinned host <-> device GB/s per GPU while the trainer "
                         "onloads and offloads its state (ColocationModel.host_bandwidth)")
@@ -177,7 +184,7 @@ def _point(args: argparse.Namespace, cross: bool, memo: dict[str, dict[int, list
     from rlkit.bench.suite import make_policy
     from rlkit.sim import plan as P
     from rlkit.rollout.engines.profile import ProfileError, load_profile
-    from rlkit.sim.train_time import ColocationModel, TrainTimeModel
+    from rlkit.sim.train_time import ColocationModel, TrainTimeModel, attention_weight_of_profile
 
     try:
         profile = load_profile(args.profile)
@@ -234,15 +241,23 @@ def _point(args: argparse.Namespace, cross: bool, memo: dict[str, dict[int, list
                              ": raise it or coarsen --gen-step")
 
     trace = _trace(args)
-    tokens = P.trained_tokens_per_step(trace, args.batch_size, args.warmup, args.steps)
+    per_step = P.trained_lengths_per_step(trace, args.batch_size, args.warmup, args.steps)
+    tokens = sum(map(sum, per_step)) / args.steps
+    weight = (attention_weight_of_profile(profile) if args.attention_weight is None
+              else args.attention_weight)
 
     def trainer(y: int) -> TrainTimeModel:
         return TrainTimeModel(params=args.params, gpus=y, mfu=args.train_mfu,
-                              peak_flops=args.peak_flops)
+                              peak_flops=args.peak_flops, attention_weight=weight,
+                              model_parallel=units.train)
+
+    def batch_s(model: TrainTimeModel) -> float:
+        """Mean training seconds of the measured steps' batches (attention, DP balance)."""
+        return statistics.mean(model.batch_s(lengths) for lengths in per_step)
 
     def p_train(y: int) -> P.TrainCost:
         model = trainer(y)
-        train_s = model.train_s(int(tokens))
+        train_s = batch_s(model)
         compute = train_s - model.overhead_s
         # stream mode trains each group as it completes: all but the last group's compute
         return P.TrainCost(train_s, model.sync_s(), compute * (1 - 1 / args.batch_size))
@@ -304,7 +319,7 @@ def _point(args: argparse.Namespace, cross: bool, memo: dict[str, dict[int, list
                                     host_bandwidth=args.host_bandwidth * 1e9,
                                     update_bandwidth=args.update_bandwidth * 1e9)
             colocated = P.ColocatedCost(g, g // gpe, tuple(p_gen(g)),
-                                        trainer(g).train_s(int(tokens)), turns.sleep_s(),
+                                        batch_s(trainer(g)), turns.sleep_s(),
                                         turns.wake_s(), {**turns.sleep(), **turns.wake()})
             if args.verify:
                 verified["colocated"] = statistics.mean(_simulate(
@@ -319,7 +334,8 @@ def _point(args: argparse.Namespace, cross: bool, memo: dict[str, dict[int, list
         "profile": profile.name, "gpus_per_engine": gpe, "train_unit": units.train,
         "policy": args.policy, "trace": trace.name, "cap": trace.cap,
         "batch_size": args.batch_size, "group_size": trace.group_size,
-        "trained_tokens_per_step": tokens, "params": args.params, "train_mfu": args.train_mfu,
+        "trained_tokens_per_step": tokens, "attention_weight": weight,
+        "params": args.params, "train_mfu": args.train_mfu,
         "warmup": args.warmup, "steps": args.steps, "simulations": len(simulated),
         "verified": verified or None, "placement": args.placement,
         "host_bandwidth_gbps": args.host_bandwidth, "update_bandwidth_gbps": args.update_bandwidth,

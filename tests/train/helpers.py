@@ -32,15 +32,17 @@ def hf_response_logprobs(model, tokens: torch.Tensor, prompt_length: int, temper
     return lp.gather(-1, tokens[prompt_length:, None])[:, 0]
 
 
-def random_batch(n: int, *, seed: int = 0, vocab: int = 512, advantages=None, policy_version: int = 0):
-    """A TrainBatch of n samples with random tokens and varied prompt/response lengths."""
+def random_batch(n: int, *, seed: int = 0, vocab: int = 512, advantages=None, policy_version: int = 0,
+                 response_lengths=None):
+    """A TrainBatch of n samples with random tokens and varied prompt/response lengths
+    (`response_lengths`: given per sample instead)."""
     from rlkit.train.batch import TrainBatch, TrainSample
 
     g = torch.Generator().manual_seed(seed)
     samples = []
     for i in range(n):
         p = int(torch.randint(2, 9, (1,), generator=g))
-        r = int(torch.randint(1, 14, (1,), generator=g))
+        r = int(torch.randint(1, 14, (1,), generator=g)) if response_lengths is None else int(response_lengths[i])
         mask = (torch.rand(r, generator=g) > 0.15).float()
         mask[0] = 1.0
         samples.append(
@@ -60,8 +62,10 @@ def random_batch(n: int, *, seed: int = 0, vocab: int = 512, advantages=None, po
     return TrainBatch(samples, policy_version)
 
 
-def random_groups(n_groups: int, n: int, *, seed: int = 0, vocab: int = 512, version: int = 0):
-    """Complete, rewarded Groups with random prompt/response tokens and 0/1 rewards."""
+def random_groups(n_groups: int, n: int, *, seed: int = 0, vocab: int = 512, version: int = 0,
+                  response_lengths=None):
+    """Complete, rewarded Groups with random prompt/response tokens and 0/1 rewards
+    (`response_lengths`: per sample, in group order, instead of random ones)."""
     from rlkit.buffers.group import Group, PromptRecord
 
     g = torch.Generator().manual_seed(seed)
@@ -69,8 +73,9 @@ def random_groups(n_groups: int, n: int, *, seed: int = 0, vocab: int = 512, ver
     for gid in range(n_groups):
         prompt = tuple(torch.randint(0, vocab, (int(torch.randint(2, 8, (1,), generator=g)),), generator=g).tolist())
         group = Group.new(gid, PromptRecord(ids=prompt, text=""), n, gid * n, version=version)
-        for s in group.samples:
-            r = int(torch.randint(1, 12, (1,), generator=g))
+        for k, s in enumerate(group.samples):
+            r = (int(torch.randint(1, 12, (1,), generator=g)) if response_lengths is None
+                 else int(response_lengths[gid * n + k]))
             s.append(torch.randint(0, vocab, (r,), generator=g).tolist(), (-2 - torch.rand(r, generator=g)).tolist(),
                      version, finish_reason="stop")
             s.set_reward(float(torch.randint(0, 2, (1,), generator=g)))

@@ -6,7 +6,9 @@ import math
 import pytest
 import torch
 
-from rlkit.train.algorithms.losses import LOW_VAR_KL_BOUND, PolicyLossInput, kl_estimate, policy_loss
+from rlkit.train.algorithms.losses import (
+    LOG_RATIO_BOUND, LOW_VAR_KL_BOUND, LossTerms, PolicyLossInput, kl_estimate, policy_loss,
+)
 from rlkit.train.config import AlgorithmConfig
 
 
@@ -145,7 +147,7 @@ def ppo_token_terms(lp, old, adv, clip_low=0.2, clip_high=0.28):
     return -torch.minimum(adv * r, adv * r.clamp(1 - clip_low, 1 + clip_high))
 
 
-@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean"])
+@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean", "sequence_mean_token_sum_norm"])
 def test_micro_batches_are_normalised_by_the_global_denominator(aggregation):
     # micro-batch 1: one sample of 2 tokens; micro-batch 2: two samples of 5 and 3 tokens, one
     # token masked. A mean of micro-batch means would weight micro-batch 1 as much as 2.
@@ -159,7 +161,7 @@ def test_micro_batches_are_normalised_by_the_global_denominator(aggregation):
     adv_per_sample = torch.tensor([1.0, -0.5, 2.0], dtype=torch.float64)
     sid = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))
     adv = adv_per_sample[sid]
-    cfg = AlgorithmConfig(loss_aggregation=aggregation)
+    cfg = AlgorithmConfig(loss_aggregation=aggregation, loss_norm_length=6)
 
     lp = lp0.clone().requires_grad_(True)
     num, den = 0.0, 0.0
@@ -178,10 +180,13 @@ def test_micro_batches_are_normalised_by_the_global_denominator(aggregation):
     if aggregation == "token_mean":
         expected_den = float(mask.sum())  # 9 trainable tokens
         expected = terms.sum() / expected_den
-    else:
+    elif aggregation == "sequence_mean":
         n_i = torch.zeros(3, dtype=torch.float64).index_add(0, sid, mask)
         expected_den = 3.0
         expected = (torch.zeros(3, dtype=torch.float64).index_add(0, sid, terms) / n_i).sum() / expected_den
+    else:  # Dr.GRPO: token sums / the constant 6, averaged over the 3 samples
+        expected_den = 3.0
+        expected = terms.sum() / (expected_den * 6)
     expected.backward()
     assert den == expected_den
     assert num / den == pytest.approx(expected.item(), rel=1e-12)
@@ -221,3 +226,243 @@ def test_trainer_divides_two_accumulates_by_the_global_token_count(tiny_qwen2_di
     token_loss_sum = sum(-s.advantage * float(s.loss_mask.sum()) for s in first.samples + second.samples)
     assert metrics["train/loss_denominator"] == n1 + n2
     assert metrics["train/loss"] == pytest.approx(token_loss_sum / (n1 + n2), rel=1e-5)
+
+
+# -- token ratio: the log-ratio is clamped before exp (issue 23, item 6) ------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("log_ratio", [100.0, -100.0, 1000.0, -1000.0])
+@pytest.mark.parametrize("adv", [1.0, -1.0])
+def test_token_log_ratio_is_clamped_before_exp(dtype, log_ratio, adv):
+    # token 0: lp - old = log_ratio, far past exp's fp32/bf16 range (~88.7); token 1 is ordinary
+    lp = torch.tensor([-1.0, -1.0], dtype=dtype, requires_grad=True)
+    old = torch.tensor([-1.0 - log_ratio, -1.1], dtype=dtype)
+    inp = PolicyLossInput(logprobs=lp, advantages=torch.tensor([adv, adv]), loss_mask=torch.ones(2),
+                          sample_ids=torch.tensor([0, 0]), num_samples=1, old_logprobs=old)
+    terms = policy_loss(inp, AlgorithmConfig(clip_low=0.2, clip_high=0.28))
+    terms.numerator.backward()
+    assert math.isfinite(terms.numerator.item()) and torch.isfinite(lp.grad).all()
+    r0 = math.exp(math.copysign(LOG_RATIO_BOUND, log_ratio))  # clamped to +-20
+    r1 = float(torch.exp(lp.detach()[1].double() - old[1].double()))
+    pg0 = max(-adv * r0, -adv * min(max(r0, 0.8), 1.28))
+    pg1 = max(-adv * r1, -adv * min(max(r1, 0.8), 1.28))
+    rel = 1e-6 if dtype == torch.float32 else 1e-2
+    assert terms.numerator.item() == pytest.approx(pg0 + pg1, rel=rel)
+    assert lp.grad[0].item() == 0.0  # past the clamp: the value is bounded, no gradient
+    assert lp.grad[1].item() == pytest.approx(-adv * r1, rel=rel)  # inside [0.8, 1.28]
+
+
+# -- mask 0 by selection: nothing at a mask-0 position reaches the loss --------------------------
+MASK_CONFIGS = {
+    "ppo-token_mean-tis-k3-entropy": dict(off_policy_correction="tis", kl_coef=0.1, kl_estimator="k3",
+                                          entropy_coef=0.01),
+    "ppo-token_mean-low_var": dict(kl_coef=0.1, kl_estimator="low_var"),
+    "ppo-sequence_mean-tis-k1": dict(loss_aggregation="sequence_mean", off_policy_correction="tis",
+                                     kl_coef=0.05, kl_estimator="k1"),
+    "gspo-tis-low_var": dict(ratio_level="sequence", off_policy_correction="tis", kl_coef=0.1),
+    "dr_grpo-tis-k3-entropy": dict(loss_aggregation="sequence_mean_token_sum_norm", loss_norm_length=8,
+                                   off_policy_correction="tis", kl_coef=0.1, kl_estimator="k3",
+                                   entropy_coef=0.01),
+}
+INF, NAN = float("inf"), float("nan")
+# (lp, pi_old, rollout, ref, entropy) at mask-0 positions, alternating between the two given
+POISON = {
+    "100": ((-100.0, -100.0), (100.0, -100.0), (-100.0, 100.0), (100.0, -100.0), (100.0, 100.0)),
+    "1000": ((-1000.0, -1000.0), (1000.0, -1000.0), (-1000.0, 1000.0), (1000.0, -1000.0), (1e4, 1e4)),
+    "nan": ((NAN, NAN), (NAN, NAN), (NAN, NAN), (NAN, NAN), (NAN, NAN)),
+    "inf": ((-INF, -INF), (-INF, INF), (INF, -INF), (-INF, INF), (INF, INF)),
+}
+
+
+def masked_batch(dtype=torch.float64, seed=0):
+    """Four samples (the last fully masked), mask-0 spans inside and at the end of responses,
+    negative advantages on the samples with mask-0 tokens; normal-range values everywhere."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [5, 3, 6, 2]
+    sid = torch.repeat_interleave(torch.arange(4), torch.tensor(lengths))
+    mask = torch.tensor([1, 0, 0, 1, 1, 1, 1, 1, 1, 0, 1, 1, 0, 0, 0, 0], dtype=torch.float32)
+    n = sum(lengths)
+
+    def t(x):
+        return x.to(dtype)
+
+    lp = t(-0.5 - 2.5 * torch.rand(n, generator=g))
+    return dict(
+        lp=lp, sid=sid, mask=mask, adv=t(torch.tensor([-1.0, 0.7, -0.4, -2.0])[sid]),
+        old=t(lp + 0.3 * torch.randn(n, generator=g)), rollout=t(lp + 0.4 * torch.randn(n, generator=g)),
+        ref=t(lp + 0.5 * torch.randn(n, generator=g)), entropy=t(2.0 * torch.rand(n, generator=g)),
+    )
+
+
+def run_loss(fn, b, cfg, **override):
+    b = {**b, **override}
+    lp = b["lp"].clone().requires_grad_(True)
+    entropy = b["entropy"].clone().requires_grad_(True)
+    terms = fn(PolicyLossInput(logprobs=lp, advantages=b["adv"], loss_mask=b["mask"], sample_ids=b["sid"],
+                               num_samples=int(b["sid"].max()) + 1, old_logprobs=b["old"],
+                               rollout_logprobs=b["rollout"], ref_logprobs=b["ref"], entropy=entropy), cfg)
+    terms.numerator.backward()
+    return terms, lp.grad, torch.zeros_like(entropy) if entropy.grad is None else entropy.grad
+
+
+@pytest.mark.parametrize("poison", list(POISON))
+@pytest.mark.parametrize("algo", list(MASK_CONFIGS.values()), ids=list(MASK_CONFIGS))
+def test_mask0_values_reach_neither_the_loss_nor_its_gradient(algo, poison):
+    cfg = AlgorithmConfig(**algo)
+    b = masked_batch()
+    base, g_lp, g_ent = run_loss(policy_loss, b, cfg)
+    off = b["mask"] == 0
+    alt = torch.arange(off.numel()) % 2 == 0
+    wild = {}
+    for name, (x, y) in zip(("lp", "old", "rollout", "ref", "entropy"), POISON[poison]):
+        wild[name] = torch.where(off & alt, x, torch.where(off, y, b[name]))
+    terms, w_lp, w_ent = run_loss(policy_loss, b, cfg, **wild)
+    assert math.isfinite(terms.numerator.item()) and torch.isfinite(w_lp).all() and torch.isfinite(w_ent).all()
+    assert torch.equal(terms.numerator, base.numerator)  # bit for bit
+    assert terms.denominator == base.denominator
+    assert torch.equal(w_lp, g_lp) and torch.equal(w_ent, g_ent)
+    assert bool((w_lp[off] == 0).all()) and bool((w_ent[off] == 0).all())
+    assert terms.metric_sums == base.metric_sums
+
+
+def policy_loss_before_issue_23(inp: PolicyLossInput, cfg: AlgorithmConfig):
+    """train/algorithms/losses.py's policy_loss as of d17a64b (unclamped token ratio, masks
+    multiplied), kept to show that values at mask-1 positions are bitwise unchanged."""
+    def per_sample_sum(values):
+        return torch.zeros(inp.num_samples, dtype=values.dtype).index_add(0, inp.sample_ids, values)
+
+    lp = inp.logprobs
+    mask = inp.loss_mask.to(lp.dtype)
+    old = lp.detach() if inp.old_logprobs is None else inp.old_logprobs.to(lp.dtype)
+    tokens_per_sample = per_sample_sum(mask)
+    if cfg.loss_aggregation == "token_mean":
+        weight, denominator = mask, float(mask.sum())
+    else:
+        weight = mask / tokens_per_sample.clamp(min=1)[inp.sample_ids]
+        denominator = float((tokens_per_sample > 0).sum())
+    if cfg.ratio_level == "token":
+        log_ratio = lp - old
+    else:
+        seq_log_ratio = per_sample_sum((lp.detach() - old) * mask) / tokens_per_sample.clamp(min=1)
+        seq_log_ratio = seq_log_ratio.clamp(-20.0, 20.0)
+        log_ratio = seq_log_ratio[inp.sample_ids] + lp - lp.detach()
+    ratio = torch.exp(log_ratio)
+    adv = inp.advantages.to(lp.dtype)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+    pg = torch.maximum(unclipped, clipped)
+    sums = {}
+    if cfg.off_policy_correction == "tis":
+        tis_raw = torch.exp(old - inp.rollout_logprobs.to(lp.dtype))
+        tis = tis_raw.clamp(max=cfg.tis_cap).detach()
+        sums["tis_weight"] = tis
+        sums["tis_truncated_frac"] = (tis_raw > cfg.tis_cap).to(lp.dtype)
+        pg = pg * tis
+    loss = pg
+    sums["pg_loss"] = pg.detach()
+    sums["clip_frac"] = (clipped > unclipped).to(lp.dtype)
+    sums["ratio"] = ratio.detach()
+    sums["approx_kl_old"] = (old - lp.detach())
+    if cfg.kl_coef > 0:
+        kl = kl_estimate(lp, inp.ref_logprobs.to(lp.dtype), cfg.kl_estimator)
+        loss = loss + cfg.kl_coef * kl
+        sums["kl"] = kl.detach()
+    if cfg.entropy_coef > 0:
+        loss = loss - cfg.entropy_coef * inp.entropy
+    if inp.entropy is not None:
+        sums["entropy"] = inp.entropy.detach()
+    if inp.rollout_logprobs is not None:
+        sums["train_rollout_logprob_abs_diff"] = (old - inp.rollout_logprobs.to(lp.dtype)).abs()
+    sums["loss"] = loss.detach()
+    numerator = (weight * loss).sum()
+    w = weight.detach()
+    return LossTerms(numerator, denominator, {k: float((w * v).sum()) for k, v in sums.items()})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    "algo", [v for k, v in MASK_CONFIGS.items() if not k.startswith("dr_grpo")],
+    ids=[k for k in MASK_CONFIGS if not k.startswith("dr_grpo")],
+)
+def test_values_at_mask1_positions_are_bitwise_unchanged(algo, dtype):
+    # log-ratios within +-2 (the clamp at +-20 is not reached): every number the same, bit for bit
+    cfg = AlgorithmConfig(**algo)
+    for seed in range(3):
+        b = masked_batch(dtype, seed)
+        new, g_new, e_new = run_loss(policy_loss, b, cfg)
+        old, g_old, e_old = run_loss(policy_loss_before_issue_23, b, cfg)
+        assert torch.equal(new.numerator, old.numerator) and new.denominator == old.denominator
+        assert torch.equal(g_new, g_old) and torch.equal(e_new, e_old)
+        assert new.metric_sums == old.metric_sums
+
+
+# -- Dr.GRPO's constant normaliser: loss_aggregation sequence_mean_token_sum_norm ---------------
+def test_sequence_mean_token_sum_norm_needs_its_constant():
+    with pytest.raises(ValueError, match="loss_norm_length"):
+        AlgorithmConfig(loss_aggregation="sequence_mean_token_sum_norm")
+    with pytest.raises(ValueError, match="ratio_level 'sequence' .*needs loss_aggregation 'sequence_mean'"):
+        AlgorithmConfig(ratio_level="sequence", loss_aggregation="sequence_mean_token_sum_norm",
+                        loss_norm_length=16)
+    cfg = AlgorithmConfig(loss_aggregation="sequence_mean_token_sum_norm", loss_norm_length=16)
+    assert AlgorithmConfig.model_validate(cfg.model_dump()) == cfg
+
+
+def trl_dr_grpo_loss(per_token_loss, mask, max_completion_length):
+    """TRL GRPOTrainer loss_type='dr_grpo' (one process, no accumulation), written out:
+    sum of masked token losses / (rows x max_completion_length); rows padded to the longest."""
+    return (per_token_loss * mask).sum() / (per_token_loss.size(0) * max_completion_length)
+
+
+def verl_seq_mean_token_sum_norm(loss_mat, mask, loss_scale_factor):
+    """verl agg_loss 'seq-mean-token-sum-norm' (one DP rank, the whole mini-batch), written out:
+    mean over sequences of each sequence's token sum, / loss_scale_factor."""
+    return (loss_mat * mask).sum(-1).mean() / loss_scale_factor
+
+
+@pytest.mark.parametrize("constant", [7, 16])  # equal to / wider than the padded width (7)
+def test_sequence_mean_token_sum_norm_matches_trl_dr_grpo_and_verl(constant):
+    g = torch.Generator().manual_seed(3)
+    lengths = [7, 2, 5, 4]
+    width = max(lengths)
+    lp0 = -0.3 - 2 * torch.rand(len(lengths), width, generator=g, dtype=torch.float64)
+    old = lp0 + 0.2 * torch.randn(lp0.shape, generator=g, dtype=torch.float64)
+    ref = lp0 + 0.3 * torch.randn(lp0.shape, generator=g, dtype=torch.float64)
+    adv = torch.tensor([1.0, -0.5, 0.25, -1.0], dtype=torch.float64)  # dr_grpo advantages: r - mean
+    mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).double()
+    mask[0, 3] = 0.0  # an observation inside a response
+    beta = 0.04
+
+    def per_token(lp):  # TRL's per-token loss: PPO-clip (DAPO clip-higher here) + beta * k3
+        return ppo_token_terms(lp, old, adv[:, None]) + beta * (torch.exp(ref - lp) - (ref - lp) - 1)
+
+    flat = mask.bool()
+    cfg = AlgorithmConfig(advantage="dr_grpo", loss_aggregation="sequence_mean_token_sum_norm",
+                          loss_norm_length=constant, kl_coef=beta, kl_estimator="k3")
+    lp = lp0[flat].clone().requires_grad_(True)
+    sid = torch.arange(len(lengths))[:, None].expand_as(mask)[flat]
+    terms = policy_loss(PolicyLossInput(logprobs=lp, advantages=adv[sid], loss_mask=torch.ones_like(lp),
+                                        sample_ids=sid, num_samples=len(lengths), old_logprobs=old[flat],
+                                        ref_logprobs=ref[flat]), cfg)
+    ours = terms.numerator / terms.denominator
+    ours.backward()
+    assert terms.denominator == len(lengths)
+
+    for peer in (lambda x: trl_dr_grpo_loss(per_token(x), mask, constant),
+                 lambda x: verl_seq_mean_token_sum_norm(per_token(x), mask, constant)):
+        x = lp0.clone().requires_grad_(True)
+        expected = peer(x)
+        expected.backward()
+        assert ours.item() == pytest.approx(expected.item(), rel=1e-12)
+        assert torch.allclose(lp.grad, x.grad[flat], rtol=1e-12, atol=0)
+        assert bool((x.grad[~flat] == 0).all())
+
+
+def test_sequence_mean_token_sum_norm_metrics_are_means_and_the_loss_is_the_objective():
+    # on-policy: ratio 1, loss -A per token; C = 10 > every length
+    cfg = AlgorithmConfig(loss_aggregation="sequence_mean_token_sum_norm", loss_norm_length=10)
+    sid = torch.tensor([0, 0, 0, 1, 1])
+    terms = policy_loss(PolicyLossInput(logprobs=torch.full((5,), -1.0), advantages=torch.tensor([1.0] * 3 + [-2.0] * 2),
+                                        loss_mask=torch.ones(5), sample_ids=sid, num_samples=2), cfg)
+    assert terms.denominator == 2
+    assert terms.metric_sums["ratio"] / terms.denominator == pytest.approx(1.0)  # a mean, not 5/10
+    assert terms.metric_sums["loss"] == pytest.approx(terms.numerator.item())
+    assert terms.numerator.item() == pytest.approx((-3.0 + 4.0) / 10)

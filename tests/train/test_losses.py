@@ -75,6 +75,20 @@ def test_token_mean_and_sequence_mean_aggregation():
     assert torch.allclose(g_seq, torch.tensor([-0.5, -0.5, 2.0], dtype=torch.float64))
 
 
+def test_sequence_mean_token_sum_norm_aggregation():
+    # Dr.GRPO: each sample's token sum / C, averaged over samples. Sample 0: two tokens with A=+1;
+    # sample 1: one token with A=-2; sample 2: masked out (not in the denominator); C = 4
+    kw = dict(sample_ids=[0, 0, 1, 2], mask=[1.0, 1.0, 1.0, 0.0])
+    cfg = AlgorithmConfig(loss_aggregation="sequence_mean_token_sum_norm", loss_norm_length=4)
+    terms, grad = _grad(_inp([-1.0] * 4, [1.0, 1.0, -2.0, 5.0], **kw), cfg)
+    assert (terms.numerator.item(), terms.denominator) == (pytest.approx((-2.0 + 2.0) / 4), 2)
+    assert torch.allclose(grad, torch.tensor([-0.25, -0.25, 0.5, 0.0], dtype=torch.float64))
+    # the normaliser is the constant, not the length: one more token adds 1/C of its loss
+    longer, _ = _grad(_inp([-1.0] * 5, [1.0, 1.0, 1.0, -2.0, 5.0], sample_ids=[0, 0, 0, 1, 2],
+                           mask=[1.0, 1.0, 1.0, 1.0, 0.0]), cfg)
+    assert longer.numerator.item() == pytest.approx((-3.0 + 2.0) / 4) and longer.denominator == 2
+
+
 def test_loss_mask_excludes_tokens_and_fully_masked_samples_from_denominators():
     kw = dict(sample_ids=[0, 0, 1, 2], mask=[1.0, 0.0, 1.0, 0.0])
     adv = [1.0, 1.0, -2.0, 5.0]
@@ -161,8 +175,9 @@ def test_truncated_importance_sampling():
 
 @pytest.mark.parametrize(
     "ratio_level, aggregation",
-    [("token", "token_mean"), ("token", "sequence_mean"), ("sequence", "sequence_mean")],
-)  # sequence + token_mean is refused by AlgorithmConfig (tests/train/test_loss_math.py)
+    [("token", "token_mean"), ("token", "sequence_mean"), ("token", "sequence_mean_token_sum_norm"),
+     ("sequence", "sequence_mean")],
+)  # sequence + another aggregation is refused by AlgorithmConfig (tests/train/test_loss_math.py)
 def test_any_partition_into_micro_batches_gives_the_same_normalised_gradient(aggregation, ratio_level):
     g = torch.Generator().manual_seed(0)
     lengths = [3, 1, 4, 2, 5]
@@ -175,7 +190,8 @@ def test_any_partition_into_micro_batches_gives_the_same_normalised_gradient(agg
     adv_per_sample = torch.randn(len(lengths), generator=g, dtype=torch.float64)
     sid = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     cfg = AlgorithmConfig(
-        ratio_level=ratio_level, loss_aggregation=aggregation, kl_coef=0.05, off_policy_correction="tis"
+        ratio_level=ratio_level, loss_aggregation=aggregation, kl_coef=0.05, off_policy_correction="tis",
+        loss_norm_length=8,  # used by sequence_mean_token_sum_norm only
     )
     offsets = [0]
     for L in lengths:

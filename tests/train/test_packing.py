@@ -41,3 +41,18 @@ def test_padding_scheme_costs_slots():
 def test_prompt_must_be_at_least_one_token():
     with pytest.raises(ValueError, match="prompt length 0"):
         pack_samples([torch.arange(3)], [0], row_tokens=8)
+
+
+def test_thd_layout_is_one_unpadded_row_with_cu_seqlens():
+    """The varlen seam (TransformerEngine's THD format, not runnable here: no TE, no GPU): the
+    same targets and logit positions as one dense row, no mask, sample offsets instead."""
+    a, b = torch.tensor([1, 2, 3, 4]), torch.tensor([5, 6, 7])
+    thd = pack_samples([a, b], [2, 1], layout="thd")
+    dense = pack_samples([a, b], [2, 1], row_tokens=16)
+    assert thd.attention_mask is None and dense.cu_seqlens is None
+    assert thd.cu_seqlens.tolist() == [0, 4, 7] and thd.cu_seqlens.dtype == torch.int32
+    assert thd.max_seqlen == 4 and (thd.tokens, thd.slots) == (7, 7)
+    for field in ("input_ids", "position_ids", "logit_index", "target_ids", "sample_ids"):
+        assert torch.equal(getattr(thd, field), getattr(dense, field)), field
+    with pytest.raises(ValueError, match="layout"):
+        pack_samples([a], [2], layout="bshd")

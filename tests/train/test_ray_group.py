@@ -111,25 +111,45 @@ def test_tp2_checkpoint_round_trip(tp2_group, ray_cluster, tiny_qwen2_dir, tmp_p
 
 
 def test_dp2_gradients_equal_one_process(ray_cluster, tiny_qwen2_dir):
+    """DP=2 by count and by token budget (replicas by cost, equal micro-batch counts, empty ones
+    padding the lighter replica) against one process by count: the same gradients on both
+    replicas; then a step by tokens: the same loss and gradient norm."""
     import ray
 
     from rlkit.train.megatron.trainer import MegatronTrainer
-    from rlkit.train.ray_group import TrainerGroup
+    from rlkit.train.microbatch_plan import plan_micro_batches
+    from rlkit.train.ray_group import TrainerGroup, plan_for_data_parallel
 
-    batch = random_batch(9, seed=14)
-    local = MegatronTrainer.single_process(tiny_qwen2_dir, config(algorithm={"loss_aggregation": "sequence_mean"}))
+    algo = {"loss_aggregation": "sequence_mean"}
+    batch = random_batch(9, seed=14, response_lengths=[2, 70, 3, 9, 1, 25, 4, 40, 6])
+    local = MegatronTrainer.single_process(tiny_qwen2_dir, config(algorithm=algo))
     local.accumulate(batch)
     expected = local.finalize_grads_for_test()
-    group = TrainerGroup(
-        tiny_qwen2_dir, config(dp=2, algorithm={"loss_aggregation": "sequence_mean"}), num_cpus_per_worker=1
-    )
+    local.discard_gradients()
+    local.accumulate(batch)
+    local_metrics = local.step()
+    group = TrainerGroup(tiny_qwen2_dir, config(dp=2, algorithm=algo), num_cpus_per_worker=1)
     try:
-        stats = group.accumulate(batch)
-        assert stats["samples"] == 9
-        grads = ray.get([w.finalize_grads_for_test.remote() for w in group.workers])
         scale = max(float(g.abs().max()) for g in expected.values())
-        for name, g in expected.items():
-            for rank_grads in grads:  # both replicas hold the all-reduced, normalised gradient
-                assert torch.allclose(rank_grads[name], g, rtol=1e-5, atol=1e-6 * scale), name
+        for budget in (0, 32, 4096):  # 0: by count (micro_batch_size 3)
+            # the driver plans every replica's micro-batches; the ranks run the plan they get
+            group.config.max_tokens_per_micro_batch = budget
+            plan = plan_for_data_parallel(batch, group.config, group.attention_weight)
+            assert plan == plan_micro_batches([s.length for s in batch.samples], dp_size=2,
+                                              max_tokens=budget, micro_batch_size=3,
+                                              attention_weight=group.attention_weight)
+            assert (() in plan.replicas[0]) == (budget == 32)  # 32: replica 0 pads with empty work
+            stats = group.accumulate(batch)
+            assert stats["samples"] == 9
+            assert stats["micro_batches"] == 2 * len(plan.replicas[0])  # as many on each replica
+            grads = ray.get([w.finalize_grads_for_test.remote() for w in group.workers])
+            for name, g in expected.items():
+                for rank_grads in grads:  # both replicas hold the all-reduced, normalised gradient
+                    assert torch.allclose(rank_grads[name], g, rtol=1e-5, atol=1e-6 * scale), (budget, name)
+            ray.get([w.discard_gradients.remote() for w in group.workers])
+        group.accumulate(batch)
+        m = group.step()
+        for key in ("train/loss", "train/grad_norm", "train/loss_denominator", "train/samples"):
+            assert m[key] == pytest.approx(local_metrics[key], rel=1e-5), key
     finally:
         group.shutdown()

@@ -1,6 +1,6 @@
 """The policy loss: PPO-clip (asymmetric, DAPO clip-higher) or GSPO's sequence ratio, truncated
-importance sampling against the rollout logprobs, KL to a reference, entropy bonus, and token- or
-sequence-mean aggregation.
+importance sampling against the rollout logprobs, KL to a reference, entropy bonus, and token-,
+sequence-mean or constant-normalised (Dr.GRPO) aggregation.
 
 Normalisation is split in two so that any partition of a global batch into micro-batches, in any
 order, gives the same gradient: `policy_loss` returns a *numerator* (a sum over the micro-batch's
@@ -8,19 +8,38 @@ tokens, each weighted by its aggregation weight) and the micro-batch's share of 
 *denominator*. The trainer backpropagates numerators as they come, sums denominators, and divides
 the summed gradient by the global denominator once, at the optimizer step.
 
-Per token t of sample i (mask m_t, n_i = trainable tokens of sample i):
-  ratio       token:    r_t = exp(lp_t - old_t)
+Per token t of sample i (mask m_t, n_i = trainable tokens of sample i, B = LOG_RATIO_BOUND):
+  ratio       token:    r_t = exp(clamp(lp_t - old_t, +-B))
               sequence: r_t = sg(s_i) * exp(lp_t - sg(lp_t)),
-                        s_i = exp(clamp(sum_t m_t (lp_t - old_t) / n_i, +-LOG_RATIO_BOUND))
+                        s_i = exp(clamp(sum_t m_t (lp_t - old_t) / n_i, +-B))
   pg_t        max(-A_t r_t, -A_t clip(r_t, 1 - clip_low, 1 + clip_high))
   tis_t       min(exp(old_t - rollout_t), tis_cap), no gradient        (off_policy_correction=tis)
   kl_t        k1: lp - ref;  k3: exp(ref - lp) - (ref - lp) - 1;
-              low_var: k3 of clamp(lp - ref, +-LOG_RATIO_BOUND), then clamped to +-10 (as verl)
+              low_var: k3 of clamp(lp - ref, +-B), then clamped to +-10 (as verl)
   loss_t      tis_t * pg_t + kl_coef * kl_t - entropy_coef * H_t
   weight w_t  token_mean: m_t (denominator: sum of m);  sequence_mean: m_t / n_i (denominator:
-              samples with n_i > 0). GSPO is sequence ratio + sequence_mean; AlgorithmConfig
-              refuses sequence ratio + token_mean (it would weight sequences by their length).
+              samples with n_i > 0);  sequence_mean_token_sum_norm: m_t / C, C = loss_norm_length
+              (denominator: samples with n_i > 0), i.e. Dr.GRPO's mean over sequences of the
+              token sum / C. GSPO is sequence ratio + sequence_mean; AlgorithmConfig refuses a
+              sequence ratio with any other aggregation (it would weight sequences by length).
   numerator   sum_t w_t loss_t
+
+The token ratio's clamp changes no value with |lp - old| <= B (a clamp inside its range returns
+its input, and passes the gradient unchanged); beyond it the token keeps the clamped value and gets
+no gradient (as verl's clamp of the log-ratio before exp), where exp alone would overflow.
+
+Masking is by selection, never by multiplication: every per-token input (lp, pi_old, rollout and
+reference logprobs, advantage, entropy) is replaced by 0 at mask-0 positions with `torch.where`
+before any arithmetic, and the sums select again. A NaN or inf at a mask-0 position (an
+environment observation's placeholder logprob, say) therefore reaches neither the loss, its
+gradient nor a metric; `0 * inf` would be NaN, and an inf forward gives a NaN gradient even where
+`torch.where` later drops its value. Values at mask-1 positions are used exactly as before.
+
+Metrics (`metric_sums`, divided by the global denominator by the trainer) are weighted like the
+loss, except under sequence_mean_token_sum_norm, where only `loss` and `pg_loss` are (so
+train/loss is the objective) and the diagnostics (ratio, clip_frac, KL, entropy, TIS) are
+per-sequence means (weight m_t / n_i): weighted by m_t / C they would read as their mean times
+the mean length / C.
 """
 
 from __future__ import annotations
@@ -34,10 +53,13 @@ from rlkit.train.config import AlgorithmConfig
 
 KLEstimator = Literal["k1", "k3", "low_var"]
 LOW_VAR_KL_BOUND = 10.0
-# Log-ratios are clamped to +-20 before exp (verl's bound): exp(20) ~ 4.9e8 is finite in bf16/fp32
+# Log-ratios (the token ratio's lp - old, GSPO's sequence mean, low_var KL's lp - ref) are clamped
+# to +-20 before exp (verl's bound): exp(20) ~ 4.9e8 is finite in bf16/fp32
 # where exp(89) is not, and an inf forward gives a NaN gradient even when a later clamp hides the
 # value. For low_var the clamp changes no value: k3 passes 10 already at log-ratio -2.6 and +11.
 LOG_RATIO_BOUND = 20.0
+# Metrics that are loss values: always weighted like the loss (see the module's docstring).
+_LOSS_METRICS = frozenset({"loss", "pg_loss"})
 
 
 @dataclass
@@ -82,24 +104,40 @@ def _per_sample_sum(values: torch.Tensor, sample_ids: torch.Tensor, num_samples:
 
 
 def policy_loss(inp: PolicyLossInput, cfg: AlgorithmConfig) -> LossTerms:
-    lp = inp.logprobs
-    mask = inp.loss_mask.to(lp.dtype)
-    old = lp.detach() if inp.old_logprobs is None else inp.old_logprobs.to(lp.dtype)
+    keep = inp.loss_mask > 0  # the trainable tokens; everything below selects with it
+    dtype = inp.logprobs.dtype
+
+    def masked(x: torch.Tensor) -> torch.Tensor:
+        """x at mask-1 positions, 0 elsewhere: by selection, so NaN/inf there cannot leak."""
+        return torch.where(keep, x.to(dtype), 0.0)
+
+    lp = masked(inp.logprobs)
+    mask = inp.loss_mask.to(dtype)
+    old = lp.detach() if inp.old_logprobs is None else masked(inp.old_logprobs)
 
     tokens_per_sample = _per_sample_sum(mask, inp.sample_ids, inp.num_samples)
+    per_sequence = mask / tokens_per_sample.clamp(min=1)[inp.sample_ids]
+    metric_weight = None  # None: the metrics are weighted like the loss
     if cfg.loss_aggregation == "token_mean":
         weight = mask
         denominator = float(mask.sum())
     elif cfg.loss_aggregation == "sequence_mean":
-        weight = mask / tokens_per_sample.clamp(min=1)[inp.sample_ids]
+        weight = per_sequence
         denominator = float((tokens_per_sample > 0).sum())
+    elif cfg.loss_aggregation == "sequence_mean_token_sum_norm":
+        if cfg.loss_norm_length < 1:
+            raise ValueError("loss_aggregation 'sequence_mean_token_sum_norm' needs loss_norm_length >= 1")
+        weight = mask / float(cfg.loss_norm_length)
+        denominator = float((tokens_per_sample > 0).sum())
+        metric_weight = per_sequence
     else:
         raise ValueError(f"unknown loss_aggregation {cfg.loss_aggregation!r}")
 
     if cfg.ratio_level == "token":
-        log_ratio = lp - old
+        log_ratio = (lp - old).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     elif cfg.ratio_level == "sequence":
-        seq_log_ratio = _per_sample_sum((lp.detach() - old) * mask, inp.sample_ids, inp.num_samples)
+        # lp and old are 0 at mask-0 positions: they add nothing to a sequence's sum
+        seq_log_ratio = _per_sample_sum(lp.detach() - old, inp.sample_ids, inp.num_samples)
         seq_log_ratio = seq_log_ratio / tokens_per_sample.clamp(min=1)
         # detached, so the clamp bounds the ratio's value without cutting the gradient path
         seq_log_ratio = seq_log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
@@ -107,43 +145,48 @@ def policy_loss(inp: PolicyLossInput, cfg: AlgorithmConfig) -> LossTerms:
     else:
         raise ValueError(f"unknown ratio_level {cfg.ratio_level!r}")
     ratio = torch.exp(log_ratio)
-    adv = inp.advantages.to(lp.dtype)
+    adv = masked(inp.advantages)
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
     pg = torch.maximum(unclipped, clipped)
 
     sums: dict[str, torch.Tensor] = {}
+    rollout = None if inp.rollout_logprobs is None else masked(inp.rollout_logprobs)
     if cfg.off_policy_correction == "tis":
-        if inp.rollout_logprobs is None:
+        if rollout is None:
             raise ValueError("off_policy_correction=tis needs the rollout logprobs of every token")
-        tis_raw = torch.exp(old - inp.rollout_logprobs.to(lp.dtype))
+        tis_raw = torch.exp(old - rollout)
         tis = tis_raw.clamp(max=cfg.tis_cap).detach()
         sums["tis_weight"] = tis
-        sums["tis_truncated_frac"] = (tis_raw > cfg.tis_cap).to(lp.dtype)
+        sums["tis_truncated_frac"] = (tis_raw > cfg.tis_cap).to(dtype)
         pg = pg * tis
     loss = pg
     sums["pg_loss"] = pg.detach()
-    sums["clip_frac"] = (clipped > unclipped).to(lp.dtype)
+    sums["clip_frac"] = (clipped > unclipped).to(dtype)
     sums["ratio"] = ratio.detach()
     sums["approx_kl_old"] = (old - lp.detach())
 
     if cfg.kl_coef > 0:
         if inp.ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs reference logprobs (Trainer.logprobs(policy='reference'))")
-        kl = kl_estimate(lp, inp.ref_logprobs.to(lp.dtype), cfg.kl_estimator)
+        kl = kl_estimate(lp, masked(inp.ref_logprobs), cfg.kl_estimator)
         loss = loss + cfg.kl_coef * kl
         sums["kl"] = kl.detach()
+    entropy = None if inp.entropy is None else masked(inp.entropy)
     if cfg.entropy_coef > 0:
-        if inp.entropy is None:
+        if entropy is None:
             raise ValueError("entropy_coef > 0 needs the per-token entropy")
-        loss = loss - cfg.entropy_coef * inp.entropy
-    if inp.entropy is not None:
-        sums["entropy"] = inp.entropy.detach()
-    if inp.rollout_logprobs is not None:
-        sums["train_rollout_logprob_abs_diff"] = (old - inp.rollout_logprobs.to(lp.dtype)).abs()
+        loss = loss - cfg.entropy_coef * entropy
+    if entropy is not None:
+        sums["entropy"] = entropy.detach()
+    if rollout is not None:
+        sums["train_rollout_logprob_abs_diff"] = (old - rollout).abs()
 
     sums["loss"] = loss.detach()
-    numerator = (weight * loss).sum()
+    numerator = torch.where(keep, weight * loss, 0.0).sum()
     w = weight.detach()
-    metric_sums = {k: float((w * v).sum()) for k, v in sums.items()}
+    mw = w if metric_weight is None else metric_weight.detach()
+    metric_sums = {
+        k: float(torch.where(keep, (w if k in _LOSS_METRICS else mw) * v, 0.0).sum()) for k, v in sums.items()
+    }
     return LossTerms(numerator=numerator, denominator=denominator, metric_sums=metric_sums)

@@ -41,6 +41,18 @@ class StepOptimizer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._opt.load_state_dict(state)
 
+    def sharded_state_dict(self, model_sharded: dict[str, Any], *, is_loading: bool) -> dict[str, Any]:
+        """The state as megatron-core `dist_checkpointing` describes it: every per-parameter
+        tensor (Adam's moments) a ShardedTensor cut exactly like its parameter in
+        `model_sharded` (the model's sharded state dict), so a checkpoint written at one
+        TP x DP layout loads at another; the step and hyper-parameters as common state.
+        `is_loading`: the tensors to load into (the state is created first if no step ran)."""
+        raise NotImplementedError
+
+    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
+        """Take the state `dist_checkpointing.load` filled in (see sharded_state_dict)."""
+        raise NotImplementedError
+
 
 class TorchAdamW(StepOptimizer):
     """CPU: torch AdamW over megatron DDP's main_grad buffers."""
@@ -89,6 +101,48 @@ class TorchAdamW(StepOptimizer):
             p.grad = None
         return True, norm
 
+    def _ordered_params(self) -> list[torch.nn.Parameter]:
+        """Parameters in the order torch's state_dict numbers them (group by group)."""
+        return [p for g in self._opt.param_groups for p in g["params"]]
+
+    def sharded_state_dict(self, model_sharded: dict[str, Any], *, is_loading: bool) -> dict[str, Any]:
+        # megatron's FP32Optimizer.sharded_state_dict, for torch's AdamW: the moments shard like
+        # their parameters; the step, equal for every parameter, is kept once ("common_step").
+        from megatron.core.dist_checkpointing.optimizer import (
+            get_param_id_to_sharded_param_map, optim_state_to_sharding_state,
+        )
+
+        params = self._ordered_params()
+        for p in params:  # before a first step: AdamW's own initial state (a step from it is a
+            if p not in self._opt.state:  # first step), to save or to load into
+                self._opt.state[p] = {
+                    "step": torch.tensor(0.0),
+                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                }
+        state = self._opt.state_dict()
+        steps = {float(s["step"]) for s in state["state"].values()}
+        if len(steps) != 1:
+            raise ValueError(f"AdamW steps differ between parameters ({sorted(steps)})")
+        id_map = get_param_id_to_sharded_param_map(model_sharded, params)
+        if len(id_map) != len(params):
+            raise ValueError(f"{len(params) - len(id_map)} optimizer parameters have no sharded model tensor")
+        optim_state_to_sharding_state(state, id_map, exclude_keys=("step",))
+        state["common_step"] = steps.pop()
+        return state
+
+    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        step = float(state.pop("common_step"))
+        groups = state["param_groups"]
+        mine = self._opt.param_groups
+        if len(groups) != len(mine) or any(len(g["params"]) != len(m["params"]) for g, m in zip(groups, mine)):
+            raise ValueError("the saved optimizer has other parameter groups than this one")
+        per_param = {
+            i: {**s, "step": torch.tensor(step)} for i, s in state["state"].items()
+        }
+        self._opt.load_state_dict({"state": per_param, "param_groups": groups})
+
 
 class MegatronOptimizer(StepOptimizer):
     """CUDA: megatron's optimizer (mixed precision with fp32 master weights when params are bf16)."""
@@ -117,6 +171,14 @@ class MegatronOptimizer(StepOptimizer):
         applied, grad_norm, _ = self._opt.step()
         self._opt.zero_grad()
         return bool(applied), float(grad_norm) if grad_norm is not None else float("nan")
+
+    # megatron's own sharded optimizer state (fp32 master weights and moments); not run here:
+    # no GPU in the test set-up (docs/training.md, checkpoints).
+    def sharded_state_dict(self, model_sharded: dict[str, Any], *, is_loading: bool) -> dict[str, Any]:
+        return self._opt.sharded_state_dict(model_sharded, is_loading=is_loading)
+
+    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
+        self._opt.load_state_dict(state)
 
 
 def build_optimizer(

@@ -11,6 +11,12 @@ gradients and denominators over DP and divides by the global denominator
 (megatron's `finalize_model_grads(num_tokens=...)`, with `calculate_per_token_loss=True` so the DP
 reduction is a sum), then clips and steps. Any split of a global batch into micro-batches, in any
 order, therefore yields the same gradient up to float summation order.
+
+Micro-batches (train/microbatch_plan.py): by sample count (`train.micro_batch_size`) or by token
+budget (`train.max_tokens_per_micro_batch`), planned here for a batch that comes without a plan,
+or taken from `TrainBatch.micro_batch_plan` (the driver's or the stream's plan for every DP
+replica); an empty micro-batch there is a zero-weight forward and backward, so every replica
+runs as many passes, and makes the same collective calls, as the busiest.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from rlkit.train.megatron.optimizer import build_optimizer, learning_rate
 from rlkit.train.megatron.parallel import (
     RankInfo, current_rank_info, init_single_process, resolve_device, seed_everything,
 )
+from rlkit.train.microbatch_plan import attention_weight_of, plan_micro_batches, warn_over_budget
 from rlkit.train.packing import PackedRows, pack_samples
 from rlkit.train.protocol import Policy
 
@@ -105,6 +112,10 @@ class MegatronTrainer:
         self._sender = None  # WeightSender, on the rank that talks to engines
         self._offload = None  # TrainerOffload, made when colocated placement first asks
         self._warned_nccl = False
+        # 'dense': rows with a block-diagonal mask (megatron's local attention). 'thd' is the seam
+        # for TransformerEngine's varlen attention (train/packing.py): it needs the TE layer spec,
+        # which model.py does not build (no TE here: CPU machines), so it is never chosen today.
+        self.attention_layout = "dense"
         self._nccl_clash: dict[tuple[str, ...], str | None] = {}
         self.step_count = 0  # optimizer steps taken
         self.version = 0  # policy version of these weights, as engines were told (see sync)
@@ -146,21 +157,51 @@ class MegatronTrainer:
                     raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != model {tuple(p.shape)}")
                 p.copy_(src.to(device=p.device, dtype=p.dtype))
 
+    @property
+    def attention_weight(self) -> float:
+        """w of the planner's sample cost n + w n^2 for this model (train/microbatch_plan.py)."""
+        return attention_weight_of(self.arch)
+
     # -- forward -----------------------------------------------------------------------------
+    def _micro_batches(self, batch: TrainBatch, *, warn: bool) -> list[tuple[int, ...]]:
+        """Positions in `batch` per micro-batch: the batch's own plan (() = empty work), or one
+        planned here for this batch alone (by token budget or by count)."""
+        if batch.micro_batch_plan is not None:
+            return list(batch.micro_batch_plan)
+        cfg = self.config
+        lengths = [s.length for s in batch.samples]
+        if warn:
+            warn_over_budget(lengths, cfg.max_tokens_per_micro_batch)
+        return list(plan_micro_batches(
+            lengths, max_tokens=cfg.max_tokens_per_micro_batch, micro_batch_size=cfg.micro_batch_size,
+            padded=not cfg.packing,
+        ).replicas[0])
+
     def _pack(self, samples: Sequence[TrainSample]) -> PackedRows:
         return pack_samples(
             [s.tokens for s in samples],
             [s.prompt_length for s in samples],
             self.config.pack_row_tokens,
             pack=self.config.packing,
+            layout=self.attention_layout,
         )
 
     def _forward(self, packed: PackedRows, *, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
         dev = self.device
+        packed_seq_params = None
+        if packed.cu_seqlens is not None:  # THD (TransformerEngine only; see attention_layout)
+            from megatron.core.packed_seq_params import PackedSeqParams
+
+            cu = packed.cu_seqlens.to(dev)
+            packed_seq_params = PackedSeqParams(
+                qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                max_seqlen_q=packed.max_seqlen, max_seqlen_kv=packed.max_seqlen,
+            )
         logits = self.model(
             input_ids=packed.input_ids.to(dev),
             position_ids=packed.position_ids.to(dev),
-            attention_mask=packed.attention_mask.to(dev),
+            attention_mask=None if packed.attention_mask is None else packed.attention_mask.to(dev),
+            packed_seq_params=packed_seq_params,
         )  # [R, S, V / TP]
         rows = logits.reshape(-1, logits.shape[-1]).index_select(0, packed.logit_index.to(dev))
         if self.temperature != 1.0:
@@ -196,24 +237,33 @@ class MegatronTrainer:
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, *, policy: Policy = "current") -> list[torch.Tensor]:
         """Per-sample logprobs of the response tokens (fp32, CPU), micro-batch by micro-batch."""
-        out: list[torch.Tensor] = []
+        out: list[torch.Tensor | None] = [None] * len(batch)
         with self._weights(policy):
-            for mb in batch.micro_batches(self.config.micro_batch_size):
-                packed = self._pack(mb.samples)
+            for mb in self._micro_batches(batch, warn=False):
+                if not mb:  # empty work only matters to the backward's collectives
+                    continue
+                packed = self._pack([batch.samples[i] for i in mb])
                 lp, _ = self._forward(packed, with_entropy=False)
                 # clone: a view would pickle (Ray) the whole micro-batch's storage with each sample
-                out.extend(t.clone() for t in lp.float().cpu().split(packed.response_lengths))
-        return out
+                for i, t in zip(mb, lp.float().cpu().split(packed.response_lengths)):
+                    out[i] = t.clone()
+        return out  # type: ignore[return-value]
 
     def accumulate(self, batch: TrainBatch) -> dict[str, float]:
         """Forward + backward of every micro-batch of `batch`; no optimizer step."""
         with_entropy = self.config.algorithm.entropy_coef > 0
-        stats = {"samples": 0.0, "tokens": 0.0, "denominator": 0.0}
+        stats = {"samples": 0.0, "tokens": 0.0, "denominator": 0.0, "micro_batches": 0.0}
         self.model.train()
-        for mb in batch.micro_batches(self.config.micro_batch_size):
-            packed = self._pack(mb.samples)
+        for mb in self._micro_batches(batch, warn=True):
+            self._micro_batch_count += 1
+            stats["micro_batches"] += 1
+            if not mb:
+                self._empty_work()
+                continue
+            samples = [batch.samples[i] for i in mb]
+            packed = self._pack(samples)
             lp, entropy = self._forward(packed, with_entropy=with_entropy)
-            terms = policy_loss(self._loss_input(mb.samples, packed, lp, entropy, with_entropy), self.config.algorithm)
+            terms = policy_loss(self._loss_input(samples, packed, lp, entropy, with_entropy), self.config.algorithm)
             terms.numerator.backward()
             self._denominator += terms.denominator
             for k, v in terms.metric_sums.items():
@@ -225,6 +275,15 @@ class MegatronTrainer:
             stats["tokens"] += packed.tokens
             stats["denominator"] += terms.denominator
         return stats
+
+    def _empty_work(self) -> None:
+        """A micro-batch with no sample (padding, so DP replicas run equally many): a forward
+        and backward of one 2-token dummy row through the same code, at zero weight. It adds
+        exactly 0 to every gradient and nothing to the denominator, samples or tokens."""
+        dummy = torch.zeros(2, dtype=torch.long)
+        lp, _ = self._forward(pack_samples([dummy], [1], layout=self.attention_layout), with_entropy=False)
+        (lp.sum() * 0.0).backward()
+        self._empty_micro_batches += 1
 
     def _loss_input(
         self,
@@ -282,7 +341,8 @@ class MegatronTrainer:
         global_denominator = self._finalize_grads()
         present = [1.0 if k in self._metric_sums else 0.0 for k in self._metric_keys]
         counters = torch.tensor(  # on the device: NCCL reduces CUDA tensors only
-            [self._samples, self._tokens, self._slots, *self._metric_sums_vector(), *present],
+            [self._samples, self._tokens, self._slots, self._micro_batch_count,
+             self._empty_micro_batches, *self._metric_sums_vector(), *present],
             dtype=torch.float64,
             device=self.device,
         )
@@ -298,9 +358,9 @@ class MegatronTrainer:
         if applied:
             self.step_count += 1
         counters = counters.cpu()
-        samples, tokens, slots = (float(x) for x in counters[:3])
+        samples, tokens, slots, micro_batches, empty = (float(x) for x in counters[:5])
         n_keys = len(self._metric_keys)
-        sums, seen = counters[3 : 3 + n_keys], counters[3 + n_keys :]
+        sums, seen = counters[5 : 5 + n_keys], counters[5 + n_keys :]
         metrics = {
             f"train/{k}": float(v) / global_denominator if global_denominator > 0 else 0.0
             for k, v, flag in zip(self._metric_keys, sums, seen)
@@ -314,6 +374,8 @@ class MegatronTrainer:
                 "train/samples": samples,
                 "train/tokens": tokens,
                 "train/padding_fraction": 1.0 - tokens / slots if slots else 0.0,
+                "train/micro_batches": micro_batches,  # over every DP replica, empty ones too
+                "train/empty_micro_batches": empty,
                 "train/loss_denominator": global_denominator,
                 "train/step": float(self.step_count),
             }
@@ -347,6 +409,8 @@ class MegatronTrainer:
         self._samples = 0
         self._tokens = 0
         self._slots = 0
+        self._micro_batch_count = 0
+        self._empty_micro_batches = 0
 
     def discard_gradients(self) -> None:
         """Drop everything accumulated since the last step (gradients, denominators, metrics)."""

@@ -1,0 +1,243 @@
+"""Micro-batches and data-parallel shares of a training batch, planned from sample lengths alone.
+
+Pure Python (no torch, Ray or HTTP): the plan is a function of (lengths, budget or count,
+dp_size, cost weight, layout) and nothing else, so every rank that computes it gets the same
+one, and its properties are tested exhaustively (tests/train/test_microbatch_plan.py).
+
+Cost of a sample of n tokens (compute, for balancing replicas): `n + w n^2`. The matmuls cost
+2 P n FLOPs (P: the parameters every token multiplies by), causal attention
+2 layers heads head_dim n^2 (QK^T and PV over half the n x n scores), the same model as the
+simulator's prefill (rlkit/sim/roofline.py); divided by 2 P that is n + w n^2 with
+w = layers heads head_dim / P (`attention_weight`). For Qwen2.5-7B attention equals the
+matmuls at ~70k tokens, for the tiny test model at ~830.
+
+The rules (each a classic with a stated guarantee):
+
+1. Replicas: longest-processing-time first (LPT). Samples by decreasing cost (ties: index),
+   each to the least-loaded replica (ties: lowest rank). Guarantee, for every replica r: its
+   load exceeds the lightest replica's by at most the cost of the last sample it received,
+   which is its cheapest (when that sample went to r, r was the lightest, and loads only grow).
+   Hence the slowest replica is within one sample of the best possible split: before its last
+   sample it held at most the mean, and no split has a heaviest replica below the mean.
+   Stream mode places samples in arrival order (it cannot sort what has not arrived) by the
+   same least-loaded rule (`least_loaded`); the bound there is the last sample placed, at most
+   the batch's most expensive one.
+2. Micro-batches of one replica. By count (`micro_batch_size`): consecutive chunks of its
+   samples in batch order (rlkit's behaviour before token budgets). By tokens
+   (`max_tokens`): first-fit decreasing by length into micro-batches of at most `max_tokens`
+   tokens (with the padded layout, samples x longest sample: the slots a padded batch
+   allocates). A sample longer than the budget gets a micro-batch of its own (`over_budget`:
+   the caller warns with its length). Stream mode fills micro-batches in arrival order
+   (next-fit: a micro-batch closes when the next sample does not fit), which never changes a
+   closed micro-batch when later samples arrive (`stream_micro_batches`).
+3. Equal counts: every replica runs as many micro-batches as the busiest one; the others are
+   padded with empty ones (`()`: the trainer runs a forward and backward of zero weight there,
+   so every rank makes the same collective calls, as megatron's schedules need).
+
+Memory bound of the dense attention path (train/packing.py): a micro-batch of T <= B tokens is
+packed into rows first-fit-decreasing of capacity C = max(pack_row_tokens, its longest sample);
+any two rows together hold more than C (else the later one's first sample would have fit), so
+all but one are more than half full: rows < 2T/C + 1 and rows x width < 2T + C <= 3B slots,
+and the block-diagonal mask (rows x width^2) < 3B^2 entries, whatever the length mix (by count
+it is micro_batch_size x the longest sample^2). Only an over-long sample of n > B tokens
+exceeds it, by itself (n slots, n^2 mask entries): that needs the varlen (THD) attention path.
+
+The loss does not depend on any of this: the trainer normalises by the global denominator at
+`step` (train/megatron/trainer.py), so any partition gives the same gradient.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Sequence
+
+MicroBatch = tuple[int, ...]  # sample indices; () is empty work (padding)
+
+
+def attention_weight(*, layers: int, heads: int, head_dim: int, hidden: int, kv_heads: int,
+                     intermediate: int, vocab: int) -> float:
+    """w of `sample_cost` for a Llama/Qwen2-shaped model (gated MLP, GQA, LM head)."""
+    per_layer = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * intermediate
+    matmul_params = layers * per_layer + hidden * vocab
+    return layers * heads * head_dim / matmul_params
+
+
+def attention_weight_of(arch) -> float:
+    """`attention_weight` of a train.hf_arch.ModelArch (read by attribute: no import here)."""
+    return attention_weight(layers=arch.num_layers, heads=arch.num_heads, head_dim=arch.head_dim,
+                            hidden=arch.hidden_size, kv_heads=arch.num_kv_heads,
+                            intermediate=arch.intermediate_size, vocab=arch.vocab_size)
+
+
+def sample_cost(length: int, weight: float = 0.0) -> float:
+    """Compute of one sample in token-equivalents: n + w n^2 (see the module docstring)."""
+    return length + weight * length * length
+
+
+def least_loaded(loads: Sequence[float]) -> int:
+    """The replica a sample goes to: the least loaded, the lowest rank among equals."""
+    return min(range(len(loads)), key=lambda r: (loads[r], r))
+
+
+def balance_replicas(costs: Sequence[float], dp_size: int) -> list[list[int]]:
+    """Sample indices per replica (each in increasing order), by LPT (rule 1)."""
+    if dp_size < 1:
+        raise ValueError(f"dp_size must be >= 1, got {dp_size}")
+    loads = [0.0] * dp_size
+    parts: list[list[int]] = [[] for _ in range(dp_size)]
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        r = least_loaded(loads)
+        parts[r].append(i)
+        loads[r] += costs[i]
+    return [sorted(p) for p in parts]
+
+
+def _size(count: int, longest: int, tokens: int, padded: bool) -> int:
+    """What the budget measures: real tokens packed, samples x longest padded."""
+    return count * longest if padded else tokens
+
+
+def _check_mode(max_tokens: int, micro_batch_size: int) -> None:
+    if max_tokens < 0 or micro_batch_size < 0:
+        raise ValueError("max_tokens and micro_batch_size must be >= 0")
+    if not max_tokens and not micro_batch_size:
+        raise ValueError("give a token budget (max_tokens) or a sample count (micro_batch_size)")
+
+
+def micro_batches(lengths: Sequence[int], *, max_tokens: int = 0, micro_batch_size: int = 0,
+                  padded: bool = False) -> list[MicroBatch]:
+    """Micro-batches of one replica's samples (positions in `lengths`), rule 2: by token budget
+    when `max_tokens` > 0 (first-fit decreasing), else consecutive chunks of `micro_batch_size`."""
+    _check_mode(max_tokens, micro_batch_size)
+    n = len(lengths)
+    if not max_tokens:
+        return [tuple(range(i, min(i + micro_batch_size, n))) for i in range(0, n, micro_batch_size)]
+    bins: list[list[int]] = []
+    fill: list[tuple[int, int, int]] = []  # (samples, longest, tokens) per bin
+    for i in sorted(range(n), key=lambda i: (-lengths[i], i)):
+        length = lengths[i]
+        for b, (count, longest, tokens) in enumerate(fill):
+            grown = (count + 1, max(longest, length), tokens + length)
+            if _size(*grown, padded) <= max_tokens:
+                bins[b].append(i)
+                fill[b] = grown
+                break
+        else:
+            bins.append([i])
+            fill.append((1, length, length))
+    return [tuple(b) for b in bins]
+
+
+def stream_micro_batches(lengths: Sequence[int], *, max_tokens: int = 0, micro_batch_size: int = 0,
+                         padded: bool = False) -> tuple[list[MicroBatch], bool]:
+    """Micro-batches of samples in arrival order (rule 2, stream mode) and whether the last one
+    is closed (no later sample can join it). Prefix-stable: more samples never change the
+    micro-batches before the last."""
+    _check_mode(max_tokens, micro_batch_size)
+    out: list[list[int]] = []
+    count = longest = tokens = 0
+    for i, length in enumerate(lengths):
+        if out:
+            if max_tokens:
+                fits = _size(count + 1, max(longest, length), tokens + length, padded) <= max_tokens
+            else:
+                fits = count < micro_batch_size
+            if fits:
+                out[-1].append(i)
+                count, longest, tokens = count + 1, max(longest, length), tokens + length
+                continue
+        out.append([i])
+        count, longest, tokens = 1, length, length
+    # by count a full micro-batch is closed; by tokens one is only closed by the next sample
+    closed = bool(out) and not max_tokens and count == micro_batch_size
+    return [tuple(b) for b in out], closed
+
+
+def pad_to_equal(per_replica: Sequence[Sequence[MicroBatch]]) -> list[list[MicroBatch]]:
+    """Rule 3: every replica's list padded with empty micro-batches to the longest one."""
+    most = max((len(p) for p in per_replica), default=0)
+    return [[*p, *([()] * (most - len(p)))] for p in per_replica]
+
+
+@dataclass(frozen=True)
+class MicroBatchPlan:
+    """Per DP replica, its micro-batches as indices into the planned batch (() = empty work);
+    every replica has the same number."""
+
+    replicas: tuple[tuple[MicroBatch, ...], ...]
+    loads: tuple[float, ...]  # cost per replica
+    over_budget: tuple[int, ...]  # samples longer than the token budget (alone in theirs)
+
+    def samples_of(self, replica: int) -> list[int]:
+        """The replica's sample indices, in increasing order."""
+        return sorted(i for mb in self.replicas[replica] for i in mb)
+
+    def local(self, replica: int) -> list[MicroBatch]:
+        """The replica's micro-batches as positions in its own sub-batch (`samples_of`)."""
+        pos = {i: k for k, i in enumerate(self.samples_of(replica))}
+        return [tuple(pos[i] for i in mb) for mb in self.replicas[replica]]
+
+
+def plan_micro_batches(lengths: Sequence[int], *, dp_size: int = 1, max_tokens: int = 0,
+                       micro_batch_size: int = 0, attention_weight: float = 0.0,
+                       padded: bool = False) -> MicroBatchPlan:
+    """The whole plan of one batch: replicas by cost (rule 1), micro-batches by budget or count
+    (rule 2), equal counts (rule 3). A pure function of its arguments."""
+    _check_mode(max_tokens, micro_batch_size)
+    lengths = [int(n) for n in lengths]
+    if any(n < 1 for n in lengths):
+        raise ValueError("sample lengths must be >= 1")
+    costs = [sample_cost(n, attention_weight) for n in lengths]
+    parts = balance_replicas(costs, dp_size)
+    per_replica = []
+    for part in parts:
+        local = micro_batches([lengths[i] for i in part], max_tokens=max_tokens,
+                              micro_batch_size=micro_batch_size, padded=padded)
+        per_replica.append([tuple(part[k] for k in mb) for mb in local])
+    over = tuple(i for i, n in enumerate(lengths) if max_tokens and n > max_tokens)
+    return MicroBatchPlan(
+        replicas=tuple(tuple(p) for p in pad_to_equal(per_replica)),
+        loads=tuple(sum(costs[i] for i in part) for part in parts),
+        over_budget=over,
+    )
+
+
+def warn_over_budget(lengths: Sequence[int], max_tokens: int) -> None:
+    """One warning per sample longer than the budget (it trains alone; memory follows it)."""
+    for n in lengths:
+        if max_tokens and n > max_tokens:
+            warnings.warn(
+                f"a sample of {n} tokens is longer than train.max_tokens_per_micro_batch="
+                f"{max_tokens}: it gets a micro-batch of its own, whose memory follows its length",
+                stacklevel=3,
+            )
+
+
+def assign_rows(lengths: Sequence[int], row_tokens: int = 0, pack: bool = True) -> list[list[int]]:
+    """Sample indices per row of one packed micro-batch (train/packing.py): first-fit-decreasing
+    rows of capacity max(row_tokens, longest); `pack=False`: one row per sample."""
+    if not pack:
+        return [[i] for i in range(len(lengths))]
+    capacity = max([row_tokens, *lengths])
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for r, free in enumerate(room):
+            if lengths[i] <= free:
+                rows[r].append(i)
+                room[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            room.append(capacity - lengths[i])
+    return rows
+
+
+def row_slots(lengths: Sequence[int], row_tokens: int = 0, pack: bool = True) -> tuple[int, int]:
+    """(rows, width) of the dense packed layout of one micro-batch: its logits have rows x width
+    positions and its attention mask rows x width^2 entries."""
+    if not lengths:
+        return 0, 0
+    rows = assign_rows(lengths, row_tokens, pack)
+    return len(rows), max(sum(lengths[i] for i in row) for row in rows)
