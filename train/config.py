@@ -75,9 +75,9 @@ class AlgorithmConfig(BaseModel):
         ge=0,
         description="The constant C of loss_aggregation 'sequence_mean_token_sum_norm' (Dr.GRPO's "
         "MAX_TOKENS): each sequence's token-loss sum is divided by C, whatever the sequence's "
-        "length. Set it to rollout.sampling.max_new_tokens to match TRL's max_completion_length "
-        "and verl's response length; keep it fixed for a run (it scales the gradient, like the "
-        "learning rate). 0 (unset) is an error with that aggregation; the others ignore it.",
+        "length. 0 (the default): rollout.sampling.max_new_tokens, as TRL's "
+        "max_completion_length and verl's response length; keep it fixed for a run (it scales "
+        "the gradient, like the learning rate). The other aggregations ignore it.",
     )
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the reference model.")
     kl_estimator: Literal["k1", "k3", "low_var"] = Field(
@@ -106,13 +106,6 @@ class AlgorithmConfig(BaseModel):
                     f"(got {self.loss_aggregation!r}, which weights each sequence by its length); "
                     "set it to 'sequence_mean' or leave it unset"
                 )
-        if self.loss_aggregation == "sequence_mean_token_sum_norm" and self.loss_norm_length < 1:
-            raise ValueError(
-                "loss_aggregation 'sequence_mean_token_sum_norm' divides each sequence's token "
-                "sum by the constant loss_norm_length, which is unset: set "
-                "train.algorithm.loss_norm_length (Dr.GRPO, TRL and verl use the generation "
-                "limit: rollout.sampling.max_new_tokens)"
-            )
         return self
 
 

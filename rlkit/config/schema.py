@@ -169,6 +169,8 @@ class Recipe(BaseModel):
             ws.method = self._colocated_method() if self.cluster.placement == "colocated" else "distributed"
         if ws.pause_mode == "auto":  # in async a sync meets requests in flight: keep them
             ws.pause_mode = "retract" if self.mode == "async" else "abort"
+        if algo.loss_aggregation == "sequence_mean_token_sum_norm" and algo.loss_norm_length == 0:
+            algo.loss_norm_length = rollout.sampling.max_new_tokens  # Dr.GRPO's MAX_TOKENS
         if why is not None and algo.off_policy_correction == "unset":
             raise ValueError(
                 f"train.algorithm.off_policy_correction must be chosen explicitly: {why}. "

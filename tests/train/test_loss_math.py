@@ -397,8 +397,21 @@ def test_values_at_mask1_positions_are_bitwise_unchanged(algo, dtype):
 
 # -- Dr.GRPO's constant normaliser: loss_aggregation sequence_mean_token_sum_norm ---------------
 def test_sequence_mean_token_sum_norm_needs_its_constant():
-    with pytest.raises(ValueError, match="loss_norm_length"):
-        AlgorithmConfig(loss_aggregation="sequence_mean_token_sum_norm")
+    from rlkit.config.schema import Recipe
+
+    # a recipe defaults it to the generation limit, as TRL and verl do; an explicit one stays
+    dr = {"train": {"algorithm": {"loss_aggregation": "sequence_mean_token_sum_norm"}},
+          "rollout": {"sampling": {"max_new_tokens": 96}}}
+    assert Recipe.model_validate(dr).train.algorithm.loss_norm_length == 96
+    dr["train"]["algorithm"]["loss_norm_length"] = 50
+    assert Recipe.model_validate(dr).train.algorithm.loss_norm_length == 50
+    assert Recipe.model_validate({}).train.algorithm.loss_norm_length == 0  # others ignore it
+    # a TrainConfig built alone has no generation limit: the loss names the field
+    lone = AlgorithmConfig(loss_aggregation="sequence_mean_token_sum_norm")
+    three = torch.zeros(3)
+    with pytest.raises(ValueError, match="loss_norm_length, which is 0"):
+        policy_loss(PolicyLossInput(logprobs=three, advantages=three + 1, loss_mask=three + 1,
+                                    sample_ids=torch.zeros(3, dtype=torch.long), num_samples=1), lone)
     with pytest.raises(ValueError, match="ratio_level 'sequence' .*needs loss_aggregation 'sequence_mean'"):
         AlgorithmConfig(ratio_level="sequence", loss_aggregation="sequence_mean_token_sum_norm",
                         loss_norm_length=16)

@@ -126,7 +126,10 @@ def policy_loss(inp: PolicyLossInput, cfg: AlgorithmConfig) -> LossTerms:
         denominator = float((tokens_per_sample > 0).sum())
     elif cfg.loss_aggregation == "sequence_mean_token_sum_norm":
         if cfg.loss_norm_length < 1:
-            raise ValueError("loss_aggregation 'sequence_mean_token_sum_norm' needs loss_norm_length >= 1")
+            raise ValueError(
+                "loss_aggregation 'sequence_mean_token_sum_norm' divides each sequence's token sum "
+                "by train.algorithm.loss_norm_length, which is 0: a recipe sets it to "
+                "rollout.sampling.max_new_tokens; set it where a TrainConfig is built alone")
         weight = mask / float(cfg.loss_norm_length)
         denominator = float((tokens_per_sample > 0).sum())
         metric_weight = per_sequence
