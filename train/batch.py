@@ -148,14 +148,18 @@ def build_batch(
                     f"group {group.group_id} sample {s.index}: token version {max(s.versions)} is "
                     f"newer than the trainer's policy version {policy_version}"
                 )
+            mask = torch.tensor(s.loss_mask, dtype=torch.float32)
+            rollout = torch.tensor(s.logprobs, dtype=torch.float32)
+            if off_policy_correction == "tis":
+                _check_rollout_logprobs(group.group_id, s.index, rollout, mask)
             samples.append(
                 TrainSample(
                     index=s.index,
                     group_id=group.group_id,
                     tokens=torch.tensor([*s.prompt_ids, *s.response_ids], dtype=torch.long),
                     prompt_length=len(s.prompt_ids),
-                    loss_mask=torch.tensor(s.loss_mask, dtype=torch.float32),
-                    rollout_logprobs=torch.tensor(s.logprobs, dtype=torch.float32),
+                    loss_mask=mask,
+                    rollout_logprobs=rollout,
                     advantage=float(adv),
                     reward=float(s.reward),  # type: ignore[arg-type]
                     min_version=min(s.versions),
@@ -172,6 +176,22 @@ def build_batch(
         )
     batch.metadata["off_policy_samples"] = off
     return batch
+
+
+def _check_rollout_logprobs(group_id: int, index: int, rollout: torch.Tensor,
+                            mask: torch.Tensor) -> None:
+    """TIS weighs each trainable token by exp(pi_old - rollout logprob): a token the engine
+    returned without a logprob (SGLang's entry [None, id, ...], parsed as NaN) would make the
+    loss NaN, and the optimizer would skip the whole step with nothing but
+    train/step_applied 0 to show for it. Name it instead. (Mask-0 tokens never reach the loss.)"""
+    bad = (~torch.isfinite(rollout) & (mask > 0)).nonzero().flatten()
+    if len(bad):
+        raise ValueError(
+            f"group {group_id} sample {index}: the engine returned no logprob for "
+            f"{len(bad)} of its {int(mask.sum())} trainable tokens (first at response position "
+            f"{int(bad[0])}), and off_policy_correction 'tis' weighs every trainable token by "
+            "its rollout logprob. Make the engine return output_token_logprobs for every token "
+            "(return_logprob), or set train.algorithm.off_policy_correction 'none'")
 
 
 def build_batch_from_config(groups: Iterable[Group], algorithm, policy_version: int) -> TrainBatch:

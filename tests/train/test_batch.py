@@ -70,6 +70,20 @@ def test_tokens_newer_than_the_trainer_are_an_error():
                     off_policy_correction="tis", policy_version=2)
 
 
+def test_a_trainable_token_without_a_rollout_logprob_is_named_under_tis():
+    g = make_group(8, [1.0, 0.0])
+    s = g.samples[1]
+    s.logprobs[1] = float("nan")  # the engine's [None, id] entry (rollout/protocol.py)
+    with pytest.raises(ValueError, match=r"group 8 sample 801: the engine returned no logprob "
+                       r"for 1 of its 2 trainable tokens \(first at response position 1\)"):
+        build_batch([g], advantage="grpo", off_policy_correction="tis", policy_version=0)
+    # without TIS the rollout logprobs are a diagnostic only: the batch builds
+    b = build_batch([g], advantage="grpo", off_policy_correction="none", policy_version=0)
+    assert torch.isnan(b.samples[1].rollout_logprobs[1])
+    s.loss_mask[1] = 0  # a masked token (an observation) needs none
+    build_batch([g], advantage="grpo", off_policy_correction="tis", policy_version=0)
+
+
 def test_subsets_micro_batches_and_attached_logprobs():
     batch = build_batch([make_group(7, [1.0, 0.0, 0.5])], advantage="grpo", off_policy_correction="unset", policy_version=0)
     assert [len(m) for m in batch.micro_batches(2)] == [2, 1]

@@ -171,6 +171,12 @@ def test_truncated_importance_sampling():
     assert plain.numerator.item() == pytest.approx(-2.0)
     with pytest.raises(ValueError, match="rollout logprobs"):
         policy_loss(_inp([-1.0], [1.0]), cfg)
+    # without TIS a token the engine sent no logprob for (NaN) leaves the diagnostic finite
+    nan = torch.tensor([-1.5, float("nan")], dtype=torch.float64)
+    terms = policy_loss(_inp([-1.0, -1.0], [1.0, 1.0], old=[-1.0, -1.0], rollout_logprobs=nan),
+                        AlgorithmConfig(off_policy_correction="none"))
+    assert terms.metric_sums["train_rollout_logprob_abs_diff"] == pytest.approx(0.5)
+    assert terms.numerator.item() == pytest.approx(-2.0)
 
 
 @pytest.mark.parametrize(

@@ -183,7 +183,10 @@ def policy_loss(inp: PolicyLossInput, cfg: AlgorithmConfig) -> LossTerms:
     if entropy is not None:
         sums["entropy"] = entropy.detach()
     if rollout is not None:
-        sums["train_rollout_logprob_abs_diff"] = (old - rollout).abs()
+        # a diagnostic: a token without a rollout logprob (NaN, refused under TIS by
+        # train/batch.py) adds 0 instead of poisoning the step's metric
+        diff = (old - rollout).abs()
+        sums["train_rollout_logprob_abs_diff"] = torch.where(diff.isfinite(), diff, 0.0)
 
     sums["loss"] = loss.detach()
     numerator = torch.where(keep, weight * loss, 0.0).sum()
