@@ -27,12 +27,15 @@ divided by the GB sent; the first distributed update, which forms the group, is 
 Length mix (`--length-mix`: this comparison alone, the sections above skipped): one batch of
 `--mix-samples` samples with short prompts and log-normal response lengths (median
 `--mix-median`, sigma `--mix-sigma`; every sample, prompt included, at most `--mix-cap` tokens),
-trained on `--mix-model` (tiny) at DP=`--mix-dp` (TrainerGroup, Ray, gloo) in two configurations:
-micro-batches by count (`train.micro_batch_size` = `--mix-micro-batch-size`) and by token budget
-(`train.max_tokens_per_micro_batch` = `--mix-max-tokens`). Each configuration has its own
-TrainerGroup (fresh rank processes, so each rank's peak RSS is that configuration's alone); both
-live side by side and their steps alternate round-robin (one warm-up round, then `--steps`
-timed rounds), so load changes on a shared machine hit both alike. Per configuration: tokens/s
+trained on `--mix-model` (tiny) at DP=`--mix-dp` (TrainerGroup, Ray, gloo) in the configurations
+`--mix-configs` names: `by-count`, micro-batches by count (`train.micro_batch_size` =
+`--mix-micro-batch-size`), replicas split by cost (n + w n^2); `by-count-split-by-tokens`, the
+same micro-batches with replicas split by tokens alone (w = 0: rlkit before issue 23, longest
+first by length); `by-tokens`, micro-batches by token budget (`train.max_tokens_per_micro_batch`
+= `--mix-max-tokens`), replicas split by cost. Each configuration has its own TrainerGroup
+(fresh rank processes, so each rank's peak RSS is that configuration's alone); all live side by
+side and their steps alternate round-robin (one warm-up round, then `--steps` timed rounds), so
+load changes on a shared machine hit them alike. Per configuration: tokens/s
 (prompt + response tokens / (accumulate + step) seconds; fastest step, median in the JSON); peak
 RSS per rank (the kernel's high-water mark, /proc/PID/status VmHWM = getrusage's ru_maxrss of
 that process, read from here) and its growth over the RSS after setup; and the slowest DP
@@ -99,8 +102,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mix.add_argument("--mix-max-tokens", type=int, default=0,
                      help="train.max_tokens_per_micro_batch of the token-budget configuration "
                      "(0: --mix-cap, so that no sample is over the budget)")
+    mix.add_argument("--mix-configs", default=",".join(MIX_CONFIGS),
+                     help=f"comma list of configurations, from {', '.join(MIX_CONFIGS)}")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_out_argument(parser, "train")
+
+
+def mix_kinds(text: str) -> tuple[str, ...]:
+    from rlkit.buffers.errors import UserError
+
+    kinds = tuple(k for k in text.split(",") if k)
+    unknown = [k for k in kinds if k not in MIX_CONFIGS]
+    if unknown or not kinds:
+        raise UserError(f"--mix-configs {text!r}: name one or more of {', '.join(MIX_CONFIGS)}"
+                        + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
+    return tuple(dict.fromkeys(kinds))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -110,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
             model=args.mix_model, samples=args.mix_samples, prompt=args.mix_prompt,
             median=args.mix_median, sigma=args.mix_sigma, cap=args.mix_cap, dp=args.mix_dp,
             micro_batch_size=args.mix_micro_batch_size, max_tokens=args.mix_max_tokens or args.mix_cap,
-            steps=args.steps, cpus=args.cpus,
+            steps=args.steps, cpus=args.cpus, kinds=mix_kinds(args.mix_configs),
         )
         table = format_length_mix_table(result)
         print(json.dumps(result, indent=2) if args.json else table)
@@ -314,7 +330,7 @@ def time_weight_sync(path: str, rounds: int, receivers: str, workdir: Path) -> l
 
 
 # -- length mix: micro-batches by count vs by token budget, DP replicas ----------------------
-MIX_CONFIGS = ("by-count", "by-tokens")
+MIX_CONFIGS = ("by-count", "by-count-split-by-tokens", "by-tokens")
 
 
 def length_mix_batch(vocab: int, *, samples: int, prompt: int, median: int, sigma: float, cap: int,
@@ -354,15 +370,21 @@ def process_memory_mb(pid: int) -> dict[str, float | None]:
     return out
 
 
-def timed_accumulate(group, batch) -> list[float]:
+def split_weight(kind: str, group_weight: float) -> float:
+    """The attention weight the configuration's replica split uses: 0 (tokens alone, the split
+    before issue 23) for by-count-split-by-tokens, else the group's own (rank 0's model)."""
+    return 0.0 if kind == "by-count-split-by-tokens" else group_weight
+
+
+def timed_accumulate(group, batch, weight: float) -> list[float]:
     """`accumulate(batch)` on every rank of `group` as TrainerGroup does it (the same plan and
-    shares), returning each DP replica's seconds: from the calls' dispatch to the arrival of its
-    result here (the slowest of its TP ranks)."""
+    shares, replicas split with attention weight `weight`), returning each DP replica's seconds:
+    from the calls' dispatch to the arrival of its result here (the slowest of its TP ranks)."""
     import ray
 
     from rlkit.train.ray_group import plan_for_data_parallel, replica_batches
 
-    shares = replica_batches(batch, plan_for_data_parallel(batch, group.config, group.attention_weight))
+    shares = replica_batches(batch, plan_for_data_parallel(batch, group.config, weight))
     objects = [ray.put(sub) for _, sub in shares]
     t0 = time.perf_counter()
     refs = [group.workers[d * group.tp + t].accumulate.remote(obj)
@@ -386,7 +408,7 @@ def mix_train_config(kind: str, *, dp: int, micro_batch_size: int, max_tokens: i
                  "micro_batch_size": micro_batch_size}
     if kind == "by-tokens":
         cfg["max_tokens_per_micro_batch"] = max_tokens
-    elif kind != "by-count":
+    elif kind not in MIX_CONFIGS:
         raise ValueError(f"unknown length-mix configuration {kind!r}")
     return TrainConfig.model_validate(cfg)
 
@@ -422,6 +444,18 @@ def plan_figures(batch, config, weight: float) -> dict:
         "largest_micro_batch": largest,
         "planned_share": slowest_share(list(plan.loads)),
     }
+
+
+def cost_share(batch, config, weight: float, cost_weight: float) -> float:
+    """Slowest / mean replica cost (n + w n^2, w = `cost_weight`) of the split made with
+    attention weight `weight`: the split by tokens alone seen by the cost it ignores."""
+    from rlkit.train.microbatch_plan import sample_cost
+    from rlkit.train.ray_group import plan_for_data_parallel
+
+    plan = plan_for_data_parallel(batch, config, weight)
+    lengths = [s.length for s in batch.samples]
+    return slowest_share([sum(sample_cost(lengths[i], cost_weight) for i in plan.samples_of(d))
+                          for d in range(len(plan.replicas))])
 
 
 class RssSampler:
@@ -461,8 +495,8 @@ def kill_group(group) -> None:
 
 
 def measure_length_mix(path: str, batch, *, dp: int, micro_batch_size: int, max_tokens: int,
-                       steps: int, cpus: int) -> dict:
-    """The two configurations of the length mix on `batch` (Ray initialised by the caller): a
+                       steps: int, cpus: int, kinds: tuple[str, ...] = MIX_CONFIGS) -> dict:
+    """The configurations `kinds` of the length mix on `batch` (Ray initialised by the caller): a
     fresh TrainerGroup each, side by side, one warm-up round then `steps` timed rounds, the
     configurations alternated in every round. A configuration whose rank dies (the node's
     memory: Ray kills a rank at 95%) is reported as failed, with the steps it completed and the
@@ -474,7 +508,7 @@ def measure_length_mix(path: str, batch, *, dp: int, micro_batch_size: int, max_
     steps = max(1, steps)
     threads = max(1, cpus // dp)  # one configuration trains at a time: its ranks share the CPUs
     configs = {kind: mix_train_config(kind, dp=dp, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
-               for kind in MIX_CONFIGS}
+               for kind in kinds}
     groups: dict = {}
     out: dict = {}
 
@@ -491,23 +525,27 @@ def measure_length_mix(path: str, batch, *, dp: int, micro_batch_size: int, max_
         setup_s = time.perf_counter() - t0
         for kind, cfg in configs.items():
             pids = [r["pid"] for r in groups[kind].ranks]
+            weight = split_weight(kind, groups[kind].attention_weight)
             out[kind] = {
                 "config": ({"max_tokens_per_micro_batch": max_tokens} if kind == "by-tokens"
                            else {"micro_batch_size": micro_batch_size}),
-                "setup_s": setup_s, "pids": pids,
+                "setup_s": setup_s, "pids": pids, "split_attention_weight": weight,
                 "rss_after_setup_mb": [process_memory_mb(p)["rss_mb"] for p in pids],
-                **plan_figures(batch, cfg, groups[kind].attention_weight),
+                **plan_figures(batch, cfg, weight),
+                # what the split by cost plans, whichever split the configuration ran: the
+                # tokens-alone split's replicas priced as the cost planner prices them
+                "cost_share": cost_share(batch, cfg, weight, groups[kind].attention_weight),
                 "step_s_all": [], "replica_s_all": [], "shares": [],
             }
         sampler = RssSampler([p for r in out.values() for p in r["pids"]])
         for round_ in range(1 + steps):
-            for kind in MIX_CONFIGS:
+            for kind in kinds:
                 group, r = groups[kind], out[kind]
                 if "failed" in r:
                     continue
                 t = time.perf_counter()
                 try:
-                    replica_s = timed_accumulate(group, batch)
+                    replica_s = timed_accumulate(group, batch, r["split_attention_weight"])
                     metrics = group.step()
                 except ray.exceptions.RayError as e:
                     r["failed"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
@@ -525,7 +563,7 @@ def measure_length_mix(path: str, batch, *, dp: int, micro_batch_size: int, max_
                 r["replica_s_all"].append(replica_s)
                 r["shares"].append(slowest_share(replica_s))
         sampler.stop()
-        for kind in MIX_CONFIGS:
+        for kind in kinds:
             r = out[kind]
             r["rss_sampled_max_mb"] = [sampler.peak_mb[p] for p in r["pids"]]
             if "failed" in r:  # the ranks are gone, and their exact peaks with them
@@ -557,7 +595,8 @@ def measure_length_mix(path: str, batch, *, dp: int, micro_batch_size: int, max_
 
 
 def bench_length_mix(*, model: str, samples: int, prompt: int, median: int, sigma: float, cap: int,
-                     dp: int, micro_batch_size: int, max_tokens: int, steps: int, cpus: int) -> dict:
+                     dp: int, micro_batch_size: int, max_tokens: int, steps: int, cpus: int,
+                     kinds: tuple[str, ...] = MIX_CONFIGS) -> dict:
     import ray
 
     from rlkit.train.hf_io import read_config
@@ -573,7 +612,7 @@ def bench_length_mix(*, model: str, samples: int, prompt: int, median: int, sigm
         ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
         try:
             configs = measure_length_mix(path, batch, dp=dp, micro_batch_size=micro_batch_size,
-                                         max_tokens=max_tokens, steps=steps, cpus=cpus)
+                                         max_tokens=max_tokens, steps=steps, cpus=cpus, kinds=kinds)
         finally:
             ray.shutdown()
     return {
@@ -670,38 +709,47 @@ def format_table(result: dict) -> str:
 
 
 
+def mix_label(kind: str, config: dict) -> str:
+    if kind == "by-tokens":
+        return f"by-tokens {config['max_tokens_per_micro_batch']}"
+    return f"by-count {config['micro_batch_size']}" + (", tok split" if kind != "by-count" else "")
+
+
 def format_length_mix_table(result: dict) -> str:
     m = result["length_mix"]
     lines = [
         f"length mix: {m['model']}, DP={m['dp']}, {m['samples']} samples, {m['tokens']} tokens "
         f"(median {m['median_length']:g}, longest {m['longest']}, cap {m['cap']}); fastest of "
         f"{m['steps']} timed step(s) after a warm-up, configurations alternated",
-        "config           mbs/rep  largest mb tok  mask entries  pad%  best step s  tok/s best  "
-        "tok/s med  peak RSS MB per rank  slowest/mean  planned",
+        "config               mbs/rep  largest mb tok  mask entries  pad%  best step s  tok/s best  "
+        "tok/s med  peak RSS MB per rank  slowest/mean  cost plan  mask plan",
     ]
     notes = []
     for kind, r in m["configs"].items():
         c = r["config"]
-        label = (f"by-count {c['micro_batch_size']}" if kind == "by-count"
-                 else f"by-tokens {c['max_tokens_per_micro_batch']}")
+        label = mix_label(kind, c)
         big = r["largest_micro_batch"]
-        head = f"{label:<16} {r['micro_batches_per_replica']:>7}  {big['tokens']:>14}  {big['mask_entries']:>12.3g}"
+        plans = f"{r['cost_share']:9.3f}  {slowest_share(r['mask_entries_per_replica']):9.3f}"
+        head = f"{label:<20} {r['micro_batches_per_replica']:>7}  {big['tokens']:>14}  {big['mask_entries']:>12.3g}"
         if "step_s" in r:
             rss = "/".join("?" if v is None else f"{v:.0f}" for v in r["peak_rss_mb"])
             lines.append(
                 f"{head}  {100 * r['padding_fraction']:4.1f}  {r['step_s']:11.2f}  "
                 f"{r['train_tokens_per_s']:10.1f}  {r['train_tokens_per_s_median']:9.1f}  {rss:>20}  "
-                f"{r['slowest_share']:12.3f}  {r['planned_share']:7.3f}"
+                f"{r['slowest_share']:12.3f}  {plans}"
             )
         else:
             lines.append(f"{head}  failed in round {r.get('failed_in_round')}: no timed step"
-                         f"{' ' * 36}{r['planned_share']:7.3f}")
+                         f"{' ' * 36}{plans}")
         if "failed" in r:
             seen = "/".join(f"{v:.0f}" for v in r["rss_sampled_max_mb"])
             notes.append(f"{label}: failed in round {r['failed_in_round']} (0: warm-up); its ranks "
                          f"were seen at {seen} MB RSS (sampled every 0.2 s); {r['failed']}")
     c = result["conditions"]
     lines.append("")
+    lines.append("slowest/mean: the slowest DP replica's accumulate seconds over the mean (median "
+                 "of the timed steps); cost plan: the same by the planner's cost n + w n^2; mask "
+                 "plan: by the dense layout's mask entries (rows x width^2, padding included)")
     lines.extend(notes)
     lines.append(
         f"{c['cpus']} CPUs ({c['ray_cpus']} to Ray), {c['memory_gb']:.1f} GB; load average before "

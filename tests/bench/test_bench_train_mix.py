@@ -15,9 +15,10 @@ import os
 import pytest
 
 from rlkit.bench.train import (
-    format_length_mix_table, length_mix_batch, mix_train_config, plan_figures, process_memory_mb,
-    slowest_share,
+    cost_share, format_length_mix_table, length_mix_batch, mix_kinds, mix_train_config, plan_figures,
+    process_memory_mb, slowest_share, split_weight,
 )
+from rlkit.buffers.errors import UserError
 from rlkit.cli import main
 
 
@@ -44,6 +45,26 @@ def test_the_batch_is_capped_prompt_included_and_the_budget_bounds_the_plan():
     assert by_count["planned_share"] == by_tokens["planned_share"] >= 1.0  # same replica split
 
 
+def test_the_split_by_tokens_alone_is_the_old_rule_and_costs_more_on_a_long_tail():
+    # the split before issue 23: longest first by length, w = 0; the cost planner's: n + w n^2
+    batch = length_mix_batch(512, samples=64, prompt=32, median=512, sigma=1.2, cap=8192)
+    cfg = mix_train_config("by-count-split-by-tokens", dp=2, micro_batch_size=4, max_tokens=8192)
+    assert cfg == mix_train_config("by-count", dp=2, micro_batch_size=4, max_tokens=8192)
+    w = 1 / 830  # the tiny model's attention weight
+    assert split_weight("by-count-split-by-tokens", w) == 0.0 and split_weight("by-count", w) == w
+    by_tokens_alone, by_cost = cost_share(batch, cfg, 0.0, w), cost_share(batch, cfg, w, w)
+    assert by_cost == plan_figures(batch, cfg, w)["planned_share"] < 1.01
+    assert by_tokens_alone > by_cost  # the attention term it ignores unbalances it
+    assert plan_figures(batch, cfg, 0.0)["planned_share"] < 1.01  # balanced by its own measure
+
+
+def test_mix_configs_are_named_from_the_list():
+    assert mix_kinds("by-tokens,by-count,by-tokens") == ("by-tokens", "by-count")
+    for bad in ("", "by-count,by-rows"):
+        with pytest.raises(UserError, match="--mix-configs .*by-count-split-by-tokens"):
+            mix_kinds(bad)
+
+
 def test_process_memory_of_this_process():
     m = process_memory_mb(os.getpid())
     if m["rss_mb"] is None:
@@ -57,7 +78,8 @@ def test_length_mix_end_to_end(tmp_path, capsys):
     out = tmp_path / "mix"
     rc = main(["bench", "train", "--length-mix", "--mix-dp", "1", "--mix-samples", "6", "--mix-cap",
                "256", "--mix-median", "48", "--mix-max-tokens", "256", "--mix-micro-batch-size", "2",
-               "--steps", "1", "--cpus", "2", "--out", str(out)])
+               "--steps", "1", "--cpus", "2", "--mix-configs", "by-count,by-tokens",
+               "--out", str(out)])
     stdout = capsys.readouterr().out
     assert rc == 0
     r = json.loads((out / "train.json").read_text())
@@ -82,7 +104,7 @@ def test_a_configuration_killed_for_memory_is_a_row_and_a_note():
     """The node's memory can end a configuration (Ray kills a rank at 95%): the table says so,
     with the memory its ranks were seen at, and keeps the other configuration's figures."""
     planned = {"micro_batches_per_replica": 8, "largest_micro_batch": {"tokens": 13732, "mask_entries": 1.3e8},
-               "planned_share": 1.0}
+               "planned_share": 1.0, "cost_share": 1.0, "mask_entries_per_replica": [4e8, 3e8]}
     ok = {**planned, "config": {"max_tokens_per_micro_batch": 8192}, "padding_fraction": 0.1, "step_s": 30.0,
           "train_tokens_per_s": 2000.0, "train_tokens_per_s_median": 1900.0, "peak_rss_mb": [5000.0, 5100.0],
           "slowest_share": 1.05}
@@ -99,3 +121,4 @@ def test_a_configuration_killed_for_memory_is_a_row_and_a_note():
     assert "by-count 4" in table and "failed in round 0" in table and "9660/10700 MB" in table
     assert "OutOfMemoryError" in table
     assert "2000.0" in table and "5000/5100" in table and "1.050" in table
+    assert "1.143" in table  # the mask plan: 4e8 over the mean 3.5e8
