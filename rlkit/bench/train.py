@@ -33,9 +33,11 @@ trained on `--mix-model` (tiny) at DP=`--mix-dp` (TrainerGroup, Ray, gloo) in th
 same micro-batches with replicas split by tokens alone (w = 0: rlkit before issue 23, longest
 first by length); `by-tokens`, micro-batches by token budget (`train.max_tokens_per_micro_batch`
 = `--mix-max-tokens`), replicas split by cost. Each configuration has its own TrainerGroup
-(fresh rank processes, so each rank's peak RSS is that configuration's alone); all live side by
-side and their steps alternate round-robin (one warm-up round, then `--steps` timed rounds), so
-load changes on a shared machine hit them alike. Per configuration: tokens/s
+(fresh rank processes, so each rank's peak RSS is that configuration's alone), run one after
+the other (one warm-up step, then `--steps` timed steps) and shut down before the next starts:
+side by side, an idle group's ranks keep their last step's memory, and at 8k the node's memory
+cannot hold two configurations' ranks. Run it on an otherwise idle machine (the report gives
+the load average before and after). Per configuration: tokens/s
 (prompt + response tokens / (accumulate + step) seconds; fastest step, median in the JSON); peak
 RSS per rank (the kernel's high-water mark, /proc/PID/status VmHWM = getrusage's ru_maxrss of
 that process, read from here) and its growth over the RSS after setup; and the slowest DP
@@ -57,7 +59,6 @@ import statistics
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from rlkit.bench.report import add_out_argument, out_folder, write_report
@@ -496,81 +497,67 @@ def kill_group(group) -> None:
 
 def measure_length_mix(path: str, batch, *, dp: int, micro_batch_size: int, max_tokens: int,
                        steps: int, cpus: int, kinds: tuple[str, ...] = MIX_CONFIGS) -> dict:
-    """The configurations `kinds` of the length mix on `batch` (Ray initialised by the caller): a
-    fresh TrainerGroup each, side by side, one warm-up round then `steps` timed rounds, the
-    configurations alternated in every round. A configuration whose rank dies (the node's
-    memory: Ray kills a rank at 95%) is reported as failed, with the steps it completed and the
-    memory its ranks were seen at; the other goes on."""
+    """The configurations `kinds` of the length mix on `batch` (Ray initialised by the caller),
+    one after the other: a fresh TrainerGroup each, one warm-up step then `steps` timed steps,
+    shut down before the next starts (side by side, an idle configuration's ranks kept their
+    last step's memory, ~11 GB each by count at 8k, and Ray killed the next one's ranks for the
+    node's memory). A configuration whose rank dies (Ray kills a rank at 95% of the node) is
+    reported as failed, with the steps it completed and the memory its ranks were seen at."""
+    steps = max(1, steps)
+    return {kind: _measure_one(kind, path, batch, mix_train_config(
+        kind, dp=dp, micro_batch_size=micro_batch_size, max_tokens=max_tokens), steps=steps,
+        cpus=cpus) for kind in kinds}
+
+
+def _measure_one(kind: str, path: str, batch, cfg, *, steps: int, cpus: int) -> dict:
     import ray
 
     from rlkit.train.ray_group import TrainerGroup
 
-    steps = max(1, steps)
-    threads = max(1, cpus // dp)  # one configuration trains at a time: its ranks share the CPUs
-    configs = {kind: mix_train_config(kind, dp=dp, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
-               for kind in kinds}
-    groups: dict = {}
-    out: dict = {}
-
-    def start(kind: str) -> None:
-        groups[kind] = TrainerGroup(path, configs[kind], num_cpus_per_worker=cpus / (dp * len(configs)),
-                                    threads_per_worker=threads)
-
+    dp = cfg.parallelism.data
+    t0 = time.perf_counter()
+    group = TrainerGroup(path, cfg, num_cpus_per_worker=cpus / dp, threads_per_worker=max(1, cpus // dp))
     sampler = None
     try:
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(len(configs)) as pool:  # both groups start at once
-            for f in [pool.submit(start, kind) for kind in configs]:
-                f.result()
-        setup_s = time.perf_counter() - t0
-        for kind, cfg in configs.items():
-            pids = [r["pid"] for r in groups[kind].ranks]
-            weight = split_weight(kind, groups[kind].attention_weight)
-            out[kind] = {
-                "config": ({"max_tokens_per_micro_batch": max_tokens} if kind == "by-tokens"
-                           else {"micro_batch_size": micro_batch_size}),
-                "setup_s": setup_s, "pids": pids, "split_attention_weight": weight,
-                "rss_after_setup_mb": [process_memory_mb(p)["rss_mb"] for p in pids],
-                **plan_figures(batch, cfg, weight),
-                # what the split by cost plans, whichever split the configuration ran: the
-                # tokens-alone split's replicas priced as the cost planner prices them
-                "cost_share": cost_share(batch, cfg, weight, groups[kind].attention_weight),
-                "step_s_all": [], "replica_s_all": [], "shares": [],
-            }
-        sampler = RssSampler([p for r in out.values() for p in r["pids"]])
+        pids = [r["pid"] for r in group.ranks]
+        weight = split_weight(kind, group.attention_weight)
+        r: dict = {
+            "config": ({"max_tokens_per_micro_batch": cfg.max_tokens_per_micro_batch}
+                       if kind == "by-tokens" else {"micro_batch_size": cfg.micro_batch_size}),
+            "setup_s": time.perf_counter() - t0, "pids": pids, "split_attention_weight": weight,
+            "rss_after_setup_mb": [process_memory_mb(p)["rss_mb"] for p in pids],
+            **plan_figures(batch, cfg, weight),
+            # what the split by cost plans, whichever split the configuration ran: the
+            # tokens-alone split's replicas priced as the cost planner prices them
+            "cost_share": cost_share(batch, cfg, weight, group.attention_weight),
+            "step_s_all": [], "replica_s_all": [], "shares": [],
+        }
+        sampler = RssSampler(pids)
         for round_ in range(1 + steps):
-            for kind in kinds:
-                group, r = groups[kind], out[kind]
-                if "failed" in r:
-                    continue
-                t = time.perf_counter()
-                try:
-                    replica_s = timed_accumulate(group, batch, r["split_attention_weight"])
-                    metrics = group.step()
-                except ray.exceptions.RayError as e:
-                    r["failed"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
-                    r["failed_in_round"] = round_
-                    kill_group(group)
-                    continue
-                step_s = time.perf_counter() - t
-                if round_ == 0:  # warm-up
-                    r["warmup_step_s"] = step_s
-                    r["padding_fraction"] = metrics["train/padding_fraction"]
-                    r["step_micro_batches"] = metrics["train/micro_batches"]
-                    r["step_empty_micro_batches"] = metrics["train/empty_micro_batches"]
-                    continue
-                r["step_s_all"].append(step_s)
-                r["replica_s_all"].append(replica_s)
-                r["shares"].append(slowest_share(replica_s))
-        sampler.stop()
-        for kind in kinds:
-            r = out[kind]
-            r["rss_sampled_max_mb"] = [sampler.peak_mb[p] for p in r["pids"]]
-            if "failed" in r:  # the ranks are gone, and their exact peaks with them
-                r["peak_rss_mb"] = [None] * len(r["pids"])
-                r["rss_growth_mb"] = [None] * len(r["pids"])
+            t = time.perf_counter()
+            try:
+                replica_s = timed_accumulate(group, batch, weight)
+                metrics = group.step()
+            except ray.exceptions.RayError as e:
+                r["failed"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
+                r["failed_in_round"] = round_
+                kill_group(group)
+                break
+            step_s = time.perf_counter() - t
+            if round_ == 0:  # warm-up
+                r.update(warmup_step_s=step_s, padding_fraction=metrics["train/padding_fraction"],
+                         step_micro_batches=metrics["train/micro_batches"],
+                         step_empty_micro_batches=metrics["train/empty_micro_batches"])
                 continue
-            memory = [process_memory_mb(p) for p in r["pids"]]
+            r["step_s_all"].append(step_s)
+            r["replica_s_all"].append(replica_s)
+            r["shares"].append(slowest_share(replica_s))
+        sampler.stop()
+        r["rss_sampled_max_mb"] = [sampler.peak_mb[p] for p in pids]
+        if "failed" in r:  # the ranks are gone, and their exact peaks with them
+            r["peak_rss_mb"] = r["rss_growth_mb"] = [None] * len(pids)
+        else:
+            memory = [process_memory_mb(p) for p in pids]
             r["peak_rss_mb"] = [m["peak_rss_mb"] for m in memory]
             r["rss_growth_mb"] = [
                 None if m["peak_rss_mb"] is None or a is None else m["peak_rss_mb"] - a
@@ -579,19 +566,15 @@ def measure_length_mix(path: str, batch, *, dp: int, micro_batch_size: int, max_
     finally:
         if sampler is not None:
             sampler.stop()
-        for group in groups.values():
-            group.shutdown()
-    for r in out.values():
-        if not r["step_s_all"]:
-            continue
-        best = min(r["step_s_all"])
-        median = statistics.median(r["step_s_all"])
+        group.shutdown()
+    if r["step_s_all"]:
+        best, median = min(r["step_s_all"]), statistics.median(r["step_s_all"])
         r.update(
             step_s=best, step_s_median=median,
             train_tokens_per_s=batch.tokens / best, train_tokens_per_s_median=batch.tokens / median,
             slowest_share=statistics.median(r["shares"]),
         )
-    return out
+    return r
 
 
 def bench_length_mix(*, model: str, samples: int, prompt: int, median: int, sigma: float, cap: int,
@@ -720,7 +703,7 @@ def format_length_mix_table(result: dict) -> str:
     lines = [
         f"length mix: {m['model']}, DP={m['dp']}, {m['samples']} samples, {m['tokens']} tokens "
         f"(median {m['median_length']:g}, longest {m['longest']}, cap {m['cap']}); fastest of "
-        f"{m['steps']} timed step(s) after a warm-up, configurations alternated",
+        f"{m['steps']} timed step(s) after a warm-up, configurations one after the other",
         "config               mbs/rep  largest mb tok  mask entries  pad%  best step s  tok/s best  "
         "tok/s med  peak RSS MB per rank  slowest/mean  cost plan  mask plan",
     ]
