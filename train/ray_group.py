@@ -36,7 +36,7 @@ def plan_for_data_parallel(batch: TrainBatch, config: TrainConfig, weight: float
     return plan_micro_batches(
         [s.length for s in batch.samples], dp_size=config.parallelism.data,
         max_tokens=config.max_tokens_per_micro_batch, micro_batch_size=config.micro_batch_size,
-        attention_weight=weight, padded=not config.packing,
+        attention_weight=weight, padded=not config.packing, row_tokens=config.pack_row_tokens,
     )
 
 

@@ -414,13 +414,16 @@ def mix_train_config(kind: str, *, dp: int, micro_batch_size: int, max_tokens: i
     return TrainConfig.model_validate(cfg)
 
 
-def plan_figures(batch, config, weight: float) -> dict:
-    """The planner's view of `batch` under `config`: micro-batches per replica (empty ones too),
-    the largest micro-batch (tokens; dense slots rows x width and mask entries rows x width^2 as
-    train/packing.py lays it out) and the planned slowest / mean replica cost."""
+def plan_figures(batch, config, weight: float, cost_weight: float | None = None) -> dict:
+    """The planner's view of `batch` under `config`, its replicas split with attention weight
+    `weight`: micro-batches per replica (empty ones too), the largest micro-batch (tokens; dense
+    slots rows x width and mask entries rows x width^2 as train/packing.py lays it out), the
+    planned slowest / mean replica cost by sample (n + w n^2) and by the dense layout
+    (rows x width + w rows x width^2, w = `cost_weight`, default `weight`)."""
     from rlkit.train.microbatch_plan import row_slots
     from rlkit.train.ray_group import plan_for_data_parallel
 
+    w = weight if cost_weight is None else cost_weight
     plan = plan_for_data_parallel(batch, config, weight)
     lengths = [s.length for s in batch.samples]
     largest = {"tokens": 0, "slots": 0, "mask_entries": 0}
@@ -444,6 +447,7 @@ def plan_figures(batch, config, weight: float) -> dict:
         "samples_per_replica": [len(plan.samples_of(d)) for d in range(len(plan.replicas))],
         "largest_micro_batch": largest,
         "planned_share": slowest_share(list(plan.loads)),
+        "layout_share": slowest_share([a + w * b for a, b in zip(slots, mask)]),
     }
 
 
@@ -526,7 +530,7 @@ def _measure_one(kind: str, path: str, batch, cfg, *, steps: int, cpus: int) -> 
                        if kind == "by-tokens" else {"micro_batch_size": cfg.micro_batch_size}),
             "setup_s": time.perf_counter() - t0, "pids": pids, "split_attention_weight": weight,
             "rss_after_setup_mb": [process_memory_mb(p)["rss_mb"] for p in pids],
-            **plan_figures(batch, cfg, weight),
+            **plan_figures(batch, cfg, weight, group.attention_weight),
             # what the split by cost plans, whichever split the configuration ran: the
             # tokens-alone split's replicas priced as the cost planner prices them
             "cost_share": cost_share(batch, cfg, weight, group.attention_weight),
@@ -705,14 +709,14 @@ def format_length_mix_table(result: dict) -> str:
         f"(median {m['median_length']:g}, longest {m['longest']}, cap {m['cap']}); fastest of "
         f"{m['steps']} timed step(s) after a warm-up, configurations one after the other",
         "config               mbs/rep  largest mb tok  mask entries  pad%  best step s  tok/s best  "
-        "tok/s med  peak RSS MB per rank  slowest/mean  cost plan  mask plan",
+        "tok/s med  peak RSS MB per rank  slowest/mean  cost plan  layout plan",
     ]
     notes = []
     for kind, r in m["configs"].items():
         c = r["config"]
         label = mix_label(kind, c)
         big = r["largest_micro_batch"]
-        plans = f"{r['cost_share']:9.3f}  {slowest_share(r['mask_entries_per_replica']):9.3f}"
+        plans = f"{r['cost_share']:9.3f}  {r['layout_share']:11.3f}"
         head = f"{label:<20} {r['micro_batches_per_replica']:>7}  {big['tokens']:>14}  {big['mask_entries']:>12.3g}"
         if "step_s" in r:
             rss = "/".join("?" if v is None else f"{v:.0f}" for v in r["peak_rss_mb"])
@@ -731,8 +735,9 @@ def format_length_mix_table(result: dict) -> str:
     c = result["conditions"]
     lines.append("")
     lines.append("slowest/mean: the slowest DP replica's accumulate seconds over the mean (median "
-                 "of the timed steps); cost plan: the same by the planner's cost n + w n^2; mask "
-                 "plan: by the dense layout's mask entries (rows x width^2, padding included)")
+                 "of the timed steps); cost plan: the same by the cost n + w n^2 per sample; layout "
+                 "plan: by the dense layout's cost rows x width + w rows x width^2 per micro-batch "
+                 "(padding included: what the trainer computes)")
     lines.extend(notes)
     lines.append(
         f"{c['cpus']} CPUs ({c['ray_cpus']} to Ray), {c['memory_gb']:.1f} GB; load average before "

@@ -12,8 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlkit.train.microbatch_plan import (
-    MicroBatchPlan, assign_rows, attention_weight, least_loaded, micro_batches, pad_to_equal,
-    plan_micro_batches, row_slots, sample_cost, stream_micro_batches, warn_over_budget,
+    MicroBatchPlan, assign_rows, attention_weight, balance_replicas, layout_cost, least_loaded,
+    micro_batches, pad_to_equal, plan_micro_batches, row_slots, sample_cost, stream_micro_batches,
+    warn_over_budget,
 )
 
 # long-tail mixes: mostly short samples, some past any budget drawn below
@@ -49,16 +50,44 @@ def check_plan(plan: MicroBatchPlan, lengths, dp, *, budget=0, mbs=0, weight=0.0
     return costs, loads
 
 
+def layout_loads(replicas, lengths, weight, row_tokens=0, padded=False):
+    return [sum(layout_cost([lengths[i] for i in mb], weight, row_tokens, not padded) for mb in r if mb)
+            for r in replicas]
+
+
+def rules_1_2(lengths, dp, budget, weight, padded):
+    """The plan by samples (rules 1-2), built from the planner's parts."""
+    out = []
+    for part in balance_replicas([sample_cost(n, weight) for n in lengths], dp):
+        local = micro_batches([lengths[i] for i in part], max_tokens=budget, padded=padded)
+        out.append([tuple(part[k] for k in mb) for mb in local])
+    return out
+
+
 @settings(max_examples=300, deadline=None)
-@given(lengths_st, st.integers(1, 5), budget_st, weight_st, st.booleans())
-def test_token_budget_plan_partitions_respects_the_budget_and_pads_replicas(lengths, dp, budget, weight, padded):
-    plan = plan_micro_batches(lengths, dp_size=dp, max_tokens=budget, attention_weight=weight, padded=padded)
+@given(lengths_st, st.integers(1, 5), budget_st, weight_st, st.booleans(), st.sampled_from([0, 700]))
+def test_token_budget_plan_partitions_respects_the_budget_and_pads_replicas(lengths, dp, budget, weight,
+                                                                             padded, row_tokens):
+    plan = plan_micro_batches(lengths, dp_size=dp, max_tokens=budget, attention_weight=weight,
+                              padded=padded, row_tokens=row_tokens)
     costs, loads = check_plan(plan, lengths, dp, budget=budget, weight=weight, padded=padded)
-    # LPT's guarantee: a replica exceeds the lightest by at most its cheapest sample's cost
-    for r, load in zip(plan.replicas, loads):
-        mine = [costs[i] for mb in r for i in mb]
-        if mine:
-            assert load - min(loads) <= min(mine) * (1 + EPS)
+    by_samples = rules_1_2(lengths, dp, budget, weight, padded)
+    chosen = layout_loads(plan.replicas, lengths, weight, row_tokens, padded)
+    # rule 4 never makes the slowest replica's layout cost worse than rules 1-2's
+    assert max(chosen, default=0) <= max(layout_loads(by_samples, lengths, weight, row_tokens, padded),
+                                         default=0) * (1 + EPS)
+    if [[mb for mb in r if mb] for r in plan.replicas] == by_samples:
+        # LPT's guarantee: a replica exceeds the lightest by at most its cheapest sample's cost
+        for r, load in zip(plan.replicas, loads):
+            mine = [costs[i] for mb in r for i in mb]
+            if mine:
+                assert load - min(loads) <= min(mine) * (1 + EPS)
+    else:  # whole micro-batches: a replica exceeds the lightest by at most its cheapest one
+        assert dp > 1
+        for r, load in zip(plan.replicas, chosen):
+            mine = [layout_cost([lengths[i] for i in mb], weight, row_tokens, not padded) for mb in r if mb]
+            if mine:
+                assert load - min(chosen) <= min(mine) * (1 + EPS)
 
 
 @settings(max_examples=200, deadline=None)
@@ -77,9 +106,10 @@ def test_count_plan_chunks_each_replica_in_batch_order(lengths, dp, mbs):
 def test_replicas_within_one_sample_of_the_best_split(lengths, dp, weight):
     """Against brute force over every assignment: the heaviest replica is at most the best
     possible heaviest plus the cost of the cheapest sample on it (LPT: before its last sample
-    it held at most the mean, which no split's heaviest replica can be below)."""
-    plan = plan_micro_batches(lengths, dp_size=dp, max_tokens=256, attention_weight=weight)
-    costs, loads = check_plan(plan, lengths, dp, budget=256, weight=weight)
+    it held at most the mean, which no split's heaviest replica can be below). Rules 1-2, as
+    micro-batches by count plan them."""
+    plan = plan_micro_batches(lengths, dp_size=dp, micro_batch_size=2, attention_weight=weight)
+    costs, loads = check_plan(plan, lengths, dp, mbs=2, weight=weight)
     best = min(
         max(sum(c for c, a in zip(costs, assign) if a == r) for r in range(dp))
         for assign in itertools.product(range(dp), repeat=len(lengths))
@@ -87,6 +117,42 @@ def test_replicas_within_one_sample_of_the_best_split(lengths, dp, weight):
     heaviest = max(range(dp), key=lambda r: loads[r])
     cheapest = min(costs[i] for mb in plan.replicas[heaviest] for i in mb)
     assert loads[heaviest] <= best + cheapest + EPS * best
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 400), min_size=1, max_size=12), st.integers(2, 3), weight_st)
+def test_whole_micro_batches_within_one_of_the_best_split_by_layout(lengths, dp, weight):
+    """Rule 4 against brute force: where the plan gives whole micro-batches to replicas, its
+    slowest replica's layout cost is at most the best split of those micro-batches plus the
+    cheapest one on it."""
+    plan = plan_micro_batches(lengths, dp_size=dp, max_tokens=500, attention_weight=weight)
+    whole = micro_batches(lengths, max_tokens=500)
+    placed = sorted(mb for r in plan.replicas for mb in r if mb)
+    if placed != sorted(whole) or len(whole) > 8:
+        return  # rules 1-2 kept (their bound is the test above), or too many to brute-force
+    cost = {mb: layout_cost([lengths[i] for i in mb], weight) for mb in whole}
+    loads = layout_loads(plan.replicas, lengths, weight)
+    best = min(max(sum(cost[mb] for mb, a in zip(whole, assign) if a == r) for r in range(dp))
+               for assign in itertools.product(range(dp), repeat=len(whole)))
+    heaviest = max(range(dp), key=lambda r: loads[r])
+    assert loads[heaviest] <= best + min(cost[mb] for mb in plan.replicas[heaviest] if mb) + EPS * best
+
+
+def test_rule_4_balances_what_the_dense_layout_pays():
+    # budget 500, DP=2, w = 1/100. By samples (rules 1-2) the replicas cost 5200 and 3600 by
+    # the layout: one packs 200+100+100 into a row 400 wide beside 400+100. The whole batch's
+    # micro-batches 400+100 | 300+200 | 300+200 | 100+100 go two and two: 4400 and 4800.
+    lengths = [400, 300, 300, 200, 200, 100, 100, 100]
+    w = 0.01
+    plan = plan_micro_batches(lengths, dp_size=2, max_tokens=500, attention_weight=w)
+    assert layout_loads(rules_1_2(lengths, 2, 500, w, False), lengths, w) == [5200, 3600]
+    assert plan.replicas == (((0, 5), (6, 7)), ((1, 3), (2, 4)))
+    assert layout_loads(plan.replicas, lengths, w) == [4400, 4800]
+    # a sample alone costs its sample cost; a packed row pays the attention its mask discards
+    assert layout_cost([300], w) == sample_cost(300, w)
+    assert layout_cost([200, 100, 100], w) == 2 * 200 + w * 2 * 200 ** 2 == 1200
+    assert sum(sample_cost(n, w) for n in (200, 100, 100)) == 1000
+    assert layout_cost([200, 100, 100], w, pack=False) == 3 * 200 + w * 3 * 200 ** 2
 
 
 @settings(max_examples=100, deadline=None)
