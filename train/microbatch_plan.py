@@ -33,9 +33,10 @@ The rules (each a classic with a stated guarantee):
 3. Equal counts: every replica runs as many micro-batches as the busiest one; the others are
    padded with empty ones (`()`: the trainer runs a forward and backward of zero weight there,
    so every rank makes the same collective calls, as megatron's schedules need).
-4. By token budget, what the dense layout pays (`layout_cost`): rows x width + w rows x width^2
-   per micro-batch, padding included, since the block-diagonal mask discards attention it has
-   computed. Packed, samples cost more than n + w n^2 by an amount rules 1-2 cannot see (measured
+4. By token budget, what the dense layout pays (`layout_cost`): rows x width + 2 w rows x
+   width^2 per micro-batch, padding included: it computes every score of each row's square
+   (n + w n^2 counts the causal half) and the block-diagonal mask then discards the scores
+   between samples. Packed, samples cost more than n + w n^2 by an amount rules 1-2 cannot see (measured
    on a narrow log-normal mix at DP=2: replicas equal by sample cost, 1.20 apart by layout cost,
    1.15 apart in seconds). So the planner also forms the budget's micro-batches over the whole
    batch (first-fit decreasing) and gives whole micro-batches to replicas by LPT on their
@@ -191,12 +192,13 @@ class MicroBatchPlan:
 
 def layout_cost(lengths: Sequence[int], weight: float = 0.0, row_tokens: int = 0,
                 pack: bool = True) -> float:
-    """Compute of one micro-batch as the dense layout runs it (train/packing.py): rows x width
-    slots through the matmuls and rows x width^2 attention scores (the block-diagonal mask is
-    applied to a full square per row), padding included. A sample alone costs `sample_cost`;
-    packed with others it costs more, by the attention between positions the mask discards."""
+    """Compute of one micro-batch as the dense layout runs it (train/packing.py), padding
+    included: rows x width slots through the matmuls and, per row, every score of the width x
+    width square (the mask is applied after they are computed): 2 w rows x width^2, twice
+    `sample_cost`'s causal half. Packed rows pay, besides, the attention between samples that
+    the block-diagonal mask discards."""
     rows, width = row_slots(lengths, row_tokens, pack)
-    return rows * width + weight * rows * width * width
+    return rows * width + 2 * weight * rows * width * width
 
 
 def plan_micro_batches(lengths: Sequence[int], *, dp_size: int = 1, max_tokens: int = 0,

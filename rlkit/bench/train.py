@@ -419,8 +419,8 @@ def plan_figures(batch, config, weight: float, cost_weight: float | None = None)
     `weight`: micro-batches per replica (empty ones too), the largest micro-batch (tokens; dense
     slots rows x width and mask entries rows x width^2 as train/packing.py lays it out), the
     planned slowest / mean replica cost by sample (n + w n^2) and by the dense layout
-    (rows x width + w rows x width^2, w = `cost_weight`, default `weight`)."""
-    from rlkit.train.microbatch_plan import row_slots
+    (`layout_cost`, w = `cost_weight`, default `weight`)."""
+    from rlkit.train.microbatch_plan import layout_cost, row_slots
     from rlkit.train.ray_group import plan_for_data_parallel
 
     w = weight if cost_weight is None else cost_weight
@@ -428,6 +428,7 @@ def plan_figures(batch, config, weight: float, cost_weight: float | None = None)
     lengths = [s.length for s in batch.samples]
     largest = {"tokens": 0, "slots": 0, "mask_entries": 0}
     slots, mask = [0] * len(plan.replicas), [0] * len(plan.replicas)
+    layout = [0.0] * len(plan.replicas)
     for d, replica in enumerate(plan.replicas):
         for mb in replica:
             if not mb:
@@ -438,6 +439,7 @@ def plan_figures(batch, config, weight: float, cost_weight: float | None = None)
             largest["mask_entries"] = max(largest["mask_entries"], rows * width * width)
             slots[d] += rows * width
             mask[d] += rows * width * width
+            layout[d] += layout_cost([lengths[i] for i in mb], w, config.pack_row_tokens, config.packing)
     return {
         # the dense layout's work per replica (padding included): what the planner's cost
         # (n + w n^2 per sample) does not see
@@ -447,7 +449,7 @@ def plan_figures(batch, config, weight: float, cost_weight: float | None = None)
         "samples_per_replica": [len(plan.samples_of(d)) for d in range(len(plan.replicas))],
         "largest_micro_batch": largest,
         "planned_share": slowest_share(list(plan.loads)),
-        "layout_share": slowest_share([a + w * b for a, b in zip(slots, mask)]),
+        "layout_share": slowest_share(layout),
     }
 
 
@@ -736,7 +738,7 @@ def format_length_mix_table(result: dict) -> str:
     lines.append("")
     lines.append("slowest/mean: the slowest DP replica's accumulate seconds over the mean (median "
                  "of the timed steps); cost plan: the same by the cost n + w n^2 per sample; layout "
-                 "plan: by the dense layout's cost rows x width + w rows x width^2 per micro-batch "
+                 "plan: by the dense layout's cost rows x width + 2 w rows x width^2 per micro-batch "
                  "(padding included: what the trainer computes)")
     lines.extend(notes)
     lines.append(

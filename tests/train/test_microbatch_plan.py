@@ -139,20 +139,21 @@ def test_whole_micro_batches_within_one_of_the_best_split_by_layout(lengths, dp,
 
 
 def test_rule_4_balances_what_the_dense_layout_pays():
-    # budget 500, DP=2, w = 1/100. By samples (rules 1-2) the replicas cost 5200 and 3600 by
-    # the layout: one packs 200+100+100 into a row 400 wide beside 400+100. The whole batch's
-    # micro-batches 400+100 | 300+200 | 300+200 | 100+100 go two and two: 4400 and 4800.
+    # budget 500, DP=2, w = 1/200 (a row of width W pays W + W^2 / 100). By samples (rules 1-2)
+    # the replicas cost 5200 and 3600 by the layout: one packs 200+100+100 into rows 200 wide
+    # beside 400+100 in rows 400 wide. The whole batch's micro-batches 400+100 | 300+200 |
+    # 300+200 | 100+100 go two and two: 4400 and 4800.
     lengths = [400, 300, 300, 200, 200, 100, 100, 100]
-    w = 0.01
+    w = 0.005
     plan = plan_micro_batches(lengths, dp_size=2, max_tokens=500, attention_weight=w)
     assert layout_loads(rules_1_2(lengths, 2, 500, w, False), lengths, w) == [5200, 3600]
     assert plan.replicas == (((0, 5), (6, 7)), ((1, 3), (2, 4)))
     assert layout_loads(plan.replicas, lengths, w) == [4400, 4800]
-    # a sample alone costs its sample cost; a packed row pays the attention its mask discards
-    assert layout_cost([300], w) == sample_cost(300, w)
-    assert layout_cost([200, 100, 100], w) == 2 * 200 + w * 2 * 200 ** 2 == 1200
-    assert sum(sample_cost(n, w) for n in (200, 100, 100)) == 1000
-    assert layout_cost([200, 100, 100], w, pack=False) == 3 * 200 + w * 3 * 200 ** 2
+    # the dense path computes every score of a row's square: twice the causal half of a sample
+    # alone, and a packed row also pays the scores between its samples
+    assert layout_cost([300], w) == 300 + 2 * w * 300 ** 2 == 2 * sample_cost(300, w) - 300
+    assert layout_cost([200, 100, 100], w) == 2 * 200 + 2 * w * 2 * 200 ** 2 == 1200
+    assert layout_cost([200, 100, 100], w, pack=False) == 3 * 200 + 2 * w * 3 * 200 ** 2
 
 
 @settings(max_examples=100, deadline=None)
