@@ -24,9 +24,11 @@ The rules (each a classic with a stated guarantee):
    the batch's most expensive one.
 2. Micro-batches of one replica. By count (`micro_batch_size`): consecutive chunks of its
    samples in batch order (rlkit's behaviour before token budgets). By tokens
-   (`max_tokens`): first-fit decreasing by length into micro-batches of at most `max_tokens`
-   tokens (with the padded layout, samples x longest sample: the slots a padded batch
-   allocates). A sample longer than the budget gets a micro-batch of its own (`over_budget`:
+   (`max_tokens`): first-fit decreasing by length into micro-batches whose dense layout holds
+   at most `max_tokens` slots, padding included (`_fits`: packed, rows x width of its rows;
+   padded, samples x longest sample). Counting real tokens instead let a 7.9k-token sample's
+   short companions fill a second row as wide as it: twice one row's memory under an 8k
+   budget (10.7 GB per rank where one 8k row takes 5.9, measured). A sample longer than the budget gets a micro-batch of its own (`over_budget`:
    the caller warns with its length). Stream mode fills micro-batches in arrival order
    (next-fit: a micro-batch closes when the next sample does not fit), which never changes a
    closed micro-batch when later samples arrive (`stream_micro_batches`).
@@ -36,8 +38,8 @@ The rules (each a classic with a stated guarantee):
 4. By token budget, what the dense layout pays (`layout_cost`): rows x width + 2 w rows x
    width^2 per micro-batch, padding included: it computes every score of each row's square
    (n + w n^2 counts the causal half) and the block-diagonal mask then discards the scores
-   between samples. Packed, samples cost more than n + w n^2 by an amount rules 1-2 cannot see (measured
-   on a narrow log-normal mix at DP=2: replicas equal by sample cost, 1.20 apart by layout cost,
+   between samples. Packed, samples cost more than n + w n^2 by an amount rules 1-2 cannot
+   see (measured on a narrow log-normal mix at DP=2: replicas 1.001 apart by sample cost were
    1.15 apart in seconds). So the planner also forms the budget's micro-batches over the whole
    batch (first-fit decreasing) and gives whole micro-batches to replicas by LPT on their
    layout cost (within one micro-batch of the best split of those micro-batches), and keeps
@@ -45,13 +47,12 @@ The rules (each a classic with a stated guarantee):
    the layout, and rules 1-2 where micro-batches are too few to split evenly. The budget, and
    so the memory bound below, holds in both.
 
-Memory bound of the dense attention path (train/packing.py): a micro-batch of T <= B tokens is
-packed into rows first-fit-decreasing of capacity C = max(pack_row_tokens, its longest sample);
-any two rows together hold more than C (else the later one's first sample would have fit), so
-all but one are more than half full: rows < 2T/C + 1 and rows x width < 2T + C <= 3B slots,
-and the block-diagonal mask (rows x width^2) < 3B^2 entries, whatever the length mix (by count
-it is micro_batch_size x the longest sample^2). Only an over-long sample of n > B tokens
-exceeds it, by itself (n slots, n^2 mask entries): that needs the varlen (THD) attention path.
+Memory bound of the dense attention path (train/packing.py): a micro-batch under budget B
+holds at most B slots (rows x width, rule 2), so width <= B and its block-diagonal mask
+(rows x width^2) at most B x width <= B^2 entries: never more than one row of B tokens,
+whatever the length mix (by count it is micro_batch_size x the longest sample^2). Only an
+over-long sample of n > B tokens exceeds it, by itself (n slots, n^2 mask entries): that needs
+the varlen (THD) attention path.
 
 The loss does not depend on any of this: the trainer normalises by the global denominator at
 `step` (train/megatron/trainer.py), so any partition gives the same gradient.
@@ -104,9 +105,17 @@ def balance_replicas(costs: Sequence[float], dp_size: int) -> list[list[int]]:
     return [sorted(p) for p in parts]
 
 
-def _size(count: int, longest: int, tokens: int, padded: bool) -> int:
-    """What the budget measures: real tokens packed, samples x longest padded."""
-    return count * longest if padded else tokens
+def _fits(sizes: list[int], max_tokens: int, padded: bool, row_tokens: int) -> bool:
+    """Whether samples of these lengths fit the budget as the dense layout holds them: its
+    slots, rows x width (train/packing.py), padding included: samples x longest padded; packed,
+    the first-fit-decreasing rows of `assign_rows`, so that the short companions of a long
+    sample, in a row of their own as wide as it, are counted at that width."""
+    if sum(sizes) > max_tokens:  # slots >= tokens
+        return False
+    if padded:
+        return len(sizes) * max(sizes) <= max_tokens
+    rows, width = row_slots(sizes, row_tokens)
+    return rows * width <= max_tokens
 
 
 def _check_mode(max_tokens: int, micro_batch_size: int) -> None:
@@ -117,51 +126,44 @@ def _check_mode(max_tokens: int, micro_batch_size: int) -> None:
 
 
 def micro_batches(lengths: Sequence[int], *, max_tokens: int = 0, micro_batch_size: int = 0,
-                  padded: bool = False) -> list[MicroBatch]:
+                  padded: bool = False, row_tokens: int = 0) -> list[MicroBatch]:
     """Micro-batches of one replica's samples (positions in `lengths`), rule 2: by token budget
-    when `max_tokens` > 0 (first-fit decreasing), else consecutive chunks of `micro_batch_size`."""
+    when `max_tokens` > 0 (first-fit decreasing, the budget counting the dense layout's slots:
+    `_fits`), else consecutive chunks of `micro_batch_size`."""
     _check_mode(max_tokens, micro_batch_size)
     n = len(lengths)
     if not max_tokens:
         return [tuple(range(i, min(i + micro_batch_size, n))) for i in range(0, n, micro_batch_size)]
     bins: list[list[int]] = []
-    fill: list[tuple[int, int, int]] = []  # (samples, longest, tokens) per bin
     for i in sorted(range(n), key=lambda i: (-lengths[i], i)):
-        length = lengths[i]
-        for b, (count, longest, tokens) in enumerate(fill):
-            grown = (count + 1, max(longest, length), tokens + length)
-            if _size(*grown, padded) <= max_tokens:
-                bins[b].append(i)
-                fill[b] = grown
+        for b in bins:
+            if _fits([lengths[j] for j in b] + [lengths[i]], max_tokens, padded, row_tokens):
+                b.append(i)
                 break
         else:
             bins.append([i])
-            fill.append((1, length, length))
     return [tuple(b) for b in bins]
 
 
 def stream_micro_batches(lengths: Sequence[int], *, max_tokens: int = 0, micro_batch_size: int = 0,
-                         padded: bool = False) -> tuple[list[MicroBatch], bool]:
+                         padded: bool = False, row_tokens: int = 0) -> tuple[list[MicroBatch], bool]:
     """Micro-batches of samples in arrival order (rule 2, stream mode) and whether the last one
     is closed (no later sample can join it). Prefix-stable: more samples never change the
     micro-batches before the last."""
     _check_mode(max_tokens, micro_batch_size)
     out: list[list[int]] = []
-    count = longest = tokens = 0
     for i, length in enumerate(lengths):
         if out:
             if max_tokens:
-                fits = _size(count + 1, max(longest, length), tokens + length, padded) <= max_tokens
+                fits = _fits([lengths[j] for j in out[-1]] + [length], max_tokens, padded, row_tokens)
             else:
-                fits = count < micro_batch_size
+                fits = len(out[-1]) < micro_batch_size
             if fits:
                 out[-1].append(i)
-                count, longest, tokens = count + 1, max(longest, length), tokens + length
                 continue
         out.append([i])
-        count, longest, tokens = 1, length, length
     # by count a full micro-batch is closed; by tokens one is only closed by the next sample
-    closed = bool(out) and not max_tokens and count == micro_batch_size
+    closed = bool(out) and not max_tokens and len(out[-1]) == micro_batch_size
     return [tuple(b) for b in out], closed
 
 
@@ -216,7 +218,7 @@ def plan_micro_batches(lengths: Sequence[int], *, dp_size: int = 1, max_tokens: 
     per_replica = []
     for part in parts:
         local = micro_batches([lengths[i] for i in part], max_tokens=max_tokens,
-                              micro_batch_size=micro_batch_size, padded=padded)
+                              micro_batch_size=micro_batch_size, padded=padded, row_tokens=row_tokens)
         per_replica.append([tuple(part[k] for k in mb) for mb in local])
     over = tuple(i for i, n in enumerate(lengths) if max_tokens and n > max_tokens)
     plan = MicroBatchPlan(
@@ -232,7 +234,7 @@ def plan_micro_batches(lengths: Sequence[int], *, dp_size: int = 1, max_tokens: 
         return sum(layout_cost([lengths[i] for i in mb], attention_weight, row_tokens, not padded)
                    for mb in micro)
 
-    whole = micro_batches(lengths, max_tokens=max_tokens, padded=padded)
+    whole = micro_batches(lengths, max_tokens=max_tokens, padded=padded, row_tokens=row_tokens)
     groups = balance_replicas([load([mb]) for mb in whole], dp_size)
     by_batches = [[whole[k] for k in part] for part in groups]
     if max(map(load, by_batches)) < max(map(load, per_replica)):

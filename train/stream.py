@@ -73,12 +73,14 @@ class RolloutBatchStep:
         max_tokens_per_micro_batch: int = 0,
         padded: bool = False,
         attention_weight: float = 0.0,
+        row_tokens: int = 0,
     ) -> None:
         """`algorithm` is a train.config.AlgorithmConfig; `rollout_samples` the planned
         batch (rollout.batch_size x n_samples_per_prompt: failed samples may make it smaller,
         the plan of logprobs does not change with them). `max_tokens_per_micro_batch` > 0
         replaces `micro_batch_size` (`padded`: the budget counts samples x longest, packing off);
-        `attention_weight`: the sample cost's square term (train/microbatch_plan.py)."""
+        `attention_weight`: the sample cost's square term, `row_tokens` the packed rows'
+        capacity (train/microbatch_plan.py)."""
         if micro_batch_size < 1 or rollout_samples < 1:
             raise ValueError("micro_batch_size and rollout_samples must be >= 1")
         if max_tokens_per_micro_batch < 0:
@@ -92,6 +94,7 @@ class RolloutBatchStep:
         self.max_tokens = max_tokens_per_micro_batch
         self.padded = padded
         self.attention_weight = attention_weight
+        self.row_tokens = row_tokens
         self.steps_planned = optimizer_steps_for(rollout_samples, global_batch_size)
         self.part_size = global_batch_size if self.steps_planned > 1 else 0  # 0: one part
         self.need_old, self.need_ref = logprobs_needed(algorithm, self.steps_planned)
@@ -114,7 +117,7 @@ class RolloutBatchStep:
                    rollout_samples=rollout_samples, global_batch_size=cfg.global_batch_size,
                    micro_batch_size=cfg.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
                    max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
-                   padded=not cfg.packing,
+                   padded=not cfg.packing, row_tokens=cfg.pack_row_tokens,
                    attention_weight=getattr(trainer, "attention_weight", 0.0))
 
     def add(self, group: Group) -> None:
@@ -190,13 +193,14 @@ class RolloutBatchStep:
         samples = self._own(0)
         mbs, last_closed = stream_micro_batches(
             [s.length for s in samples], max_tokens=self.max_tokens,
-            micro_batch_size=self.micro_batch_size, padded=self.padded)
+            micro_batch_size=self.micro_batch_size, padded=self.padded,
+            row_tokens=self.row_tokens)
         ready = mbs if not full_only or last_closed else mbs[:-1]
         todo = ready[self._accumulated:]
         if not full_only and self._lengths:
             busiest = max(len(stream_micro_batches(
                 lengths, max_tokens=self.max_tokens, micro_batch_size=self.micro_batch_size,
-                padded=self.padded)[0]) for lengths in self._lengths[0])
+                padded=self.padded, row_tokens=self.row_tokens)[0]) for lengths in self._lengths[0])
             todo = [*todo, *[()] * (busiest - len(mbs))]
         if todo:
             self._accumulate(samples, todo)
@@ -209,7 +213,7 @@ class RolloutBatchStep:
             return
         plans = pad_to_equal([
             micro_batches(lengths, max_tokens=self.max_tokens, micro_batch_size=self.micro_batch_size,
-                          padded=self.padded)
+                          padded=self.padded, row_tokens=self.row_tokens)
             for lengths in self._lengths[part]
         ])
         if plans[self.dp_rank]:

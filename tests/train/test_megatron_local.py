@@ -415,7 +415,7 @@ def test_stream_by_token_budget_over_two_replicas_trains_as_the_synchronous_coun
     a.accumulate(build_batch_from_config(groups, a.config.algorithm, policy_version=0))
     sync = a.step()
 
-    b = make_trainer(tiny_qwen2_dir, algorithm=algo, max_tokens_per_micro_batch=48)
+    b = make_trainer(tiny_qwen2_dir, algorithm=algo, max_tokens_per_micro_batch=32)
     replicas = [_Replica(b, steps=(r == 0)) for r in range(2)]
     streams = [RolloutBatchStep.for_config(rep, b.config, policy_version=0, rollout_samples=15,
                                            dp_rank=r, dp_size=2) for r, rep in enumerate(replicas)]

@@ -55,11 +55,12 @@ def layout_loads(replicas, lengths, weight, row_tokens=0, padded=False):
             for r in replicas]
 
 
-def rules_1_2(lengths, dp, budget, weight, padded):
+def rules_1_2(lengths, dp, budget, weight, padded, row_tokens=0):
     """The plan by samples (rules 1-2), built from the planner's parts."""
     out = []
     for part in balance_replicas([sample_cost(n, weight) for n in lengths], dp):
-        local = micro_batches([lengths[i] for i in part], max_tokens=budget, padded=padded)
+        local = micro_batches([lengths[i] for i in part], max_tokens=budget, padded=padded,
+                              row_tokens=row_tokens)
         out.append([tuple(part[k] for k in mb) for mb in local])
     return out
 
@@ -71,7 +72,7 @@ def test_token_budget_plan_partitions_respects_the_budget_and_pads_replicas(leng
     plan = plan_micro_batches(lengths, dp_size=dp, max_tokens=budget, attention_weight=weight,
                               padded=padded, row_tokens=row_tokens)
     costs, loads = check_plan(plan, lengths, dp, budget=budget, weight=weight, padded=padded)
-    by_samples = rules_1_2(lengths, dp, budget, weight, padded)
+    by_samples = rules_1_2(lengths, dp, budget, weight, padded, row_tokens)
     chosen = layout_loads(plan.replicas, lengths, weight, row_tokens, padded)
     # rule 4 never makes the slowest replica's layout cost worse than rules 1-2's
     assert max(chosen, default=0) <= max(layout_loads(by_samples, lengths, weight, row_tokens, padded),
@@ -139,16 +140,16 @@ def test_whole_micro_batches_within_one_of_the_best_split_by_layout(lengths, dp,
 
 
 def test_rule_4_balances_what_the_dense_layout_pays():
-    # budget 500, DP=2, w = 1/200 (a row of width W pays W + W^2 / 100). By samples (rules 1-2)
-    # the replicas cost 5200 and 3600 by the layout: one packs 200+100+100 into rows 200 wide
-    # beside 400+100 in rows 400 wide. The whole batch's micro-batches 400+100 | 300+200 |
-    # 300+200 | 100+100 go two and two: 4400 and 4800.
+    # budget 500 slots, DP=2, w = 1/200 (a row of width W pays W + W^2 / 100). By samples
+    # (rules 1-2) the replicas cost 3400 and 3000 by the layout: 400 | 200+100+100 (two rows
+    # 200 wide) | 100, against 300 | 300 | 200. The whole batch's micro-batches 400 | 300 | 300 |
+    # 200+200 | 100+100+100 go 400, 200+200 and 300, 300, 100+100+100: 3200 and 3000.
     lengths = [400, 300, 300, 200, 200, 100, 100, 100]
     w = 0.005
     plan = plan_micro_batches(lengths, dp_size=2, max_tokens=500, attention_weight=w)
-    assert layout_loads(rules_1_2(lengths, 2, 500, w, False), lengths, w) == [5200, 3600]
-    assert plan.replicas == (((0, 5), (6, 7)), ((1, 3), (2, 4)))
-    assert layout_loads(plan.replicas, lengths, w) == [4400, 4800]
+    assert layout_loads(rules_1_2(lengths, 2, 500, w, False), lengths, w) == [3400, 3000]
+    assert plan.replicas == (((0,), (3, 4), ()), ((1,), (2,), (5, 6, 7)))
+    assert layout_loads(plan.replicas, lengths, w) == [3200, 3000]
     # the dense path computes every score of a row's square: twice the causal half of a sample
     # alone, and a packed row also pays the scores between its samples
     assert layout_cost([300], w) == 300 + 2 * w * 300 ** 2 == 2 * sample_cost(300, w) - 300
@@ -182,15 +183,17 @@ def test_every_process_computes_the_same_plan_and_the_planner_imports_no_torch()
 @settings(max_examples=300, deadline=None)
 @given(lengths_st, budget_st, st.integers(0, 3000))
 def test_packed_memory_is_bounded_by_the_budget(lengths, budget, row_tokens):
-    """The dense layout of every micro-batch under budget: fewer than 3 x budget slots (logits)
-    and 3 x budget^2 attention-mask entries; by count it grows with the longest sample."""
-    for mb in micro_batches(lengths, max_tokens=budget):
+    """The dense layout of every micro-batch under budget: at most budget slots (logits) and
+    budget^2 attention-mask entries, one full row's worth; by count it grows with the longest
+    sample. Stream mode's micro-batches too."""
+    stream, _ = stream_micro_batches(lengths, max_tokens=budget, row_tokens=row_tokens)
+    for mb in [*micro_batches(lengths, max_tokens=budget, row_tokens=row_tokens), *stream]:
         sub = [lengths[i] for i in mb]
         rows, width = row_slots(sub, row_tokens)
         if sum(sub) > budget:  # one over-long sample: its own size
             assert (rows, width) == (1, sub[0])
             continue
-        assert rows * width < 3 * budget and rows * width * width < 3 * budget * budget
+        assert rows * width <= budget and rows * width * width <= budget * budget
         rows_padded, width_padded = row_slots(sub, pack=False)
         assert rows_padded == len(sub) and width_padded == max(sub)
     for mb in micro_batches(lengths, max_tokens=budget, padded=True):
@@ -229,8 +232,11 @@ def test_stream_rule_in_arrival_order_is_within_one_sample(lengths, dp, weight):
 
 
 def test_small_cases_and_errors():
-    # first-fit decreasing: 7 | 5+2 | 4+3 under 7; the over-long 9 alone
-    assert micro_batches([4, 7, 2, 5, 3], max_tokens=7) == [(1,), (3, 2), (0, 4)]
+    # first-fit decreasing under 7 slots: rows as wide as the micro-batch's longest sample, so
+    # 7 | 5 | 4 | 3+2 (two rows 3 wide: 6 slots; 5+2 would take two rows 5 wide, 10 slots)
+    assert micro_batches([4, 7, 2, 5, 3], max_tokens=7) == [(1,), (3,), (0,), (4, 2)]
+    # rows of 7 (pack_row_tokens): 7 | 5+2 | 4+3, each one row; the over-long 9 alone
+    assert micro_batches([4, 7, 2, 5, 3], max_tokens=7, row_tokens=7) == [(1,), (3, 2), (0, 4)]
     assert micro_batches([9, 1], max_tokens=7) == [(0,), (1,)]
     # padded: samples x longest (4 and 3 fill 2 x 4 = 8; 3 and 1 take 2 x 3 = 6)
     assert micro_batches([4, 3, 3, 1], max_tokens=8, padded=True) == [(0, 1), (2, 3)]

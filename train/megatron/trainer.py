@@ -174,7 +174,7 @@ class MegatronTrainer:
             warn_over_budget(lengths, cfg.max_tokens_per_micro_batch)
         return list(plan_micro_batches(
             lengths, max_tokens=cfg.max_tokens_per_micro_batch, micro_batch_size=cfg.micro_batch_size,
-            padded=not cfg.packing,
+            padded=not cfg.packing, row_tokens=cfg.pack_row_tokens,
         ).replicas[0])
 
     def _pack(self, samples: Sequence[TrainSample]) -> PackedRows:
