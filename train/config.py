@@ -166,15 +166,17 @@ class TrainConfig(BaseModel):
         0,
         ge=0,
         description="Token budget of one forward/backward pass; 0 keeps micro-batches by sample "
-        "count (micro_batch_size). When set it replaces micro_batch_size: a replica's samples are "
-        "placed first-fit-decreasing into micro-batches of at most this many tokens (with packing "
-        "false: samples x longest sample, the padded slots), in arrival order in stream mode; a "
-        "sample longer than the budget gets a micro-batch of its own and a warning with its "
-        "length. Packed, a micro-batch then has fewer than 3 x budget slots and 3 x budget^2 "
-        "attention-mask entries whatever the length mix (by count: micro_batch_size x the "
-        "longest sample^2); pack_row_tokens above the budget packs each micro-batch into one "
-        "row. global_batch_size need not be a multiple of micro_batch_size then. Loss and "
-        "gradient do not depend on it (global normalisation).",
+        "count (micro_batch_size). When set it replaces micro_batch_size: samples are placed "
+        "first-fit-decreasing into micro-batches whose dense layout holds at most this many "
+        "slots, padding included (packed: rows x row width, rows as wide as pack_row_tokens or "
+        "the micro-batch's longest sample; packing false: samples x longest sample), in arrival "
+        "order in stream mode; a sample longer than the budget gets a micro-batch of its own and "
+        "a warning with its length. A micro-batch then costs at most one row of this many tokens "
+        "(budget slots, budget^2 attention-mask entries) whatever the length mix (by count: "
+        "micro_batch_size x the longest sample^2); raising pack_row_tokens toward the budget "
+        "packs short samples more densely. Data-parallel replicas are balanced by compute "
+        "(docs/training.md). global_batch_size need not be a multiple of micro_batch_size then. "
+        "Loss and gradient do not depend on it (global normalisation).",
     )
     global_batch_size: int = Field(
         0,

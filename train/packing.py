@@ -13,7 +13,7 @@ row length, which dominates for small models). `pack=False` puts each sample in 
 classic padded batch, kept so both schemes can be measured (`rlkit bench train`).
 Cost model: linear layers see `slots` = rows x longest row tokens, of which `tokens` are real;
 attention costs the sum over rows of (row length)^2. The mask costs rows x S^2 entries: a token
-budget per micro-batch bounds it (train/microbatch_plan.py: fewer than 3 x budget^2 entries).
+budget per micro-batch bounds it (train/microbatch_plan.py: at most budget^2 entries).
 
 `layout="thd"` is the seam for a varlen attention path (TransformerEngine's THD format on GPUs):
 all samples in one unpadded row, no mask, `cu_seqlens` marking where each sample starts, and the
