@@ -488,6 +488,13 @@ class RssSampler:
         self._thread.join()
 
 
+def wait_exited(pids: list[int], timeout_s: float = 120.0) -> None:
+    """Until no process of `pids` holds memory (gone, or a zombie: no VmRSS), or `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while any(process_memory_mb(p)["rss_mb"] for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
 def kill_group(group) -> None:
     """Stop a group one of whose ranks died: kill every rank (a survivor may wait in a
     collective for the dead one, so no graceful shutdown)."""
@@ -524,8 +531,8 @@ def _measure_one(kind: str, path: str, batch, cfg, *, steps: int, cpus: int) -> 
     t0 = time.perf_counter()
     group = TrainerGroup(path, cfg, num_cpus_per_worker=cpus / dp, threads_per_worker=max(1, cpus // dp))
     sampler = None
+    pids = [r["pid"] for r in group.ranks]
     try:
-        pids = [r["pid"] for r in group.ranks]
         weight = split_weight(kind, group.attention_weight)
         r: dict = {
             "config": ({"max_tokens_per_micro_batch": cfg.max_tokens_per_micro_batch}
@@ -573,6 +580,9 @@ def _measure_one(kind: str, path: str, batch, cfg, *, steps: int, cpus: int) -> 
         if sampler is not None:
             sampler.stop()
         group.shutdown()
+        # the next configuration starts once these ranks have exited and freed their memory
+        # (a run started the next while they were exiting: Ray killed its rank at 95%)
+        wait_exited(pids)
     if r["step_s_all"]:
         best, median = min(r["step_s_all"]), statistics.median(r["step_s_all"])
         r.update(
