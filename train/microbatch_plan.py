@@ -26,10 +26,11 @@ The rules (each a classic with a stated guarantee):
    samples in batch order (rlkit's behaviour before token budgets). By tokens
    (`max_tokens`): first-fit decreasing by length into micro-batches whose dense layout holds
    at most `max_tokens` slots, padding included (`_fits`: packed, rows x width of its rows;
-   padded, samples x longest sample). Counting real tokens instead let a 7.9k-token sample's
-   short companions fill a second row as wide as it: twice one row's memory under an 8k
-   budget (10.7 GB per rank where one 8k row takes 5.9, measured). A sample longer than the budget gets a micro-batch of its own (`over_budget`:
-   the caller warns with its length). Stream mode fills micro-batches in arrival order
+   padded, samples x longest sample). Counting real tokens instead let a 7,944-token
+   sample's short companions fill a second row as wide as it: twice one row's memory under
+   an 8k budget (10.7 GB per rank where one 8k row takes 5.9, measured). A sample longer
+   than the budget gets a micro-batch of its own (`over_budget`: the caller warns with its
+   length). Stream mode fills micro-batches in arrival order
    (next-fit: a micro-batch closes when the next sample does not fit), which never changes a
    closed micro-batch when later samples arrive (`stream_micro_batches`).
 3. Equal counts: every replica runs as many micro-batches as the busiest one; the others are
