@@ -152,6 +152,7 @@ class RolloutBuffer:
         self._live_rows: Counter[int] = Counter()  # source rows in flight, partial or long
         self._held: deque[PromptRecord] = deque()  # fresh draws whose row was live (see above)
         self._attached: dict[str, Any] = {}  # scheduling state saved with the buffer (a ranker)
+        self._unclaimed: dict[str, dict[str, Any]] = {}  # loaded, for an object not attached yet
         self._counts: Counter[str] = Counter()
         self._dropped: Counter[str] = Counter()
 
@@ -460,8 +461,24 @@ class RolloutBuffer:
     def attach(self, name: str, obj: Any) -> None:
         """Save `obj.state_dict()` (plain data) with the buffer's state and restore it with
         `obj.load_state_dict` on load: scheduling state that must survive a restart with the
-        queues it describes (a length ranker)."""
+        queues it describes (a length ranker, recent lengths). Attached after the buffer was
+        loaded (a restored buffer handed to a new manager), it gets its saved state now."""
         self._attached[name] = obj
+        saved = self._unclaimed.pop(name, None)
+        if saved is not None:
+            self._load_attached(name, obj, saved)
+
+    @staticmethod
+    def _load_attached(name: str, obj: Any, saved: dict[str, Any]) -> None:
+        if saved["type"] != type(obj).__name__:
+            warnings.warn(f"buffer state: the saved {name} is a {saved['type']}, this run's "
+                          f"a {type(obj).__name__}; it starts fresh", stacklevel=3)
+            return
+        try:
+            obj.load_state_dict(saved["state"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise BufferStateError(f"buffer state: the saved {name} is malformed: "
+                                   f"{type(e).__name__}: {e}") from None
 
     def fingerprint(self) -> dict[str, Any]:
         return {
@@ -530,15 +547,13 @@ class RolloutBuffer:
                     )
             if self.source is not None:
                 self.source.load_state_dict(state["source"])
+            self._unclaimed = {}
             for name, saved in state.get("attached", {}).items():
                 obj = self._attached.get(name)
-                if obj is None:
-                    continue  # this run has none (the recipe turned it off)
-                if saved["type"] != type(obj).__name__:
-                    warnings.warn(f"buffer state: the saved {name} is a {saved['type']}, this run's "
-                                  f"a {type(obj).__name__}; it starts fresh", stacklevel=2)
-                    continue
-                obj.load_state_dict(saved["state"])
+                if obj is None:  # none yet (attached later), or none in this run (turned off)
+                    self._unclaimed[name] = saved
+                else:
+                    self._load_attached(name, obj, saved)
         except BufferStateError:
             raise
         except (KeyError, TypeError, ValueError) as e:

@@ -43,7 +43,7 @@ import itertools
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Literal, Mapping, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 from rlkit.buffers.group import Group
 from rlkit.rollout.rankers import mean_length
@@ -128,6 +128,13 @@ class LengthWindow:
 
     def count_at_least(self, bar: float) -> int:
         return sum(1 for x in self._recent if x >= bar)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"recent": list(self._recent)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._recent.clear()
+        self._recent.extend(float(x) for x in state["recent"])  # the newest kept if it shrank
 
 
 @dataclass(frozen=True)

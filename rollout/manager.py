@@ -62,6 +62,9 @@ class EnginesFailing(EngineError):
 
 
 class RolloutPolicy(Protocol):
+    """A policy may also have `saved_with_buffer`, a dict name -> object with state_dict /
+    load_state_dict: estimates it keeps across steps, saved in checkpoints with the buffer."""
+
     name: str
 
     async def run(self, step: "Step") -> None:
@@ -131,6 +134,13 @@ class RolloutManager:
         # cost model and the ranker-driven policies' thresholds read (responses; group means).
         self.response_lengths = LengthWindow(4096)
         self.group_lengths = LengthWindow(1024)
+        # Saved with the buffer too: a run resumed from a checkpoint sizes its launches (partial's
+        # in-flight estimate, tail batching's long share, dispatch's cost model) from the same
+        # lengths as the run that went on, not from an empty window.
+        buffer.attach("response_lengths", self.response_lengths)
+        buffer.attach("group_lengths", self.group_lengths)
+        for name, obj in getattr(policy, "saved_with_buffer", {}).items():
+            buffer.attach(name, obj)
 
     def set_weights_version(self, version: int) -> None:
         """New weights reached the engines in the middle of a step (async mode): requests

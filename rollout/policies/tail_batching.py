@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from rlkit.buffers.buffer import Place
 
@@ -98,6 +98,12 @@ class LongShare:
         a = self.smoothing
         self.predicted = share if self.predicted is None else (1 - a) * self.predicted + a * share
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"predicted": self.predicted}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.predicted = None if state["predicted"] is None else float(state["predicted"])
+
     def estimate(self, step: "Step") -> float | None:
         """None until a batch's worth of groups has finished."""
         window, bar = step.group_lengths, self.bar(step)
@@ -140,6 +146,11 @@ class TailBatchingPolicy:
         if self.max_eta_prompts < 1.0 or not 0.0 < self.long_fraction <= 1.0:
             raise ValueError("max_eta_prompts must be >= 1 and long_fraction in (0, 1]")
         self.estimator = LongShare(self.long_fraction)
+
+    @property
+    def saved_with_buffer(self) -> dict[str, Any]:
+        """Scheduling state a checkpoint keeps (RolloutPolicy): the ranker-fed long share."""
+        return {"long_share": self.estimator}
 
     async def run(self, step: "Step") -> None:
         step.park_to = "long"  # also where an interrupted round's groups go, with their tokens

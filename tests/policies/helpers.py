@@ -34,10 +34,12 @@ def in_order_buffer(trace: Trace, **kw) -> RolloutBuffer:
 
 
 def simulate(trace: Trace, policy, *, steps: int, batch_size: int, buffer: RolloutBuffer,
-             engines: int = 2, on_batch=None, first_step: int = 0, group_filter=None):
+             engines: int = 2, on_batch=None, first_step: int = 0, group_filter=None, ranker=None,
+             final_step: bool = True):
     return run_simulation(SimConfig(engines, PROFILE), trace, policy, steps=steps,
                           batch_size=batch_size, buffer=buffer, on_batch=on_batch,
-                          first_step=first_step, group_filter=group_filter)
+                          first_step=first_step, group_filter=group_filter, ranker=ranker,
+                          final_step=final_step)
 
 
 def rows_of(groups: Sequence) -> list[tuple[int, int]]:

@@ -4,14 +4,17 @@ random length traces."""
 
 from __future__ import annotations
 
+import json
 import math
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlkit.buffers import Place
 from rlkit.buffers.buffer import STATE_FORMAT
 from rlkit.rollout.policies import TailBatchingPolicy
+from rlkit.rollout.rankers.basic import HistoryRanker
 from tests.policies.helpers import in_order_buffer, make_trace, rows_of, simulate
 
 LONG = 600
@@ -139,28 +142,47 @@ def test_a_prompt_deferred_max_deferrals_times_is_waited_for_not_deferred_again(
     assert step.max_response_length >= LONG  # the round waited for it
 
 
-def test_save_and_load_mid_cycle_continues_exactly_as_the_uninterrupted_run():
+@pytest.mark.parametrize("adaptive,proactive", [(False, False), (True, False), (True, True)],
+                         ids=["fixed", "adaptive", "adaptive+proactive+history"])
+def test_save_and_load_mid_cycle_continues_exactly_as_the_uninterrupted_run(adaptive, proactive):
     trace = make_trace(lambda r, e, k: 700 if (r * 7 + e) % 5 == 0 else 20 + 3 * k + r % 4,
                        rows=24, epochs=4, slots=4, group_size=2)
-    # The adaptive estimate is learned from the manager's length windows, which a checkpoint
-    # does not hold: only the fixed over-launch replays exactly across a resume.
-    policy = TailBatchingPolicy(eta_prompts=1.5, eta_responses=1.5, adaptive=False)
+    # Adaptive sizing reads the manager's recent lengths and, ranker-fed, its moving long
+    # share: a checkpoint holds both (saved with the buffer), so the resumed run launches
+    # exactly the rounds of the run that went on.
 
-    def run(buf, steps, first=0):
-        out = []
+    def run(buf, steps, first=0, final=True):
+        out, launches = [], []
+        policy = TailBatchingPolicy(eta_prompts=1.5, eta_responses=1.5, adaptive=adaptive,
+                                    proactive=proactive)
+        sizes = policy.short_launch
+        policy.short_launch = lambda step: launches.append(sizes(step)) or launches[-1]
         simulate(trace, policy, steps=steps, batch_size=4, buffer=buf, first_step=first,
+                 ranker=HistoryRanker() if proactive else None, final_step=final,
                  on_batch=lambda i, groups: out.append((i, rows_of(groups))))
-        return out
+        return out, launches, policy
 
-    whole = run(in_order_buffer(trace), 9)
+    def resumed(state):
+        second = in_order_buffer(trace)
+        second.load_state_dict(state)  # before the manager attaches its windows: they wait
+        return run(second, 4, first=6)
+
+    whole, whole_launches, _ = run(in_order_buffer(trace), 10)
     first = in_order_buffer(trace)
-    head = run(first, 4)
-    state = first.state_dict()
+    head, head_launches, before = run(first, 6, final=False)
+    state = json.loads(json.dumps(first.state_dict()))  # as a checkpoint holds it
     assert state["format"] == STATE_FORMAT and state["long"], "the cut must hold deferred prompts"
-    second = in_order_buffer(trace)
-    second.load_state_dict(state)
-    tail = run(second, 5, first=4)
+    tail, tail_launches, after = resumed(state)
     assert head + tail == whole
+    assert head_launches + tail_launches == whole_launches
+    if adaptive:
+        assert set(whole_launches) - {math.ceil(1.5 * 4)}, whole_launches  # the estimate sized
+        # ... and from the saved lengths: without them the resumed run launches otherwise
+        forgetful = {**state, "attached": {}}
+        assert head_launches + resumed(forgetful)[1] != whole_launches
+    if proactive:
+        assert before.estimator.predicted > 0
+        assert after.estimator.predicted is not None
 
 
 @settings(max_examples=25)

@@ -8,6 +8,7 @@ import math
 import pytest
 
 from rlkit.buffers import RolloutBuffer
+from rlkit.buffers.buffer import BufferStateError
 from rlkit.buffers.group import Group
 from rlkit.plugins import PluginNotFound, load_ranker, resolve_plugin
 from rlkit.rollout.config import RankerConfig
@@ -147,7 +148,16 @@ def test_rankers_resolve_by_the_one_plugin_rule_and_save_with_the_buffer():
     again.load_state_dict(state)
     probe = groups_of(TRACE, 1, rows=range(30))
     assert fresh.predict(probe) == ranker.predict(probe)
+    # attached after the load (a restored buffer handed to a new manager): restored then
+    late, later = HistoryRanker(), RolloutBuffer(trace_source(TRACE), n_samples_per_prompt=8)
+    later.load_state_dict(state)
+    later.attach("ranker", late)
+    assert late.predict(probe) == ranker.predict(probe)
     other = RolloutBuffer(trace_source(TRACE), n_samples_per_prompt=8)
     other.attach("ranker", PromptLengthRanker())
     with pytest.warns(UserWarning, match="starts fresh"):
         other.load_state_dict(state)
+    broken = RolloutBuffer(trace_source(TRACE), n_samples_per_prompt=8)
+    broken.load_state_dict({**state, "attached": {"ranker": {"type": "HistoryRanker", "state": {}}}})
+    with pytest.raises(BufferStateError, match="the saved ranker is malformed"):
+        broken.attach("ranker", HistoryRanker())
