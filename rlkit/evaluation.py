@@ -1,10 +1,11 @@
 """The one way a recipe's `eval` section becomes an Evaluator (the training run's rollout actor
 and `rlkit eval` both build theirs here): the held-out sets read by the data loader's rules,
 and the reward plugin (the eval reward, or the training reward's score function when the
-recipe names none)."""
+recipe names none), and a multi-turn recipe's episodes (every pass plays them)."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from rlkit.rollout.config import RolloutConfig
@@ -17,6 +18,7 @@ def make_evaluator(cfg: EvalConfig, rollout: RolloutConfig, tokenizer: Any,
                    train_score: ScoreFn | None = None) -> Evaluator:
     """A bad row or an unknown reward fails here, before any engine serves."""
     from rlkit.data.prompts import load_eval_sets
+    from rlkit.plugins import load_episode_runner
     from rlkit.rewards.scoring import make_score_fn, tokenizer_decode
 
     if cfg.reward is None:
@@ -25,5 +27,8 @@ def make_evaluator(cfg: EvalConfig, rollout: RolloutConfig, tokenizer: Any,
     else:
         reward = cfg.reward
         score = make_score_fn(reward, tokenizer_decode(tokenizer), key="eval.reward")
+    episodes = None
+    if rollout.episode.generator is not None:  # multi-turn: each pass plays episodes too
+        episodes = partial(load_episode_runner, rollout.episode, tokenizer=tokenizer)
     return Evaluator(cfg, load_eval_sets(cfg, tokenizer), score, rollout.sampling,
-                     reward_timeout_s=reward.timeout_s)
+                     reward_timeout_s=reward.timeout_s, episodes=episodes)

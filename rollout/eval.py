@@ -9,6 +9,11 @@ training buffer, its queues or its accounting (the buffer's stats are the same b
 after). Every failure (an engine error, a reward that raises, times out or returns a bad value)
 is counted in the result and scores the sample as incorrect; nothing is silently dropped.
 
+With a multi-turn recipe (rollout.episode), every eval sample is an episode, played through
+an EpisodeRunner of its own per pass (its environments and counts apart from training's), with
+the pass's sampling and the recipe's turn stops: the held-out score of a tool-using policy is
+the score with its tools.
+
 The driver wiring (when to evaluate, datasets, passes) is `rollout.eval_config.EvalConfig`.
 """
 
@@ -18,12 +23,13 @@ import asyncio
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from rlkit.buffers.group import Group, PromptRecord
 from rlkit.buffers.sample import Sample, SampleStatus
 from rlkit.rollout.config import SamplingConfig
 from rlkit.rollout.engine_api import EngineError, Engines, WorkerLost
+from rlkit.rollout.episodes import EpisodeRunner, EpisodeStep
 from rlkit.rollout.eval_config import EvalConfig
 from rlkit.rollout.rewards import RewardScheduler, ScoreFn
 
@@ -80,6 +86,8 @@ class EvalResult:
     reward_failures: int
     reward_failures_by_kind: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
+    # multi-turn: the episode runner's counts (turns, observations, tool failures); else empty
+    episodes: dict[str, float] = field(default_factory=dict)
     correct: list[int] = field(default_factory=list, repr=False)  # per prompt, out of n
     errors: list[str] = field(default_factory=list, repr=False)  # first few, for the log
 
@@ -100,6 +108,7 @@ class EvalResult:
             f"{base}/seconds": self.seconds,
             f"{base}/version": float(self.version),
         }
+        out.update({f"{base}/{key}": value for key, value in self.episodes.items()})
         return out
 
 
@@ -124,6 +133,7 @@ async def evaluate(
     max_concurrency: int = 0,
     reward_timeout_s: float = 30.0,
     max_attempts: int = 5,
+    episodes: EpisodeRunner | None = None,
 ) -> EvalResult:
     """Generate `n` responses per prompt through `engines.generate`, score each with `score`
     as soon as it finishes, and compute the metrics.
@@ -135,7 +145,10 @@ async def evaluate(
     A request interrupted without an answer (an engine lost, or the abort that ends a partial
     rollout step running beside it in async mode) is regenerated from scratch, so every
     response comes from one policy version, at most `max_attempts` times;
-    an EngineError fails the sample (counted in `engine_failures`)."""
+    an EngineError fails the sample (counted in `engine_failures`).
+    `episodes`: play each sample as a multi-turn episode through this runner (its turn
+    sampling sets the budget and the stops; `max_new_tokens` and `sampling` are then unused);
+    an interrupted episode is replayed from a fresh environment, as a response is redone."""
     if not prompts:
         raise ValueError(f"evaluate {name!r}: no prompts")
     if n < 1:
@@ -154,14 +167,29 @@ async def evaluate(
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     groups = [Group.new(i, _record(i, p), n, i * n, version) for i, p in enumerate(prompts)]
     engine_failures = 0
+    never_stopped = asyncio.Event()  # an evaluation is never aborted as a step is
 
-    async def generate(sample: Sample) -> None:
+    async def turn(sample: Sample, turn_sampling: SamplingConfig) -> None:
+        remaining = sample.remaining_tokens(turn_sampling.max_new_tokens)
+        if remaining <= 0:  # an observation filled the budget
+            sample.append([], [], version, finish_reason="length")
+            return
+        await engines.generate(sample, turn_sampling, max_new_tokens=remaining, version=version)
+
+    async def respond(sample: Sample, group: Group) -> None:
+        if episodes is None:
+            await engines.generate(sample, sampling, max_new_tokens=budget, version=version)
+        else:
+            await episodes.run(sample, group, EpisodeStep(
+                lambda turn_sampling: turn(sample, turn_sampling), never_stopped, lambda: version))
+
+    async def generate(sample: Sample, group: Group) -> None:
         nonlocal engine_failures
         for _ in range(max_attempts):
             if sample.status is not SampleStatus.PENDING:
                 sample.reset()  # an interrupted response is redone whole, at this version
             try:
-                await engines.generate(sample, sampling, max_new_tokens=budget, version=version)
+                await respond(sample, group)
             except WorkerLost:
                 continue  # its engine was lost: redo it on another
             except EngineError as e:
@@ -176,11 +204,12 @@ async def evaluate(
 
     async def one(sample: Sample, group: Group) -> None:
         if gate is None:
-            await generate(sample)
+            await generate(sample, group)
         else:
             async with gate:
-                await generate(sample)
-        if sample.status is not SampleStatus.FAILED:
+                await generate(sample, group)
+        # an environment that ended its episode with a reward has scored it (as in training)
+        if sample.status is not SampleStatus.FAILED and sample.reward is None:
             await rewards.score(sample, group)
 
     async with asyncio.TaskGroup() as tg:
@@ -220,9 +249,17 @@ async def evaluate(
         reward_failures=reward_failures,
         reward_failures_by_kind=dict(Counter(rewards.failures)),
         seconds=loop.time() - started,
+        episodes=_episode_counts(episodes),
         correct=correct,
         errors=[s.error for s in samples if s.error][:10],
     )
+
+
+def _episode_counts(episodes: EpisodeRunner | None) -> dict[str, float]:
+    """The runner's counts as eval metric names (episodes/turns, tool_failures/timeout, ...)."""
+    if episodes is None:
+        return {}
+    return {key.removeprefix("rollout/"): value for key, value in episodes.metrics().items()}
 
 
 def _mean(values: Any) -> float:
@@ -237,7 +274,10 @@ class Evaluator:
     generates and scores."""
 
     def __init__(self, cfg: EvalConfig, datasets: dict[str, Sequence[PromptRecord]], score: ScoreFn,
-                 base: SamplingConfig, reward_timeout_s: float = 30.0) -> None:
+                 base: SamplingConfig, reward_timeout_s: float = 30.0,
+                 episodes: Callable[[SamplingConfig], EpisodeRunner | None] | None = None) -> None:
+        """`episodes(sampling)`: a fresh episode runner for a pass's sampling (the recipe's
+        multi-turn set-up; rlkit.plugins.load_episode_runner), or None: one request each."""
         missing = [d.name for d in cfg.datasets if not datasets.get(d.name)]
         if missing:
             raise ValueError(f"Evaluator: no prompts loaded for eval dataset(s) {missing}")
@@ -246,6 +286,7 @@ class Evaluator:
         self.score = score
         self.passes = cfg.passes(base)
         self.reward_timeout_s = reward_timeout_s
+        self.episodes = episodes
 
     async def run(self, engines: Engines, version: int) -> list[EvalResult]:
         """The passes one after another (each already fills the engines), at `version`."""
@@ -254,7 +295,8 @@ class Evaluator:
             results.append(await evaluate(
                 p.name, self.datasets[p.dataset.name], engines, p.sampling, p.n, p.k, self.score,
                 version, self.cfg.success_threshold, max_concurrency=self.cfg.max_concurrency,
-                reward_timeout_s=self.reward_timeout_s))
+                reward_timeout_s=self.reward_timeout_s,
+                episodes=self.episodes(p.sampling) if self.episodes else None))
         return results
 
 

@@ -37,13 +37,17 @@ EPISODES = ["rollout.episode.generator=multi_turn", "rollout.episode.environment
 def test_a_mode_with_a_policy_end_to_end(tmp_path, monkeypatch, mode, recipe, episodes):
     """Also, with `episodes`, over multi-turn episodes: observations go in with loss mask 0 and
     the trainer trains on them; partial rollouts and tail batching park episodes with their
-    tokens (mid-turn or on a tool call) and resume them; no tool fails."""
+    tokens (mid-turn or on a tool call) and resume them; no tool fails. Stream mode's episodes
+    run also evaluate: held-out prompts played as episodes."""
+    evaluated = episodes and mode == "stream"
     monkeypatch.setenv("RLKIT_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "runs"
     r = load_recipe(ROOT / "recipes" / recipe, [
         f"mode={mode}", f"run.output_dir={out}", "tracking.progress=false", "run.num_steps=3",
         "rollout.max_staleness=1", "train.algorithm.off_policy_correction=tis",
         *(EPISODES if episodes else []),
+        *(["eval.datasets=[{name: held, path: 'builtin:arithmetic?split=test&rows=4'}]",
+           "eval.before_first_step=true", "eval.n_samples=2", "eval.k=1"] if evaluated else []),
     ])
     state = train(r)
     run_dir = out / r.run.name
@@ -66,6 +70,13 @@ def test_a_mode_with_a_policy_end_to_end(tmp_path, monkeypatch, mode, recipe, ep
         assert last["rollout/episodes/turns"] > last["rollout/episodes/episodes_started"] > 0, last
         assert last["rollout/episodes/observations"] > 0 and last["rollout/episodes/episodes_restarted"] == 0
         assert all(last[f"rollout/tool_failures/{k}"] == 0 for k in ("raised", "timeout", "bad_output"))
+    if evaluated:  # every held-out sample played as an episode, before the first step
+        first = json.loads((run_dir / "eval.jsonl").read_text().splitlines()[0])
+        assert first["step"] == 0
+        for mode_ in ("greedy", "sampled"):
+            base = f"eval/held/{mode_}"
+            assert first[f"{base}/episodes/episodes_ended"] == first[f"{base}/samples"] > 0, first
+            assert first[f"{base}/tool_failures/raised"] == first[f"{base}/failures/engine"] == 0
     assert processes_with(str(Path(os.environ["RLKIT_CACHE"]) / "models" / "tiny")) == []
 
 

@@ -337,3 +337,102 @@ def test_eval_passes():
     assert EvalConfig(datasets=ds).passes(base)[0].sampling.max_new_tokens == 300
     assert [p.mode for p in EvalConfig(datasets=ds, greedy=False, n_samples=2).passes(base)] \
         == ["sampled", "sampled"]
+
+
+# -- multi-turn evaluation: each sample an episode, with its environment ---------------------
+class ScriptedTurns:
+    """Engines whose model plays the guessing game by bisection (tests/manager/test_episodes),
+    one token per character; `lose_at`: the request of that number (counted over the run)
+    loses its engine after its first token, as a dead worker does."""
+
+    def __init__(self, lose_at: int | None = None) -> None:
+        self.lose_at, self.requests, self.budgets = lose_at, 0, []
+
+    def workers(self) -> list[str]:
+        return ["w0"]
+
+    async def generate(self, sample, sampling, *, max_new_tokens, version, worker=None):
+        from rlkit.rollout.engine_api import WorkerLost
+        from rlkit.rollout.episodes import STATE_KEY
+        from tests.manager.test_episodes import STOP, CharCodec, next_turn
+
+        self.requests += 1
+        self.budgets.append(max_new_tokens)
+        assert STOP in sampling.stop  # the turn's stop, from the recipe's turn_stop
+        sample.start_request()
+        start = sample.metadata[STATE_KEY]["turn_start"]
+        text = CharCodec().decode(sample.response_ids)
+        for i, ch in enumerate(next_turn(text[:start])[len(text) - start:]):
+            if i == max_new_tokens:
+                sample.append([], [], version, finish_reason="length")
+                return "w0"
+            sample.append([ord(ch)], [-0.1], version)
+            if self.requests == self.lose_at:
+                sample.interrupt()
+                raise WorkerLost("w0")
+            await asyncio.sleep(0)
+        sample.append([], [], version, finish_reason="stop")
+        return "w0"
+
+
+def episode_runner_for(sampling):
+    from rlkit.rollout.environments.guess_number import guess_number
+    from rlkit.rollout.episodes import EpisodeRunner, multi_turn
+    from tests.manager.test_episodes import STOP, CharCodec
+
+    turn = sampling.model_copy(update={"stop": [*sampling.stop, STOP]})
+    return EpisodeRunner(multi_turn, guess_number, CharCodec(), turn, env_kwargs={"max_turns": 12})
+
+
+@pytest.mark.parametrize("lose_at", [None, 3], ids=["played", "engine lost mid-episode"])
+def test_multi_turn_evaluation_plays_episodes_with_their_environment(lose_at):
+    secrets = [37, 1, 100]
+    prompts = [PromptRecord((1, 2), text="guess", label=x, source_index=i) for i, x in enumerate(secrets)]
+    scored = []
+
+    async def score(sample, group):  # the game ends with its own reward: never asked
+        scored.append(sample.index)
+        return 0.0
+
+    engines = ScriptedTurns(lose_at)
+    runner = episode_runner_for(SamplingConfig(max_new_tokens=400))
+    result = run_eval(engines, prompts, score, n=2, k=1, episodes=runner,
+                      sampling=SamplingConfig(max_new_tokens=400))
+    assert result.pass_at_1 == 1.0 and result.mean_reward == 1.0 and not scored
+    assert result.engine_failures == 0 and result.generated == 6
+    turns = result.episodes["episodes/turns"]
+    assert turns == engines.requests - (lose_at is not None)  # each request one model turn
+    # an intro, then an answer after each turn but the last; the episode replayed after its
+    # engine was lost had shown its intro (request 3 is a first turn: 6 episodes start at once)
+    assert result.episodes["episodes/observations"] == turns + (lose_at is not None)
+    assert result.episodes["episodes/episodes_ended"] == 6
+    # an episode whose engine was lost is played again from a fresh environment, whole
+    assert result.episodes["episodes/episodes_started"] == 6 + (lose_at is not None)
+    metrics = result.metrics()
+    assert metrics["eval/math/episodes/turns"] == turns
+    assert metrics["eval/math/tool_failures/timeout"] == 0
+    # the budget is the whole episode's: each turn asks for what is left of it
+    assert max(engines.budgets) < 400 and len(set(engines.budgets)) > 1
+
+
+def test_the_evaluator_gives_each_pass_its_own_episode_runner():
+    from rlkit.rollout.eval import Evaluator
+
+    cfg = EvalConfig(datasets=[EvalDatasetConfig(name="game", path="x.jsonl")], n_samples=2, k=1,
+                     every_steps=1)
+    made = []
+
+    def episodes(sampling):
+        made.append(sampling)
+        return episode_runner_for(sampling)
+
+    prompts = [PromptRecord((1, 2), text="guess", label=x, source_index=i) for i, x in enumerate([5, 60])]
+
+    async def score(sample, group):
+        return 0.0
+
+    ev = Evaluator(cfg, {"game": prompts}, score, SamplingConfig(max_new_tokens=300), episodes=episodes)
+    results = run_virtual(ev.run(ScriptedTurns(), version=3))
+    assert len(made) == len(ev.passes) == len(results)
+    assert all(s.max_new_tokens == p.sampling.max_new_tokens for s, p in zip(made, ev.passes))
+    assert all(r.pass_at_1 == 1.0 and r.episodes["episodes/episodes_ended"] == r.samples for r in results)
