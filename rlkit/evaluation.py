@@ -5,7 +5,6 @@ recipe names none), and a multi-turn recipe's episodes (every pass plays them)."
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 from rlkit.rollout.config import RolloutConfig
@@ -16,9 +15,10 @@ from rlkit.rollout.rewards import ScoreFn
 
 def make_evaluator(cfg: EvalConfig, rollout: RolloutConfig, tokenizer: Any,
                    train_score: ScoreFn | None = None) -> Evaluator:
-    """A bad row or an unknown reward fails here, before any engine serves."""
+    """A bad row, an unknown reward, generator or environment fails here, before any engine
+    serves."""
     from rlkit.data.prompts import load_eval_sets
-    from rlkit.plugins import load_episode_runner
+    from rlkit.plugins import episode_runners
     from rlkit.rewards.scoring import make_score_fn, tokenizer_decode
 
     if cfg.reward is None:
@@ -27,8 +27,6 @@ def make_evaluator(cfg: EvalConfig, rollout: RolloutConfig, tokenizer: Any,
     else:
         reward = cfg.reward
         score = make_score_fn(reward, tokenizer_decode(tokenizer), key="eval.reward")
-    episodes = None
-    if rollout.episode.generator is not None:  # multi-turn: each pass plays episodes too
-        episodes = partial(load_episode_runner, rollout.episode, tokenizer=tokenizer)
     return Evaluator(cfg, load_eval_sets(cfg, tokenizer), score, rollout.sampling,
-                     reward_timeout_s=reward.timeout_s, episodes=episodes)
+                     reward_timeout_s=reward.timeout_s,
+                     episodes=episode_runners(rollout.episode, tokenizer))  # multi-turn: None when off

@@ -165,6 +165,15 @@ def load_ranker(cfg: "RankerConfig", **extra: Any) -> "LengthRanker | None":
 
 def load_episode_runner(cfg: "EpisodeConfig", sampling: "SamplingConfig", tokenizer: Any) -> "EpisodeRunner | None":
     """The recipe's multi-turn set-up (rollout.episode) over this tokenizer, or None when off."""
+    make = episode_runners(cfg, tokenizer)
+    return None if make is None else make(sampling)
+
+
+def episode_runners(cfg: "EpisodeConfig", tokenizer: Any
+                    ) -> "Callable[[SamplingConfig], EpisodeRunner] | None":
+    """Fresh episode runners of the recipe's multi-turn set-up, one per call with the sampling
+    given (evaluation's passes), or None when off. The plugins are resolved here, once: an
+    unknown generator or environment fails now, not at the first episode."""
     from rlkit.rollout.environments.tools import ToolRunner
     from rlkit.rollout.episodes import EpisodeRunner, TokenizerCodec
 
@@ -172,7 +181,10 @@ def load_episode_runner(cfg: "EpisodeConfig", sampling: "SamplingConfig", tokeni
         return None
     generator = resolve_plugin("generator", cfg.generator)
     make_env = resolve_plugin("environment", cfg.environment or "")
-    turn = sampling.model_copy(update={"stop": [*sampling.stop, *cfg.turn_stop]})
-    return EpisodeRunner(generator, make_env, TokenizerCodec(tokenizer, cfg.observation_template), turn,
-                         env_kwargs=cfg.env_kwargs,
-                         tools=ToolRunner(cfg.tool_concurrency, cfg.tool_timeout_s))
+    codec = TokenizerCodec(tokenizer, cfg.observation_template)
+
+    def make(sampling: "SamplingConfig") -> EpisodeRunner:
+        turn = sampling.model_copy(update={"stop": [*sampling.stop, *cfg.turn_stop]})
+        return EpisodeRunner(generator, make_env, codec, turn, env_kwargs=cfg.env_kwargs,
+                             tools=ToolRunner(cfg.tool_concurrency, cfg.tool_timeout_s))
+    return make

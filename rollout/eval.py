@@ -275,9 +275,9 @@ class Evaluator:
 
     def __init__(self, cfg: EvalConfig, datasets: dict[str, Sequence[PromptRecord]], score: ScoreFn,
                  base: SamplingConfig, reward_timeout_s: float = 30.0,
-                 episodes: Callable[[SamplingConfig], EpisodeRunner | None] | None = None) -> None:
+                 episodes: Callable[[SamplingConfig], EpisodeRunner] | None = None) -> None:
         """`episodes(sampling)`: a fresh episode runner for a pass's sampling (the recipe's
-        multi-turn set-up; rlkit.plugins.load_episode_runner), or None: one request each."""
+        multi-turn set-up; rlkit.plugins.episode_runners), or None: one request each."""
         missing = [d.name for d in cfg.datasets if not datasets.get(d.name)]
         if missing:
             raise ValueError(f"Evaluator: no prompts loaded for eval dataset(s) {missing}")
