@@ -341,9 +341,9 @@ def test_eval_passes():
 
 # -- multi-turn evaluation: each sample an episode, with its environment ---------------------
 class ScriptedTurns:
-    """Engines whose model plays the guessing game by bisection (tests/manager/test_episodes),
-    one token per character; `lose_at`: the request of that number (counted over the run)
-    loses its engine after its first token, as a dead worker does."""
+    """Engines over the scripted model of tests/manager/test_episodes (the guessing game by
+    bisection, one token per character); `lose_at`: the request of that number (counted over
+    the run) loses its engine after its first token, as a dead worker does."""
 
     def __init__(self, lose_at: int | None = None) -> None:
         self.lose_at, self.requests, self.budgets = lose_at, 0, []
@@ -353,25 +353,17 @@ class ScriptedTurns:
 
     async def generate(self, sample, sampling, *, max_new_tokens, version, worker=None):
         from rlkit.rollout.engine_api import WorkerLost
-        from rlkit.rollout.episodes import STATE_KEY
-        from tests.manager.test_episodes import STOP, CharCodec, next_turn
+        from tests.manager.test_episodes import STOP, ScriptedModel
 
         self.requests += 1
         self.budgets.append(max_new_tokens)
         assert STOP in sampling.stop  # the turn's stop, from the recipe's turn_stop
-        sample.start_request()
-        start = sample.metadata[STATE_KEY]["turn_start"]
-        text = CharCodec().decode(sample.response_ids)
-        for i, ch in enumerate(next_turn(text[:start])[len(text) - start:]):
-            if i == max_new_tokens:
-                sample.append([], [], version, finish_reason="length")
-                return "w0"
-            sample.append([ord(ch)], [-0.1], version)
-            if self.requests == self.lose_at:
-                sample.interrupt()
-                raise WorkerLost("w0")
-            await asyncio.sleep(0)
-        sample.append([], [], version, finish_reason="stop")
+        lost = self.requests == self.lose_at
+        model = ScriptedModel(sample, abort_at=1 if lost else None)
+        model.version = version
+        await model.generate(sampling)  # to the episode's budget, which max_new_tokens is left of
+        if lost:
+            raise WorkerLost("w0")
         return "w0"
 
 
