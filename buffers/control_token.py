@@ -4,9 +4,16 @@ Contract (other parts rely on these names):
 - the token travels in the environment variable `RLKIT_CONTROL_TOKEN` (`CONTROL_TOKEN_ENV`);
   every process of a run inherits it, it is never put in a recipe or a log;
 - clients send `Authorization: Bearer <token>` on every request (`auth_headers`);
-- a server with a token refuses its control endpoints without the header (401) or with another
-  token (403); /generate, /health and the read-only info endpoints stay open;
+- a server with a token answers every path but the probes (`OPEN_PREFIXES`: /health*, /ready*,
+  /metrics*, which carry no secret) only with the header: 401 without it, 403 with another
+  token (`needs_token`, `check_authorization`). It is SGLang's rule with `--api-key` and
+  `--admin-api-key` both set to the token (sglang/srt/utils/auth.py): generation and the info
+  endpoints are guarded too, because SGLang's /server_info returns every server argument, the
+  keys included, to whoever may read it;
 - a server bound beyond loopback without a token refuses to start (`check_bind`).
+
+Also here: `collectives_on_loopback`, which keeps the sockets of torch.distributed's gloo and
+NCCL on the loopback interface when every process of a group is on this machine.
 
 Here, at the bottom of the package graph and stdlib only, because both sides need it: the
 engine servers and the client (rollout, through rollout.auth) and the trainer's weight sync
@@ -18,9 +25,13 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import os
-from typing import Mapping
+import socket
+from typing import Mapping, MutableMapping
 
 CONTROL_TOKEN_ENV = "RLKIT_CONTROL_TOKEN"
+# Paths a server answers without the token: liveness, readiness and metrics probes (SGLang
+# matches them by prefix, so /health_generate is one)
+OPEN_PREFIXES = ("/health", "/ready", "/metrics")
 
 class ControlTokenMissing(ValueError):
     """A server would listen beyond loopback with nothing guarding its control endpoints."""
@@ -53,6 +64,11 @@ def check_bind(host: str, token: str | None, what: str) -> None:
             "127.0.0.1 (rollout.engine.host / rollout.router.host)")
 
 
+def needs_token(path: str) -> bool:
+    """Whether a server with a token refuses `path` without it (every path but the probes)."""
+    return not path.startswith(OPEN_PREFIXES)
+
+
 def auth_headers(token: str | None) -> dict[str, str]:
     """Headers that carry the token (none without one)."""
     return {"Authorization": f"Bearer {token}"} if token else {}
@@ -67,3 +83,26 @@ def check_authorization(header: str | None, token: str) -> int | None:
         return 401
     # constant time: a wrong guess tells nothing about how much of it was right
     return None if hmac.compare_digest(given.strip().encode(), token.encode()) else 403
+
+
+# The variables gloo and NCCL read for the interface their sockets bind (gloo's pairs, NCCL's
+# bootstrap and socket transport). Unset, each picks an interface of its own: the address the
+# machine's hostname resolves to, or the first one that is up, either of them beyond loopback.
+COLLECTIVE_INTERFACE_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def loopback_interface() -> str:
+    """The loopback interface's name ('lo' on Linux, 'lo0' on macOS)."""
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in ("lo", "lo0") if n in names), "lo")
+
+
+def collectives_on_loopback(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """Set gloo's and NCCL's interface to loopback in `environ` (this process's environment by
+    default) where the user has not chosen one; what it set. For groups whose every rank is on
+    this machine (a local run, a trainer world of one node): their sockets then take no
+    connection from another machine (torch.distributed's sockets have no authentication)."""
+    env = os.environ if environ is None else environ
+    chosen = {k: loopback_interface() for k in COLLECTIVE_INTERFACE_ENV if not env.get(k)}
+    env.update(chosen)
+    return chosen

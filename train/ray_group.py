@@ -99,12 +99,14 @@ class TrainWorker:
         self.batch = None  # the rollout batch being trained (train.stream.RolloutBatchStep)
         self.fault = TrainerFault.from_env(rank)  # test-only: None unless a test set it
 
-    def master_address(self) -> tuple[str, int]:
+    def master_address(self, loopback: bool = False) -> tuple[str, int]:
+        """Where the world's rendezvous store listens (this rank, rank 0, hosts it): loopback
+        when every rank is on this node, else the node's address."""
         import ray
 
         from rlkit.train.megatron.parallel import free_port
 
-        ip = ray.util.get_node_ip_address()
+        ip = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
         return ip, free_port(ip)
 
     def setup(self, master: tuple[str, int], model_path: str, config: dict, temperature: float) -> dict:
@@ -208,10 +210,13 @@ class TrainerGroup:
         threads_per_worker: int | None = None,
         scheduling: Sequence[Any] | None = None,
         control_token: str | None = None,
+        loopback: bool = False,
     ) -> None:
         """`scheduling`: one Ray scheduling strategy per rank (rlkit.driver.cluster gives each
         rank its placement-group bundle); None lets Ray place them. `control_token`: the run's
-        token for the engines' control endpoints, put in every rank's environment."""
+        token for the engines' control endpoints, put in every rank's environment.
+        `loopback`: every rank is on this node, so the world meets on 127.0.0.1 and its gloo or
+        NCCL sockets bind loopback (train.megatron.parallel.init_parallel)."""
         import ray
 
         self.config = config
@@ -235,7 +240,7 @@ class TrainerGroup:
             self.workers.append(actor_cls.options(**options).remote(rank, world, self.tp, threads,
                                                                     control_token))
         try:
-            master = ray.get(self.workers[0].master_address.remote())
+            master = ray.get(self.workers[0].master_address.remote(loopback))
             self.ranks = ray.get(
                 [
                     w.setup.remote(master, str(model_path), config.model_dump(), temperature)

@@ -596,11 +596,9 @@ def _measure_one(kind: str, path: str, batch, cfg, *, steps: int, cpus: int) -> 
 def bench_length_mix(*, model: str, samples: int, prompt: int, median: int, sigma: float, cap: int,
                      dp: int, micro_batch_size: int, max_tokens: int, steps: int, cpus: int,
                      kinds: tuple[str, ...] = MIX_CONFIGS) -> dict:
-    import ray
-
+    from rlkit.driver.local_ray import local_ray
     from rlkit.train.hf_io import read_config
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     load_before = os.getloadavg()
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="rlkit-bench-train-") as tmp:
@@ -608,12 +606,9 @@ def bench_length_mix(*, model: str, samples: int, prompt: int, median: int, sigm
         batch = length_mix_batch(int(read_config(path)["vocab_size"]), samples=samples, prompt=prompt,
                                  median=median, sigma=sigma, cap=cap)
         lengths = sorted(s.length for s in batch.samples)
-        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
-        try:
+        with local_ray(cpus):
             configs = measure_length_mix(path, batch, dp=dp, micro_batch_size=micro_batch_size,
                                          max_tokens=max_tokens, steps=steps, cpus=cpus, kinds=kinds)
-        finally:
-            ray.shutdown()
     return {
         "length_mix": {
             "model": model, "dp": dp, "samples": samples, "prompt_tokens": prompt,
@@ -635,16 +630,14 @@ def bench_train(
     packing_rounds: int,
     sync_model: str, sync_rounds: int, sync_receivers: list[str],
 ) -> dict:
-    import ray
+    from rlkit.driver.local_ray import local_ray
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     load_before = os.getloadavg()
     t_start = time.perf_counter()
     result: dict = {"training": [], "packing": [], "weight_sync": []}
     with tempfile.TemporaryDirectory(prefix="rlkit-bench-train-") as tmp:
         workdir = Path(tmp)
-        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
-        try:
+        with local_ray(cpus):
             for name in models:
                 path = model_path(name, workdir)
                 for tp in tps:
@@ -652,8 +645,6 @@ def bench_train(
                         result["training"].append({"model": name, "tp": tp, "skipped": "9 heads / 3 KV heads do not split over TP=2; see smollm2-shaped"})
                         continue
                     result["training"].append(time_training(path, name, tp, steps, cpus))
-        finally:
-            ray.shutdown()
         if compare_padding:
             result["packing"] = [
                 compare_packing(model_path(name, workdir), name, max(2, packing_rounds))

@@ -20,9 +20,9 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from rlkit.buffers.control_token import is_loopback
 from rlkit.config.schema import Recipe
 from rlkit.driver.actors import EngineActor, RolloutActor
+from rlkit.driver.local_ray import LocalRay
 from rlkit.driver.placement import (
     ClusterJoinError,
     PlacementError,
@@ -46,9 +46,10 @@ class Cluster:
 
     Placement follows `rlkit.driver.placement` (trainer groups first, then one engine group).
     On a cluster of several nodes each engine binds its node's address (unless the recipe names
-    another engine host) and, whenever anything binds beyond loopback, a fresh per-run control
-    token reaches every actor (an argument it puts in its environment as RLKIT_CONTROL_TOKEN),
-    never the recipe or logs.
+    another engine host); on one node everything the run starts itself binds loopback. A fresh
+    per-run control token reaches every actor (an argument it puts in its environment as
+    RLKIT_CONTROL_TOKEN), never the recipe or logs. A Ray it starts runs with Ray's token
+    authentication and a token of its own (rlkit.driver.local_ray).
     """
 
     def __init__(self, recipe: Recipe, model_path: str, run_dir: Path) -> None:
@@ -66,6 +67,7 @@ class Cluster:
         self.bind_node_address = False  # engines bind their node's address, not loopback
         self._control_token: str | None = None
         self._connected = False  # this object called ray.init (so it calls ray.shutdown)
+        self._local_ray: LocalRay | None = None  # the Ray this run started, if it started one
         self.joined: str | None = None  # the address of a cluster joined, not started
 
     # -- Ray connection ------------------------------------------------------------------------
@@ -76,26 +78,27 @@ class Cluster:
             return
         r = self.recipe
         address = resolve_address(r.cluster.address, os.environ)
-        common = dict(include_dashboard=False, log_to_driver=False, configure_logging=False)
         if address == "local":
-            os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local job needs no token
             eng = r.rollout.engine
             world = r.train.parallelism.tensor * r.train.parallelism.data
             cpus = eng.num_engines * r.cluster.cpus_per_engine + world * r.cluster.cpus_per_train_worker
             if r.cluster.placement == "colocated":  # the engines' CPUs are in the ranks' bundles
                 cpus = world * colocated_rank_cpus(eng.num_engines, world, r.cluster.cpus_per_train_worker,
                                                    r.cluster.cpus_per_engine)
-            ray.init(address="local", num_cpus=local_num_cpus(cpus), **common)
+            self._local_ray = LocalRay()  # token auth with this run's own token (local_ray.py)
+            self._local_ray.start(local_num_cpus(cpus))
         else:
             where = (f"cluster.address {r.cluster.address!r}, RAY_ADDRESS "
                      f"{os.environ.get('RAY_ADDRESS', '')!r}")
             try:
                 # Ray waits minutes on an address where nothing listens: fail in seconds instead
                 check_reachable(address)
-                ray.init(address=address, **common)
+                ray.init(address=address, include_dashboard=False, log_to_driver=False,
+                         configure_logging=False)
             except Exception as e:
                 raise ClusterJoinError(f"cannot join the Ray cluster at {address!r} ({where}): {e}") from e
             self.joined = address
+            _warn_if_open(address)
         self._connected = True
 
     # -- placement -----------------------------------------------------------------------------
@@ -205,9 +208,9 @@ class Cluster:
             # Several nodes: an engine must be reachable from the others, so it binds its node's
             # address; a host the recipe names (anything but the loopback default) is kept.
             self.bind_node_address = self.multi_node and eng.host == DEFAULT_HOST
-            beyond_loopback = (self.bind_node_address or not is_loopback(eng.host)
-                               or not is_loopback(r.rollout.router.host))
-            token = self._control_token = secrets.token_urlsafe(32) if beyond_loopback else None
+            # Every run has a control token, on loopback too: every endpoint of its engines and
+            # router but the health probes needs it (buffers/control_token.py)
+            token = self._control_token = secrets.token_urlsafe(32)
 
             engine_cls = ray.remote(EngineActor)
             self.engines = [
@@ -241,6 +244,7 @@ class Cluster:
                 num_gpus_per_worker=rank_bundle.get("GPU", 0.0) * self.plan.gpu_share,
                 scheduling=[self._strategy(self.trainer_groups[g], b) for g, b in self.plan.trainer_slots()],
                 control_token=token,
+                loopback=not self.multi_node,  # one node: the ranks' rendezvous on 127.0.0.1
             )
         except BaseException:
             self.shutdown()
@@ -271,8 +275,27 @@ class Cluster:
         self.trainer_groups, self.engine_group = [], None
         self._control_token = None
         if self._connected:
-            ray.shutdown()  # on a joined cluster this only disconnects the driver
+            if self._local_ray is not None:
+                self._local_ray.stop()  # and the environment it started with is restored
+                self._local_ray = None
+            else:
+                ray.shutdown()  # on a joined cluster this only disconnects the driver
             self._connected = False
+
+
+def _warn_if_open(address: str) -> None:
+    """Say so when the joined cluster took this driver without a token: it has no token
+    authentication, so anyone who can reach it can run code in it (docs/reliability.md, "On a
+    cluster of several nodes: what the operator sets")."""
+    import warnings
+
+    from ray._raylet import AuthenticationMode, get_authentication_mode
+
+    if get_authentication_mode() != AuthenticationMode.TOKEN:
+        warnings.warn(f"the Ray cluster at {address!r} accepted this run without a token: it runs "
+                      "without token authentication, and anyone who can reach it can run code in "
+                      "it. Start its nodes with RAY_AUTH_MODE=token and one RAY_AUTH_TOKEN "
+                      "(docs/reliability.md, 'Who can reach a run')", stacklevel=3)
 
 
 def _driver_node_id() -> str | None:

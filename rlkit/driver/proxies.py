@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import re
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Sequence
 
 from rlkit.buffers.errors import UserError
 from rlkit.config.schema import Recipe

@@ -29,8 +29,10 @@ def test_a_joined_cluster_keeps_running_after_the_run(monkeypatch, tmp_path):
         monkeypatch.setenv("RAY_ADDRESS", c.address)
         recipe = load_recipe(None, ["rollout.engine.num_engines=1", "cluster.placement_timeout_s=2"])
         cluster = Cluster(recipe, "no-model-needed", tmp_path)
-        # the trainer rank's group is placed on the free CPU; the engine's cannot be
-        with pytest.raises(PlacementError, match="placement group 'engines'"):
+        # the trainer rank's group is placed on the free CPU; the engine's cannot be. The
+        # cluster runs without token authentication: the run says so
+        with pytest.raises(PlacementError, match="placement group 'engines'"), \
+                pytest.warns(UserWarning, match="accepted this run without a token"):
             cluster.start()
         assert cluster.joined == c.address
         assert not ray.is_initialized()  # the driver left the cluster...

@@ -1,17 +1,21 @@
 """Ctrl-C during a run: everything shuts down, no process or port is left behind, and the run
-can be resumed from its last checkpoint."""
+can be resumed from its last checkpoint. While it runs, nothing of it can be entered from the
+network without its secrets (every listening socket probed, and a Ray client tried)."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.e2e.test_train_tiny import processes_with
+from tests.netprobe import listeners, own_address, probe, process_tree, refused
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -41,8 +45,70 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def test_ctrl_c_stops_every_process_and_the_run_resumes(tmp_path):
-    env = {**os.environ, "RLKIT_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+def environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+    except OSError:
+        return {}
+    return dict(x.split("=", 1) for x in raw.split("\0") if "=" in x)
+
+
+def closed_to_the_network(root: int, tmp_path: Path) -> dict[str, str]:
+    """Every listening socket of the run (the process tree under `root`: Ray's GCS, raylet and
+    runtime-env agent, every actor, engines, router, trainer ranks, their gloo sockets) is on
+    loopback or refuses a caller from the machine's address without a token; a Ray client
+    without the token cannot join the run's Ray. Returns the run's secrets, read from its
+    processes' environments."""
+    tree = process_tree(root)
+    socks = listeners(tree)
+    host = own_address() or "127.0.0.1"  # a wildcard socket is reached at either
+    open_ = [f"{s.process} {s.address}:{s.port}: {outcome}" for s in socks if not s.loopback_only
+             for outcome in [probe(host if s.address in ("0.0.0.0", "::") else s.address, s.port)]
+             if not refused(outcome)]
+    assert not open_, "reachable without a token:\n" + "\n".join(open_)
+    names = {s.process for s in socks}
+    assert {"gcs_server", "raylet", "sglang::router"} <= names, names  # the probe saw the run
+    assert any("hf_server" in n for n in names) and any("TrainWorker" in n for n in names), names
+    # beyond loopback: Ray's own servers only (every engine, router, store and gloo socket of
+    # the run's own is on 127.0.0.1)
+    outside = {s.process for s in socks if not s.loopback_only}
+    assert all(n.startswith(("ray::", "raylet", "gcs_server", "python -m rlkit.cli")) for n in outside), outside
+
+    gcs = next(s for s in socks if s.process == "gcs_server")
+    home = tmp_path / "stranger"  # no ~/.ray/auth_token of the user's to find
+    home.mkdir()
+    stranger = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RLKIT_"))}
+    # one try (Ray retries a GCS it cannot use once a second, 20 times by default)
+    client = subprocess.run(
+        [sys.executable, "-c", f"import ray; ray.init(address='{host}:{gcs.port}'); "
+                               "print('joined', ray.cluster_resources())"],
+        env={**stranger, "HOME": str(home), "RAY_gcs_server_port_wait_time_s": "1"},
+        capture_output=True, text=True, timeout=120)
+    assert client.returncode != 0 and "joined" not in client.stdout, client.stdout
+    assert "InvalidAuthToken" in client.stderr, client.stderr[-2000:]
+
+    secrets = {}
+    for pid in tree:
+        env = environ(pid)
+        for name in ("RAY_AUTH_TOKEN", "RLKIT_CONTROL_TOKEN"):
+            if env.get(name):
+                secrets[name] = env[name]
+    assert set(secrets) == {"RAY_AUTH_TOKEN", "RLKIT_CONTROL_TOKEN"}
+    assert not (Path.home() / ".ray" / "auth_token").exists()  # Ray wrote no token file
+    return secrets
+
+
+@pytest.fixture
+def ray_tmp():
+    """Ray's session folder for the run, to search afterwards (short: Ray's socket paths)."""
+    path = Path(tempfile.mkdtemp(prefix="rk", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_ctrl_c_stops_every_process_and_the_run_resumes(tmp_path, ray_tmp):
+    env = {**os.environ, "RLKIT_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1",
+           "RAY_TMPDIR": str(ray_tmp)}
     out = tmp_path / "runs"
     cmd = [sys.executable, "-m", "rlkit.cli", "train", str(ROOT / "recipes" / "grpo_tiny_ci.yaml"),
            f"run.output_dir={out}", "run.num_steps=200", "checkpoint.every_steps=1",
@@ -65,6 +131,7 @@ def test_ctrl_c_stops_every_process_and_the_run_resumes(tmp_path):
     assert running, "no engine process found while the run was going"
     ports = listening_ports(running)
     assert ports
+    secrets = closed_to_the_network(proc.pid, tmp_path)
 
     os.killpg(proc.pid, signal.SIGINT)
     output, _ = proc.communicate(timeout=180)
@@ -74,6 +141,12 @@ def test_ctrl_c_stops_every_process_and_the_run_resumes(tmp_path):
         time.sleep(0.5)
     assert processes_with(model) == [], "engine processes outlived the run"
     assert listening_ports(running) == set()
+
+    # neither secret was written down: not in the run folder, nor in Ray's session logs
+    for name, value in secrets.items():
+        hits = [str(f) for d in (out, ray_tmp) for f in d.rglob("*")
+                if f.is_file() and value.encode() in f.read_bytes()]
+        assert not hits, f"{name} written to {hits}"
 
     # the interrupted run resumes from its newest checkpoint
     done = len(metrics.read_text().splitlines())

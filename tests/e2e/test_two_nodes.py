@@ -6,6 +6,8 @@ steps train and push weights across the nodes, and the joined cluster keeps runn
 with nothing of the run left on it."""
 
 import os
+import secrets
+import warnings
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -59,12 +61,16 @@ def test_two_nodes_placement_addresses_and_steps(tmp_path, monkeypatch):
     # 2 + 2 CPUs: the trainer's STRICT_PACK group (2 x 1 CPU) fills one node, so both engine
     # bundles (1 CPU each) must go to the other
     nodes = [{"num_cpus": 2, "resources": {"node_a": 1}}, {"num_cpus": 2, "resources": {"node_b": 1}}]
-    with external_cluster(monkeypatch, nodes) as c:
+    # the cluster as an operator should start one: Ray's token authentication, one token
+    with external_cluster(monkeypatch, nodes, token=secrets.token_urlsafe(32)) as c:
         recipe = load_recipe(ROOT / "recipes" / "grpo_tiny_ci.yaml", [
             f"run.output_dir={out}", "tracking.progress=false", "run.num_steps=2",
             f"cluster.address={c.address}", "train.parallelism.data=2",
         ])
-        state = train(recipe)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            state = train(recipe)
+        assert not [w for w in said if "without a token" in str(w.message)]  # it has one
 
         where = seen["where"]
         print("landed:", {"trainer": [seen["labels"][n] for n in seen["trainer_nodes"]],
@@ -77,8 +83,8 @@ def test_two_nodes_placement_addresses_and_steps(tmp_path, monkeypatch):
         for url, node in zip(seen["urls"], where["engines"]):
             assert urlsplit(url).hostname == where["addresses"][node]  # as Ray reports the node
 
-        # the token was made (engines bind beyond loopback) and written nowhere: not in the
-        # run's folder (recipe.yaml, logs), not in Ray's logs of the cluster
+        # the control token was made and written nowhere: not in the run's folder
+        # (recipe.yaml, logs), not in Ray's logs of the cluster
         token = seen["token"]
         assert token
         assert seen["actor_tokens"] == [token] * 5  # 2 engines, the rollout actor, 2 ranks

@@ -322,28 +322,21 @@ def bench_buffer_actor(groups: int, samples: int, batch_size: int, loops: list[s
     if ray_loops:
         import ray
 
-        started = _ray_up()
+        from rlkit.driver.local_ray import LocalRay
+
+        own = None if ray.is_initialized() else LocalRay()  # as a run starts it (token auth)
+        if own is not None:
+            own.start(max(2, os.cpu_count() or 1))
         try:
             for loop in ray_loops:
                 out["loops"][loop] = _one_ray_loop(loop, steps, samples, batch_size, seed)
         finally:
-            if started:
-                ray.shutdown()
+            if own is not None:
+                own.stop()
     if "in-process" in loops:  # last: it holds nothing afterwards, but runs in this process
         out["loops"]["in-process"] = _in_process_loop(steps, samples, batch_size, seed)
     out["ok"] = all(r["accounting"]["ok"] for r in out["loops"].values())
     return out
-
-
-def _ray_up() -> bool:
-    import ray
-
-    if ray.is_initialized():
-        return False
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local job needs no token
-    ray.init(num_cpus=max(2, os.cpu_count() or 1), include_dashboard=False,
-             log_to_driver=False, configure_logging=False)
-    return True
 
 
 def _one_ray_loop(loop: str, steps: int, samples: int, batch_size: int, seed: int) -> dict[str, Any]:

@@ -27,13 +27,12 @@ def tiny_llama_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """A local Ray with 2 CPUs for this module; stopped afterwards (no orphan processes)."""
+    """A local Ray with 2 CPUs for this module, as a run starts it (token auth); stopped
+    afterwards (no orphan processes)."""
     import ray
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    from rlkit.driver.local_ray import local_ray
+
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    try:
+    with local_ray(2):
         yield ray
-    finally:
-        ray.shutdown()

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from rlkit.buffers.control_token import collectives_on_loopback, is_loopback
+
 
 @dataclass(frozen=True)
 class RankInfo:
@@ -30,6 +32,28 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def bound_tcp_store(host: str, port: int, world_size: int,
+                    timeout: datetime.timedelta) -> dist.TCPStore:
+    """The rendezvous store of rank 0, listening on `host` only. torch's own TCPStore server
+    listens on every interface whatever address it is given (measured: tcp://127.0.0.1:P
+    listens on *:P), which would open the trainer's store to the network on a loopback run; a
+    socket bound here and handed over keeps it where the recipe says."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        fd = sock.fileno()
+        store = dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout,
+                              master_listen_fd=fd, wait_for_workers=True, multi_tenant=False)
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store listens on this fd now: the socket object must not close it
+    return store
 
 
 def resolve_device(name: str) -> torch.device:
@@ -65,12 +89,19 @@ def init_parallel(
     else:
         if device.type == "cuda":
             torch.cuda.set_device(device.index if device.index is not None else 0)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if is_loopback(master_addr):  # one node: no socket of the world beyond loopback
+            collectives_on_loopback()
+        # rank 0's store listens on master_addr only (torch's own would listen everywhere)
+        store = (bound_tcp_store(master_addr, master_port, world_size, timeout) if rank == 0
+                 else dist.TCPStore(master_addr, master_port, world_size, is_master=False,
+                                    timeout=timeout))
         dist.init_process_group(
             "nccl" if device.type == "cuda" else "gloo",
-            init_method=f"tcp://{master_addr}:{master_port}",
+            store=store,
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=timeout,
         )
     if device.type == "cpu":
         from rlkit.train.megatron.cpu_shim import apply_cpu_shim

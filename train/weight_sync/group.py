@@ -11,10 +11,12 @@ server must join the same way (it uses the same torch).
 from __future__ import annotations
 
 import datetime
-import socket
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
+
+from rlkit.buffers.control_token import collectives_on_loopback, is_loopback
+from rlkit.train.megatron.parallel import bound_tcp_store
 
 
 def join_weight_group(
@@ -29,6 +31,8 @@ def join_weight_group(
 ) -> dist.ProcessGroup:
     """Create (rank 0) or join (rank > 0) the weight-update group; blocks until all have joined."""
     timeout = datetime.timedelta(seconds=timeout_s)
+    if is_loopback(master_address):  # every member on this machine: gloo/NCCL on loopback too
+        collectives_on_loopback()
     if rank == 0:
         store: dist.Store = bound_tcp_store(master_address, master_port, world_size, timeout)
     else:
@@ -50,28 +54,6 @@ def join_weight_group(
     )
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
-
-
-def bound_tcp_store(host: str, port: int, world_size: int,
-                    timeout: datetime.timedelta) -> dist.TCPStore:
-    """The rendezvous store of rank 0, listening on `host` only. torch's own TCPStore server
-    listens on every interface whatever address it is given (measured: tcp://127.0.0.1:P
-    listens on *:P), which would open the trainer's store to the network on a loopback run; a
-    socket bound here and handed over keeps it where the recipe says."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(128)
-        fd = sock.fileno()
-        store = dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout,
-                              master_listen_fd=fd, wait_for_workers=True, multi_tenant=False)
-    except BaseException:
-        sock.close()
-        raise
-    sock.detach()  # the store listens on this fd now: the socket object must not close it
-    return store
 
 
 def leave_weight_group(group: dist.ProcessGroup) -> None:

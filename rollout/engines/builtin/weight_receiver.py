@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from rlkit.buffers.control_token import collectives_on_loopback, is_loopback
+
 DTYPES = {
     "float32": torch.float32, "float": torch.float32, "float16": torch.float16,
     "half": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
@@ -138,6 +140,8 @@ def create_group(*, master_address: str, master_port: int, rank: int, world_size
     if backend not in ("gloo", "nccl"):
         raise WeightUpdateError(f"backend must be gloo or nccl, got {backend!r}")
     timeout = datetime.timedelta(seconds=timeout_s)
+    if is_loopback(master_address):  # every member on this machine: gloo/NCCL on loopback too
+        collectives_on_loopback()
     store, rank, world_size = next(
         c10d.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
     )
