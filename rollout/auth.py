@@ -1,21 +1,24 @@
 """Control-token checks of rlkit's servers: the contract lives in buffers.control_token (the
-trainer side needs it too); this adds which endpoints of the built-in engine server it guards."""
+trainer side needs it too); this adds which endpoints of an engine change its state."""
 
 from __future__ import annotations
 
 from rlkit.buffers.control_token import (  # noqa: F401 - re-exported: the rollout side's one import
     CONTROL_TOKEN_ENV,
+    OPEN_PREFIXES,
     ControlTokenMissing,
     auth_headers,
     check_authorization,
     check_bind,
     control_token_from_env,
     is_loopback,
+    needs_token,
 )
 
-# Built-in engine server endpoints that change server state (SGLang's names). The router's own
-# state-changing endpoints (/workers, /flush_cache) are guarded by the router itself
-# (--control-plane-api-keys, rollout.router).
+# Engine endpoints that change server state (SGLang's names; SGLang's admin endpoints). With a
+# token every endpoint but the probes needs it (needs_token), these included; the list says
+# which calls steer an engine (the fuzz and the docs read it). The router's own state-changing
+# endpoints (/workers, /flush_cache) are guarded by the router itself (rollout.router).
 CONTROL_PATHS = frozenset({
     "/abort_request",
     "/pause_generation",

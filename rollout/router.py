@@ -35,6 +35,7 @@ from rlkit.rollout.engines.process import (
     port_is_free,
     spawn,
 )
+from rlkit.rollout.token_exec import TOKEN_PLACEHOLDER
 
 
 class RouterError(UserError, RuntimeError):
@@ -80,7 +81,9 @@ class Router:
         self.port: int | None = None
         self.prometheus_port: int | None = None
         # With the run's control token, the router's control plane (/workers, /flush_cache)
-        # answers 401 without it (--control-plane-api-keys); /generate and /health stay open.
+        # answers 401 without it (--control-plane-api-keys), and so does /generate (--api-key),
+        # which it also sends to the engines on every request and probe (they need it: see
+        # sglang_launcher.sglang_auth_flags); /health and Prometheus' /metrics stay open.
         self.control_token = control_token_from_env()
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -109,9 +112,11 @@ class Router:
         if worker_urls:
             argv += ["--worker-urls", *worker_urls]
         argv += list(c.extra_args)
-        if self.control_token is not None:  # the key joins the arguments inside the process
-            argv[1:3] = ["-m", "rlkit.rollout.token_exec", "--control-plane-api-keys",
-                         "rlkit:rlkit:admin:{token}", "sglang_router.launch_router"]
+        if self.control_token is not None:  # the keys join the arguments inside the process
+            # --api-key=VALUE: a token may begin with '-', which argparse takes for a flag
+            argv += [f"--api-key={TOKEN_PLACEHOLDER}",
+                     "--control-plane-api-keys", f"rlkit:rlkit:admin:{TOKEN_PLACEHOLDER}"]
+            argv[1:3] = ["-m", "rlkit.rollout.token_exec", "sglang_router.launch_router"]
         return argv
 
     def start(self, worker_urls: Sequence[str] = (), *, wait_for_workers: bool = True) -> str:

@@ -6,8 +6,9 @@ False/None -> omitted, a list -> repeated values). Each server gets its own GPUs
 `--base-gpu-id`, its own port, and is polled on /health_generate (a real one-token generation)
 before it counts as up. Where sglang is not installed this fails with a clear error instead of
 an ImportError deep in a subprocess. With a control token ($RLKIT_CONTROL_TOKEN) SGLang gets it
-as its admin key (`sglang_auth_flag`), added inside the process (rollout.token_exec), never on
-the command line; beyond loopback without a token a server is not started.
+as its API key and its admin key (`sglang_auth_flags`), added inside the process
+(rollout.token_exec, which also blanks it out of the log), never on the command line; beyond
+loopback without a token a server is not started.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from rlkit.buffers.errors import UserError
 from rlkit.rollout.auth import ControlTokenMissing, check_bind, control_token_from_env
 from rlkit.rollout.engines.config import EngineConfig
 from rlkit.rollout.engines.process import ManagedProcess, ProcessStartError, free_port, spawn
+from rlkit.rollout.token_exec import TOKEN_PLACEHOLDER
 
 
 class SGLangNotInstalled(UserError, RuntimeError):
@@ -58,12 +60,18 @@ def passthrough_args(extra: dict[str, Any]) -> list[str]:
     return out
 
 
-def sglang_server_argv(model_path: str, config: EngineConfig, *, index: int, port: int) -> list[str]:
+def sglang_server_argv(model_path: str, config: EngineConfig, *, index: int, port: int,
+                       base_gpu_id: int | None = None) -> list[str]:
+    """`base_gpu_id`: the first of the engine's GPUs among those CUDA_VISIBLE_DEVICES shows it;
+    by default engine `index` takes the index-th run of gpus_per_engine (a fleet started where
+    every GPU is visible). Under Ray each engine sees only its bundle's GPUs: 0."""
+    if base_gpu_id is None:
+        base_gpu_id = index * config.gpus_per_engine
     argv = [
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", model_path, "--host", config.host, "--port", str(port),
         "--tp-size", str(config.gpus_per_engine),
-        "--base-gpu-id", str(index * config.gpus_per_engine),
+        "--base-gpu-id", str(base_gpu_id),
         "--random-seed", str(config.seed + index),
         "--max-running-requests", str(config.max_running_requests),
         "--stream-interval", str(config.stream_interval),
@@ -81,22 +89,25 @@ def sglang_server_argv(model_path: str, config: EngineConfig, *, index: int, por
         raise ValueError(f"rollout.engine.sglang_args sets {clashes}, which rlkit derives from "
                          "other engine fields; set those fields instead")
     argv += passthrough_args(config.sglang_args)
-    if control_token_from_env() is not None:  # the key joins the arguments inside the process
-        argv[1:3] = ["-m", "rlkit.rollout.token_exec", sglang_auth_flag(), "{token}",
-                     "sglang.launch_server"]
+    if control_token_from_env() is not None:  # the keys join the arguments inside the process
+        # FLAG=VALUE: a token may begin with '-', which argparse takes for a flag after a space
+        argv += [f"{flag}={TOKEN_PLACEHOLDER}" for flag in sglang_auth_flags()]
+        argv[1:3] = ["-m", "rlkit.rollout.token_exec", "sglang.launch_server"]
     return argv
 
 
-def sglang_auth_flag(package_root: str | Path | None = None) -> str:
-    """How the installed SGLang (or the one unpacked at `package_root`) takes the control
-    token. '--admin-api-key' where it has one (sglang/srt/utils/auth.py: weight updates, abort,
-    pause/continue, flush_cache and the other admin endpoints need `Bearer <key>`; /generate,
-    /health*, /metrics stay open); else '--api-key' (older SGLang: every endpoint but /health*
-    and /metrics needs it, /generate included; rlkit's client sends it on every request, and
-    sglang-router 0.3.2 passes the client's Authorization header through on /generate). Read
-    from the source, not by importing sglang (a slow, GPU-initialising import): the server
-    arguments sat in srt/server_args.py until 0.5.x, and 0.5.23 declares them per group in
-    srt/arg_groups/fields/*.py (admin_api_key in serving.py)."""
+def sglang_auth_flags(package_root: str | Path | None = None) -> list[str]:
+    """The flags that give the installed SGLang (or the one unpacked at `package_root`) the
+    control token: `--api-key`, and `--admin-api-key` where it has one. Both, because of what
+    each guards (sglang/srt/utils/auth.py): the admin key alone guards the admin endpoints
+    (weight updates, abort, pause/continue, flush_cache, sleep/wake) but leaves every other
+    endpoint open, /server_info included, which returns every server argument, the admin key
+    among them (srt/utils/common.py build_server_info); the API key guards all but /health*,
+    /ready* and /metrics*, and with both set the admin endpoints take the admin key. The
+    router sends it to the engines (rollout.router: its --api-key), rlkit's clients send it on
+    every request. Read from the source, not by importing sglang (a slow, GPU-initialising
+    import): the server arguments sat in srt/server_args.py until 0.5.x, and 0.5.23 declares
+    them per group in srt/arg_groups/fields/*.py (admin_api_key in serving.py)."""
     if package_root is None:
         spec = importlib.util.find_spec("sglang")
         roots = list(spec.submodule_search_locations or []) if spec else []
@@ -105,20 +116,21 @@ def sglang_auth_flag(package_root: str | Path | None = None) -> str:
     for root in map(Path, roots):
         sources = [root / "srt" / "server_args.py", *sorted((root / "srt" / "arg_groups").rglob("*.py"))]
         if any(f.is_file() and "admin_api_key" in f.read_text(errors="replace") for f in sources):
-            return "--admin-api-key"
-    return "--api-key"
+            return ["--api-key", "--admin-api-key"]
+    return ["--api-key"]
 
 
 def start_sglang_server(model_path: str, config: EngineConfig, *, index: int,
-                        log_path: Path | None = None) -> ManagedProcess:
-    """Start SGLang server `index` and wait until it generates."""
+                        log_path: Path | None = None, base_gpu_id: int | None = None) -> ManagedProcess:
+    """Start SGLang server `index` and wait until it generates (`base_gpu_id`: as in
+    sglang_server_argv)."""
     require_sglang()
     try:
         check_bind(config.host, control_token_from_env(), f"SGLang server {index}")
     except ControlTokenMissing as e:
         raise ProcessStartError(str(e)) from None
     port = free_port(config.host)
-    argv = sglang_server_argv(model_path, config, index=index, port=port)
+    argv = sglang_server_argv(model_path, config, index=index, port=port, base_gpu_id=base_gpu_id)
     proc = spawn(f"sglang-{index}", argv, log_path=log_path)
     proc.url = f"http://{config.host}:{port}"
     try:

@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 from rlkit.rollout.auth import (CONTROL_PATHS, CONTROL_TOKEN_ENV, ControlTokenMissing, auth_headers,
                           check_authorization, check_bind, is_loopback)
 from rlkit.rollout.engines.config import EngineConfig, RouterConfig
+from tests.netprobe import own_address
 
-TOKEN = "test-token-0123456789"
+TOKEN = "-test-token-0123456789"  # a leading '-', as secrets.token_urlsafe may give
 
 
 # -- the decision functions ---------------------------------------------------------------------
@@ -84,20 +85,39 @@ def generate_ok(url: str, **headers: str) -> list[int]:
     return ids
 
 
-def test_control_endpoints_need_the_token_and_the_rest_stays_open(server):
+def _routes() -> set[tuple[str, str]]:
+    """(method, path) of every route the built-in engine server has (its app, not started)."""
+    from rlkit.rollout.engines.builtin.hf_server import EngineServer, build_arg_parser
+
+    app = EngineServer(build_arg_parser().parse_args(["--model", "unused"])).app()
+    return {(r.method, r.resource.canonical) for r in app.router.routes() if r.method != "HEAD"}
+
+
+OPEN = {"/health", "/health_generate"}  # the probes: liveness and a one-token generation
+
+
+def test_every_endpoint_but_the_probes_needs_the_token_and_none_returns_it(server):
+    """SGLang's rule with --api-key and --admin-api-key set to the token: generation, the info
+    endpoints and every control endpoint answer 401 without it and 403 with another; only the
+    probes stay open. No answer, with or without the token, carries the token."""
     url = server.url
-    for path in ("/pause_generation", "/continue_generation", "/flush_cache", "/abort_request",
-                 "/update_weight_version", "/update_weights_from_disk", "/begin_weight_update",
-                 "/end_weight_update", "/init_weights_update_group", "/destroy_weights_update_group",
-                 "/update_weights_from_distributed"):
-        assert path in CONTROL_PATHS
-        missing = requests.post(f"{url}{path}", json={}, timeout=30)
-        wrong = requests.post(f"{url}{path}", json={}, headers={"Authorization": "Bearer nope"},
-                              timeout=30)
-        assert (missing.status_code, wrong.status_code) == (401, 403), (path, missing.text)
+    routes = _routes()
+    assert {p for _, p in routes} >= CONTROL_PATHS | OPEN | {"/generate", "/server_info"}
+    bodies: list[str] = []
+    for method, path in sorted(routes | {("POST", "/no_such_path")}):
+        if path in OPEN:
+            continue
+        missing = requests.request(method, f"{url}{path}", json={}, timeout=30)
+        wrong = requests.request(method, f"{url}{path}", json={},
+                                 headers={"Authorization": "Bearer nope"}, timeout=30)
+        assert (missing.status_code, wrong.status_code) == (401, 403), (method, path, missing.text)
         assert "control token" in missing.json()["message"]
-    assert requests.get(f"{url}/rlkit/decode_stats", timeout=30).status_code == 401
-    # with the token: accepted (the handlers run: 200, or their own 4xx for the empty body)
+        bodies += [missing.text, wrong.text]
+    for path in sorted(OPEN):
+        r = requests.get(f"{url}{path}", timeout=30)
+        assert r.status_code == 200, path
+        bodies.append(r.text)
+    # with the token: accepted (the handlers run: 200, or their own 4xx for an empty body)
     assert requests.post(f"{url}/pause_generation", json={"mode": "abort"}, headers=AUTH,
                          timeout=30).status_code == 200
     assert requests.post(f"{url}/continue_generation", json={}, headers=AUTH,
@@ -106,11 +126,13 @@ def test_control_endpoints_need_the_token_and_the_rest_stays_open(server):
                          timeout=30).status_code == 200
     assert requests.post(f"{url}/update_weight_version", json={}, headers=AUTH,
                          timeout=30).status_code == 400  # reached validation
-    # open: generation, health, info, loads (with or without a header)
-    assert requests.get(f"{url}/health", timeout=30).status_code == 200
-    for path in ("/model_info", "/server_info", "/v1/loads", "/v1/models"):
-        assert requests.get(f"{url}{path}", timeout=30).status_code == 200, path
-    assert generate_ok(url) == generate_ok(url, Authorization="Bearer anything")
+    for method, path in sorted(routes):
+        if method == "GET" and "memory_occupation" not in path:  # reads: every one answers
+            r = requests.get(f"{url}{path}", headers=AUTH, timeout=30)
+            assert r.status_code == 200, (path, r.text)
+            bodies.append(r.text)
+    assert generate_ok(url, **AUTH)
+    assert not [b for b in bodies if TOKEN in b]
 
 
 async def test_engine_client_sends_the_token_from_the_environment(server, monkeypatch):
@@ -139,20 +161,8 @@ def test_weight_sync_control_sends_the_token(server, monkeypatch):
         HttpEngineControl(server.url, timeout_s=30).flush_cache()
 
 
-def _own_address() -> str | None:
-    """This machine's first non-loopback address (`hostname -I`), if it has one."""
-    try:
-        out = subprocess.run(["hostname", "-I"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    for addr in out.split():
-        if not is_loopback(addr) and ":" not in addr:
-            return addr
-    return None
-
-
 def test_an_engine_beyond_loopback_without_a_token_refuses_to_start(tiny_model_dir):
-    host = _own_address() or "0.0.0.0"  # the wildcard is beyond loopback too
+    host = own_address() or "0.0.0.0"  # the wildcard is beyond loopback too
     env = {k: v for k, v in os.environ.items() if k != CONTROL_TOKEN_ENV}
     out = subprocess.run(
         [sys.executable, "-m", "rlkit.rollout.engines.builtin.hf_server", "--model", str(tiny_model_dir),
@@ -162,12 +172,12 @@ def test_an_engine_beyond_loopback_without_a_token_refuses_to_start(tiny_model_d
     assert CONTROL_TOKEN_ENV in out.stderr
 
 
-@pytest.mark.skipif(_own_address() is None, reason="no non-loopback address on this machine")
+@pytest.mark.skipif(own_address() is None, reason="no non-loopback address on this machine")
 def test_an_engine_on_the_machine_address_with_a_token_guards_its_control_endpoints(
         tiny_model_dir, monkeypatch, tmp_path):
     from rlkit.rollout.engines.process import start_hf_server
 
-    host = _own_address()
+    host = own_address()
     monkeypatch.setenv(CONTROL_TOKEN_ENV, TOKEN)
     proc = start_hf_server(str(tiny_model_dir), EngineConfig(host=host, cpu_threads=1),
                            log_path=tmp_path / "engine.log")
@@ -175,7 +185,7 @@ def test_an_engine_on_the_machine_address_with_a_token_guards_its_control_endpoi
         assert proc.url.startswith(f"http://{host}:")
         assert requests.post(f"{proc.url}/flush_cache", timeout=30).status_code == 401
         assert requests.post(f"{proc.url}/flush_cache", headers=AUTH, timeout=30).status_code == 200
-        generate_ok(proc.url)
+        generate_ok(proc.url, **AUTH)
         # nothing of it listens on loopback or the wildcard
         port = int(proc.url.rsplit(":", 1)[1])
         with pytest.raises(OSError):
@@ -203,7 +213,12 @@ def test_router_control_plane_needs_the_token(server, monkeypatch, tmp_path):
         assert requests.post(f"{router.url}/workers", json={"url": "http://x:1"},
                              headers={"Authorization": "Bearer nope"}, timeout=30).status_code == 401
         assert [w.url for w in router.list_workers()] == [server.url]  # Router sends the token
-        assert generate_ok(router.url) and requests.get(f"{router.url}/health").status_code == 200
+        # /generate needs the token at the router, and the router hands its own to the engine
+        for headers in ({}, {"Authorization": "Bearer nope"}):
+            r = requests.post(f"{router.url}/generate", json={"input_ids": [1, 2]},
+                              headers=headers, timeout=30)
+            assert r.status_code == 401, r.text
+        assert generate_ok(router.url, **AUTH) and requests.get(f"{router.url}/health").status_code == 200
         # the prometheus port binds the router's host, not every interface
         listening = subprocess.run(["ss", "-ltn"], capture_output=True, text=True).stdout
         assert f"127.0.0.1:{router.prometheus_port} " in listening
@@ -217,7 +232,7 @@ def test_router_control_plane_needs_the_token(server, monkeypatch, tmp_path):
 def test_weight_sync_store_listens_on_its_address_only():
     import datetime
 
-    from rlkit.train.weight_sync.group import bound_tcp_store
+    from rlkit.train.megatron.parallel import bound_tcp_store
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -325,14 +340,14 @@ def test_fuzz_malformed_requests_get_4xx_and_the_server_keeps_serving(server, bo
 @example(body={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "stop": [""]}})
 def test_fuzz_generate_bodies(server, body):
     r = requests.post(f"{server.url}/generate", data=encode(body),
-                      headers={"Content-Type": "application/json"}, timeout=120)
+                      headers={"Content-Type": "application/json", **AUTH}, timeout=120)
     _check(r, f"POST /generate {encode(body)[:300]!r}")
 
 
 def test_after_the_fuzz_the_server_still_generates_the_same_tokens(server):
     _settle(server.url)
     assert requests.get(f"{server.url}/health", timeout=30).status_code == 200
-    first = generate_ok(server.url)
-    assert generate_ok(server.url) == first  # greedy: deterministic
-    loads = requests.get(f"{server.url}/v1/loads", timeout=30).json()["loads"][0]
+    first = generate_ok(server.url, **AUTH)
+    assert generate_ok(server.url, **AUTH) == first  # greedy: deterministic
+    loads = requests.get(f"{server.url}/v1/loads", headers=AUTH, timeout=30).json()["loads"][0]
     assert loads["num_running_reqs"] == 0 and loads["num_waiting_reqs"] == 0, loads  # none leaked

@@ -9,8 +9,9 @@ prompts, streaming, turning control calls into commands); the engine core proces
 (engine_core.py) owns the model and runs the continuous-batching decoder, so neither steals
 the other's core. Every answer carries `weight_version`. A bad request gets a 4xx JSON error
 in SGLang's shape; an unexpected error gets a 500; neither stops the server. With a control
-token ($RLKIT_CONTROL_TOKEN, read at start) the control endpoints need `Authorization: Bearer
-<token>`; bound beyond loopback, the server refuses to start without one (rollout.auth).
+token ($RLKIT_CONTROL_TOKEN, read at start) every endpoint but the probes (/health*) needs
+`Authorization: Bearer <token>`, as SGLang with rlkit's keys; bound beyond loopback, the server
+refuses to start without one (rollout.auth). No answer carries the token.
 
 Sleep and wake are SGLang's `/release_memory_occupation` and `/resume_memory_occupation`
 (body `{"tags": [...]}`, null or [] = all of kv_cache, weights, cuda_graph): see
@@ -35,7 +36,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from rlkit.rollout.auth import (CONTROL_PATHS, CONTROL_TOKEN_ENV, ControlTokenMissing, check_authorization,
-                          check_bind, control_token_from_env)
+                          check_bind, control_token_from_env, needs_token)
 from rlkit.rollout.engines.builtin.requests import DecodeParams
 from rlkit.rollout.engines.builtin.core_client import CoreDied, CoreError, CoreRefused, EngineCoreClient, RemoteRequest
 from rlkit.rollout.engines.builtin.detokenizer import IncrementalDetokenizer, load_tokenizer
@@ -102,16 +103,18 @@ async def _errors_middleware(request: web.Request, handler: Callable[[web.Reques
 
 
 def _auth_middleware(token: str | None) -> Any:
-    """With a control token, the control endpoints (rollout.auth.CONTROL_PATHS) answer 401
-    without `Authorization: Bearer <token>` and 403 with another token; the rest stays open."""
+    """With a control token, every path but the probes (rollout.auth.needs_token) answers 401
+    without `Authorization: Bearer <token>` and 403 with another token: SGLang's rule with its
+    API and admin keys both set to the token, so the router and rlkit's clients meet one rule."""
 
     @web.middleware
     async def auth(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-        if token is not None and request.path in CONTROL_PATHS:
+        if token is not None and needs_token(request.path):
             status = check_authorization(request.headers.get("Authorization"), token)
             if status is not None:
                 what = "missing" if status == 401 else "wrong"
-                return _error(f"{request.path} is a control endpoint: {what} control token "
+                kind = "a control endpoint" if request.path in CONTROL_PATHS else "guarded"
+                return _error(f"{request.path} is {kind}: {what} control token "
                               f"(send Authorization: Bearer ${CONTROL_TOKEN_ENV})", status)
         return await handler(request)
 
