@@ -46,7 +46,8 @@ class EngineActor:
 
             engine = {**engine, "host": ray.util.get_node_ip_address()}
         self.args = (model_path, EngineConfig.model_validate(engine), index, Path(log_dir))
-        self.proc = start_engine(*self.args)
+        # Ray shows this actor its bundle's GPUs only (CUDA_VISIBLE_DEVICES)
+        self.proc = start_engine(*self.args, own_gpus=True)
 
     def url(self) -> str:
         return self.proc.url  # type: ignore[return-value]
@@ -57,7 +58,7 @@ class EngineActor:
         from rlkit.rollout.engines.fleet import start_engine
 
         self.proc.kill()
-        self.proc = start_engine(*self.args)
+        self.proc = start_engine(*self.args, own_gpus=True)
         import ray
 
         return advertised(self.url(), ray.util.get_node_ip_address())  # as Cluster.start does

@@ -21,13 +21,16 @@ from rlkit.rollout.router import Router
 
 
 def start_engine(model_path: str, config: EngineConfig, index: int,
-                 log_dir: Path | None = None) -> ManagedProcess:
+                 log_dir: Path | None = None, *, own_gpus: bool = False) -> ManagedProcess:
     """Start engine `index` of a fleet (hf or sglang per `config.kind`) and wait until it is
     healthy. Engine i samples unseeded requests from seed + i; hf engines split the cores
-    (`cpu_threads`, or cores // num_engines). Its log is `log_dir/engine-<index>.log`."""
+    (`cpu_threads`, or cores // num_engines). Its log is `log_dir/engine-<index>.log`.
+    `own_gpus`: this process sees only the engine's GPUs (a Ray actor's CUDA_VISIBLE_DEVICES),
+    so an SGLang engine starts at the first of them; else at the index-th run of them."""
     log_path = log_dir / f"engine-{index}.log" if log_dir else None
     if config.kind == "sglang":
-        return start_sglang_server(model_path, config, index=index, log_path=log_path)
+        return start_sglang_server(model_path, config, index=index, log_path=log_path,
+                                   base_gpu_id=0 if own_gpus else None)
     return start_hf_server(model_path, config, seed=config.seed + index, log_path=log_path)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import subprocess
+
 import pytest
 import torch
 
@@ -317,12 +319,53 @@ def test_an_nccl_group_that_would_put_two_ranks_on_one_gpu_is_named_before_it_is
     """The failure of a disaggregated run on one GPU ("Duplicate GPU detected : rank 0 and rank
     1 both on CUDA device"): GPUs are compared by the UUIDs the engines report in /server_info;
     an engine on the trainer's GPU, or on another engine's, is named (the trainer then syncs by
-    disk); engines that report none are taken to have GPUs of their own."""
+    disk); engines that report none (SGLang) are counted apart and named as unchecked."""
     log: list = []
     engines = {"a": RecordingEngine("a", log, gpus=("GPU-1",)), "b": RecordingEngine("b", log, gpus=("GPU-1",)),
                "c": RecordingEngine("c", log, gpus=("GPU-0",)), "d": RecordingEngine("d", log)}
     sender = WeightSender(control_factory=lambda u: engines[u])
-    assert sender.nccl_conflict(["a", "d"], "GPU-0") is None
-    clash = sender.nccl_conflict(["a", "b", "c", "d"], "GPU-0")
+    check = sender.nccl_conflict(["a", "d"], "GPU-0")
+    assert check.clash is None and check.unchecked == ("d",)
+    check = sender.nccl_conflict(["a", "b", "c", "d"], "GPU-0")
+    clash = check.clash
+    assert check.unchecked == ("d",)
     assert clash.startswith("b (its GPU(s) ['node/GPU-1'] already have a rank") and "c (" in clash
     assert "a (" not in clash and "d (" not in clash
+
+
+def test_the_trainer_says_once_which_engines_it_cannot_check_for_a_shared_gpu(monkeypatch):
+    """SGLang engines report no GPU: the sending rank cannot rule out a shared one, so it syncs
+    by NCCL as asked and says so once, naming them (before, it assumed they were apart)."""
+    import warnings
+    from types import SimpleNamespace
+
+    from rlkit.train.megatron.trainer import MegatronTrainer
+
+    monkeypatch.setattr("rlkit.train.weight_sync.in_memory.gpu_uuid", lambda index: "GPU-0")
+    log: list = []
+    engines = {"hf": RecordingEngine("hf", log, gpus=("GPU-1",)), "sg": RecordingEngine("sg", log),
+               "on-mine": RecordingEngine("on-mine", log, gpus=("GPU-0",))}
+    sender = WeightSender(control_factory=lambda u: engines[u])
+    rank = SimpleNamespace(device=torch.device("cuda", 0), _nccl_check={}, _nccl_unchecked=set(),
+                           _warned_nccl=False)
+    with pytest.warns(UserWarning, match=r"cannot check that sg share no GPU.*method: disk"):
+        assert MegatronTrainer._nccl_safe(rank, sender, ["hf", "sg"]) == "distributed"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once: not again, for this set or another
+        assert MegatronTrainer._nccl_safe(rank, sender, ["hf", "sg"]) == "distributed"
+        assert MegatronTrainer._nccl_safe(rank, sender, ["sg"]) == "distributed"
+    with pytest.warns(UserWarning, match="by disk instead of the NCCL broadcast: on-mine"):
+        assert MegatronTrainer._nccl_safe(rank, sender, ["sg", "on-mine"]) == "disk"
+
+
+def test_the_group_meets_where_the_engines_reach_the_trainer():
+    """Engines on loopback meet the trainer's store on 127.0.0.1 (no other machine reaches it);
+    engines elsewhere, at this node's address toward them (before, always 127.0.0.1: an engine
+    on another node could never join)."""
+    from rlkit.train.weight_sync.sender import address_toward
+
+    assert address_toward(["http://127.0.0.1:3000", "http://localhost:3001"]) == "127.0.0.1"
+    own = subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()
+    own = [a for a in own if ":" not in a and not a.startswith("127.")]
+    if own:  # an engine at this machine's own address is reached from that address
+        assert address_toward(["http://127.0.0.1:3000", f"http://{own[0]}:3001"]) == own[0]

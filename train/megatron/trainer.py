@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 from collections import defaultdict
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -116,7 +116,8 @@ class MegatronTrainer:
         # for TransformerEngine's varlen attention (train/packing.py): it needs the TE layer spec,
         # which model.py does not build (no TE here: CPU machines), so it is never chosen today.
         self.attention_layout = "dense"
-        self._nccl_clash: dict[tuple[str, ...], str | None] = {}
+        self._nccl_check: dict[tuple[str, ...], Any] = {}  # engines -> sender's NcclCheck
+        self._nccl_unchecked: set[str] = set()  # engines said to be unchecked (once each)
         self.step_count = 0  # optimizer steps taken
         self.version = 0  # policy version of these weights, as engines were told (see sync)
         self._reset_accumulation()
@@ -600,20 +601,31 @@ class MegatronTrainer:
 
     def _nccl_safe(self, sender, engines: Sequence[str]) -> str:
         """'distributed', or 'disk' (said once) when an engine shares a GPU with this rank or
-        with another engine: NCCL never takes two ranks on one GPU, whatever the placement."""
+        with another engine: NCCL never takes two ranks on one GPU, whatever the placement.
+        Engines that report no GPU (SGLang) cannot be checked: said once, by name."""
+        import warnings
+
         from rlkit.train.weight_sync.in_memory import gpu_uuid
 
         key = tuple(engines)
-        if key not in self._nccl_clash:  # asked once per set of engines, as the group is formed
+        if key not in self._nccl_check:  # asked once per set of engines, as the group is formed
             index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-            self._nccl_clash[key] = sender.nccl_conflict(engines, gpu_uuid(index))
-        clash = self._nccl_clash[key]
+            check = self._nccl_check[key] = sender.nccl_conflict(engines, gpu_uuid(index))
+            unknown = [u for u in check.unchecked if u not in self._nccl_unchecked]
+            if unknown and check.clash is None:
+                self._nccl_unchecked.update(unknown)
+                warnings.warn(
+                    f"weight sync: cannot check that {', '.join(unknown)} share no GPU with this "
+                    "trainer rank or with another engine (they report no GPU in /server_info, as "
+                    "SGLang does not). Under the run's Ray each engine's GPUs are its bundle's "
+                    "alone and colocated runs never use NCCL, so only engines started outside the "
+                    "run can share one; if NCCL then fails with 'Duplicate GPU detected', set "
+                    "train.weight_sync.method: disk", stacklevel=2)
+        clash = self._nccl_check[key].clash
         if clash is None:
             return "distributed"
         if not self._warned_nccl:
             self._warned_nccl = True
-            import warnings
-
             warnings.warn(f"weight sync by disk instead of the NCCL broadcast: {clash}", stacklevel=2)
         return "disk"
 

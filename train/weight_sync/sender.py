@@ -49,6 +49,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from rlkit.buffers.control_token import is_loopback
 from rlkit.train.weight_sync.engine_control import EngineControl, EngineControlError, HttpEngineControl
 from rlkit.train.weight_sync.group import join_weight_group, leave_weight_group
 from rlkit.train.weight_sync.topology import Place, TopologyError, plan_weight_sync, rank_offsets
@@ -97,6 +98,33 @@ def bucketize(tensors: NamedTensors, bucket_bytes: int) -> Iterator[list[tuple[s
         yield bucket
 
 
+def address_toward(engines: Sequence[str]) -> str:
+    """This process's address as the engines at these URLs reach it, for the store the group
+    meets at: 127.0.0.1 when every engine is on loopback (the store is then reachable from
+    nowhere else), else the source address of the route to the first other one (a UDP connect
+    sends nothing), the node's address on the network the engines are on."""
+    import socket
+    from urllib.parse import urlsplit
+
+    hosts = [urlsplit(u).hostname or "" for u in engines]
+    away = [(h, urlsplit(u).port or 80) for h, u in zip(hosts, engines) if not is_loopback(h)]
+    if not away:
+        return "127.0.0.1"
+    family = socket.AF_INET6 if ":" in away[0][0] else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(away[0])
+        return s.getsockname()[0]
+
+
+@dataclass(frozen=True)
+class NcclCheck:
+    """WeightSender.nccl_conflict's answer: why the group would put two ranks on one GPU (None:
+    it would not, as far as could be checked), and the engines that report no GPU."""
+
+    clash: str | None
+    unchecked: tuple[str, ...] = ()
+
+
 class WeightSender:
     """Pushes weights to a set of engines. One per trainer process (it holds the group)."""
 
@@ -106,12 +134,13 @@ class WeightSender:
         bucket_mb: int = 256,
         pause_mode: str = "abort",
         timeout_s: float = 600.0,
-        master_address: str = "127.0.0.1",
+        master_address: str | None = None,
         control_factory: Callable[[str], EngineControl] | None = None,
     ) -> None:
         self.bucket_bytes = bucket_mb * 1024 * 1024
         self.pause_mode = pause_mode
         self.timeout_s = timeout_s
+        # where the group's store listens; None: toward the engines (address_toward)
         self.master_address = master_address
         self._control_factory = control_factory or (lambda url: HttpEngineControl(url, timeout_s))
         self._group: dist.ProcessGroup | None = None
@@ -213,11 +242,12 @@ class WeightSender:
 
         controls = self._controls(engines)
         t0 = time.perf_counter()
-        port = free_port(self.master_address)
+        master = self.master_address or address_toward(engines)
+        port = free_port(master)
         name = f"rlkit-weights-{uuid.uuid4().hex[:8]}"
         offsets, world = rank_offsets(self._on_all(controls, "server_info (tp_size)", lambda c: c.tp_size()))
         futures = [
-            (c, self._pool.submit(c.init_group, self.master_address, port, offset, world, name, backend))
+            (c, self._pool.submit(c.init_group, master, port, offset, world, name, backend))
             for c, offset in zip(controls, offsets)
         ]
         # Join in a thread so that an engine whose init call fails is reported at once instead of
@@ -228,7 +258,7 @@ class WeightSender:
             try:
                 joined["group"] = join_weight_group(
                     backend=backend,
-                    master_address=self.master_address,
+                    master_address=master,
                     master_port=port,
                     world_size=world,
                     rank=0,
@@ -263,11 +293,14 @@ class WeightSender:
         self._group, self._group_name, self._group_engines, self._group_backend = group, name, key, backend
         return time.perf_counter() - t0
 
-    def nccl_conflict(self, engines: Sequence[str], trainer_gpu: str) -> str | None:
-        """Why an NCCL broadcast group with these engines would put two ranks on one GPU (NCCL
-        refuses: "Duplicate GPU detected"), or None. GPUs are compared by UUID: the trainer
-        rank's and those the engines report (/server_info); an engine that reports none is
-        taken to be on a GPU of its own. The rule is train/weight_sync/topology.py's."""
+    def nccl_conflict(self, engines: Sequence[str], trainer_gpu: str) -> "NcclCheck":
+        """Whether an NCCL broadcast group with these engines would put two ranks on one GPU
+        (NCCL refuses: "Duplicate GPU detected"). GPUs are compared by UUID: the trainer rank's
+        and those the engines report in /server_info (`gpu_uuids`: the built-in engine does;
+        SGLang reports none, nor anything that names a physical device: its `base_gpu_id`
+        counts within the CUDA_VISIBLE_DEVICES it was started with, which it does not report).
+        An engine that reports none cannot be checked: it is counted apart, on a GPU of its
+        own, and named in `unchecked`. The rule is train/weight_sync/topology.py's."""
         controls = self._controls(engines)
         ids = self._on_all(controls, "server_info (gpu_uuids)", lambda c: c.gpu_ids())
         sizes = self._on_all(controls, "server_info (tp_size)", lambda c: c.tp_size())
@@ -277,7 +310,7 @@ class WeightSender:
                  for i, (gids, n) in enumerate(zip(ids, sizes))]
         plan = plan_weight_sync(Place(here, trainer_gpu), ranks, method="distributed")
         clash = [f"{controls[e.index].url} ({e.reason})" for e in plan.engines if e.method == "disk"]
-        return "; ".join(clash) or None
+        return NcclCheck("; ".join(clash) or None, tuple(c.url for c, gids in zip(controls, ids) if not gids))
 
     def disconnect(self) -> None:
         if self._group is None:
