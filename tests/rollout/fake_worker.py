@@ -20,6 +20,7 @@ class FakeWorker:
     loads_sequence: list[int] = field(default_factory=lambda: [0])  # last one repeats
     requests: list[tuple[str, Any]] = field(default_factory=list)
     methods: list[tuple[str, str]] = field(default_factory=list)  # (method, path) of each request
+    server_info: dict[str, Any] = field(default_factory=lambda: {"tp_size": 1})  # as SGLang's
     server: TestServer | None = None
 
     @property
@@ -35,6 +36,7 @@ class FakeWorker:
         app.router.add_post("/generate", self._generate)
         app.router.add_get("/v1/loads", self._loads)
         app.router.add_get("/health", self._ok)
+        app.router.add_get("/server_info", self._server_info)
         app.router.add_route("*", "/{path:.*}", self._control)
         self.server = TestServer(app, host="127.0.0.1")
         await self.server.start_server()
@@ -58,6 +60,10 @@ class FakeWorker:
     def _record(self, request: web.Request, body: Any) -> None:
         self.requests.append((request.path, body))
         self.methods.append((request.method, request.path))
+
+    async def _server_info(self, request: web.Request) -> web.Response:
+        self._record(request, None)
+        return web.json_response(self.server_info)
 
     async def _ok(self, request: web.Request) -> web.Response:
         return web.Response(text="OK")

@@ -61,6 +61,22 @@ async def test_streamed_sglang_answers_land_on_the_sample(worker, name):
     assert sent["input_ids"] == [1, 2, 3] and sent["stream"] is True and sent["rid"]
 
 
+async def test_the_final_chunk_s_spans_restamp_every_token(worker):
+    """Across two weight updates (retract/in_place pauses): chunks carry the version current
+    when sent, which is wrong for tokens made before an update; the final chunk's spans (SGLang
+    0.5.23, built by its srt/utils/weight_versions.py: the conformance test checks this
+    fixture's spans against it) give each token its own."""
+    worker.generate.append(answer_sse(fixture_text("generate_stream_weight_versions.sse")))
+    c = await client_for(worker)
+    try:
+        s = fresh()
+        await c.generate(s, SAMPLING, max_new_tokens=9, version=2, worker=worker.url)
+    finally:
+        await c.close()
+    assert s.response_ids == list(range(11, 20))
+    assert s.versions == [3, 3, 3, 3, 4, 4, 4, 5, 5]
+
+
 async def test_non_streamed_answers_and_missing_version(worker):
     worker.generate.append(answer_json(fixture_json("generate_logprobs.json")))
     c = await client_for(worker, stream=False)

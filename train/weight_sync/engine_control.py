@@ -84,8 +84,15 @@ class HttpEngineControl:
 
     def tp_size(self) -> int:
         """The engine's tensor-parallel size, from /server_info (SGLang lists its server
-        arguments there): each TP rank joins a weight-update group as rank_offset + tp_rank."""
-        return int(self._post("/server_info", None).get("tp_size") or 1)
+        arguments there): each TP rank joins a weight-update group as rank_offset + tp_rank.
+        An answer without it is an error, not a guess: a wrong size collides the ranks."""
+        info = self._post("/server_info", None)
+        size = info.get("tp_size")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise EngineControlError(f"GET {self.url}/server_info: tp_size {size!r} is not a "
+                                     "positive integer (rlkit places the engine's TP ranks in the "
+                                     "weight-update group by it)")
+        return size
 
     def gpu_ids(self) -> list[str]:
         """The UUIDs of the engine's GPUs, from /server_info (the built-in engine's `gpu_uuids`);
