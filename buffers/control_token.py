@@ -97,11 +97,15 @@ def loopback_interface() -> str:
     return next((n for n in ("lo", "lo0") if n in names), "lo")
 
 
-def collectives_on_loopback(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
-    """Set gloo's and NCCL's interface to loopback in `environ` (this process's environment by
-    default) where the user has not chosen one; what it set. For groups whose every rank is on
-    this machine (a local run, a trainer world of one node): their sockets then take no
-    connection from another machine (torch.distributed's sockets have no authentication)."""
+def collectives_on_loopback(master_address: str = "127.0.0.1",
+                            environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """For a group that meets at `master_address`: when that is loopback (every rank is on this
+    machine: a local run, a trainer world of one node), set gloo's and NCCL's interface to
+    loopback in `environ` (this process's environment by default) where the user has not chosen
+    one, so their sockets take no connection from another machine (torch.distributed's sockets
+    have no authentication). What it set."""
+    if not is_loopback(master_address):
+        return {}
     env = os.environ if environ is None else environ
     chosen = {k: loopback_interface() for k in COLLECTIVE_INTERFACE_ENV if not env.get(k)}
     env.update(chosen)

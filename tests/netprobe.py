@@ -24,6 +24,9 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+# a refusal comes at once; the deadline only bounds a server that takes the connection and
+# never answers (as torch's store does), generous so that a loaded machine is not misread
+PROBE_TIMEOUT_S = 30
 RAY_METHODS = (
     "/ray.rpc.NodeInfoGcsService/GetAllNodeInfo",
     "/ray.rpc.NodeManagerService/GetNodeStats",
@@ -56,21 +59,36 @@ def own_address() -> str | None:
     return None
 
 
-def process_tree(root: int) -> dict[int, str]:
-    """pid -> name of `root` and every process descended from it."""
-    parent: dict[int, int] = {}
+def descendants(root: int) -> list[int]:
+    """Every process descended from `root` (not `root`), from /proc."""
+    children: dict[int, list[int]] = {}
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
-                stat = (d / "stat").read_text()
-                parent[int(d.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                pass
-    tree, frontier = {root}, [root]
-    while frontier:
-        frontier = [p for p, pp in parent.items() if pp in frontier and p not in tree]
-        tree.update(frontier)
-    return {pid: _name(pid) for pid in sorted(tree)}
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [root]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def process_tree(root: int) -> dict[int, str]:
+    """pid -> name of `root` and every process descended from it."""
+    return {pid: _name(pid) for pid in sorted([root, *descendants(root)])}
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    """A process's environment ({} once it is gone)."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+    except OSError:
+        return {}
+    return dict(x.split("=", 1) for x in raw.split("\0") if "=" in x)
 
 
 def _name(pid: int) -> str:
@@ -92,7 +110,7 @@ def _name(pid: int) -> str:
 
 
 def listeners(pids: dict[int, str]) -> list[Listener]:
-    """Every listening TCP socket owned by one of `pids`."""
+    """Every listening TCP socket owned by one of `pids` (pid -> the name to give it)."""
     owner: dict[str, int] = {}
     for pid in pids:
         try:
@@ -141,7 +159,7 @@ def probe(host: str, port: int, token: str | None = None) -> str:
         for method in RAY_METHODS:
             call = channel.unary_unary(method, request_serializer=None, response_deserializer=None)
             try:
-                call(b"", timeout=5, metadata=metadata)  # b"": every request's empty message
+                call(b"", timeout=PROBE_TIMEOUT_S, metadata=metadata)  # b"": every request's empty message
                 codes.append("OK")
             except grpc.RpcError as e:
                 codes.append(e.code().name)
@@ -150,7 +168,7 @@ def probe(host: str, port: int, token: str | None = None) -> str:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
         with urllib.request.urlopen(urllib.request.Request(f"http://{host}:{port}/", headers=headers),
-                                    timeout=5) as r:
+                                    timeout=PROBE_TIMEOUT_S) as r:
             return f"http:{r.status}"
     except urllib.error.HTTPError as e:
         return f"http:{e.code}"

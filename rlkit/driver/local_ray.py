@@ -26,9 +26,6 @@ from typing import Any
 
 from rlkit.buffers.control_token import COLLECTIVE_INTERFACE_ENV, collectives_on_loopback
 
-RAY_AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")
-
-
 class LocalRay:
     """`start()` a local Ray with a fresh token, `stop()` it and restore the environment (a
     later Ray in this process, another run's or a test's, starts from what was there)."""
@@ -40,7 +37,8 @@ class LocalRay:
         import ray
 
         env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_urlsafe(32)}
-        env.update(collectives_on_loopback({k: os.environ.get(k, "") for k in COLLECTIVE_INTERFACE_ENV}))
+        chosen = {k: os.environ.get(k, "") for k in COLLECTIVE_INTERFACE_ENV}
+        env.update(collectives_on_loopback(environ=chosen))
         self._saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         reload_ray_auth()

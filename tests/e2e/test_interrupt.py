@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.test_train_tiny import processes_with
-from tests.netprobe import listeners, own_address, probe, process_tree, refused
+from tests.netprobe import environ_of, listeners, own_address, probe, process_tree, refused
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -23,34 +23,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 def listening_ports(pids: set[int]) -> set[int]:
     """TCP ports in LISTEN state owned by any of `pids` (from /proc)."""
-    inodes = set()
-    for pid in pids:
-        try:
-            for fd in Path(f"/proc/{pid}/fd").iterdir():
-                target = os.readlink(fd)
-                if target.startswith("socket:["):
-                    inodes.add(target[8:-1])
-        except OSError:
-            pass
-    ports = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            parts = line.split()
-            if parts[3] == "0A" and parts[9] in inodes:
-                ports.add(int(parts[1].rsplit(":", 1)[1], 16))
-    return ports
+    return {s.port for s in listeners(dict.fromkeys(pids, ""))}
 
 
 def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-def environ(pid: int) -> dict[str, str]:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
-    except OSError:
-        return {}
-    return dict(x.split("=", 1) for x in raw.split("\0") if "=" in x)
 
 
 def closed_to_the_network(root: int, tmp_path: Path) -> dict[str, str]:
@@ -78,18 +55,18 @@ def closed_to_the_network(root: int, tmp_path: Path) -> dict[str, str]:
     home = tmp_path / "stranger"  # no ~/.ray/auth_token of the user's to find
     home.mkdir()
     stranger = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RLKIT_"))}
-    # one try (Ray retries a GCS it cannot use once a second, 20 times by default)
+    # a few tries, not Ray's 20 (it retries a GCS it cannot use once a second); each is refused
     client = subprocess.run(
         [sys.executable, "-c", f"import ray; ray.init(address='{host}:{gcs.port}'); "
                                "print('joined', ray.cluster_resources())"],
-        env={**stranger, "HOME": str(home), "RAY_gcs_server_port_wait_time_s": "1"},
+        env={**stranger, "HOME": str(home), "RAY_gcs_server_port_wait_time_s": "5"},
         capture_output=True, text=True, timeout=120)
     assert client.returncode != 0 and "joined" not in client.stdout, client.stdout
     assert "InvalidAuthToken" in client.stderr, client.stderr[-2000:]
 
     secrets = {}
     for pid in tree:
-        env = environ(pid)
+        env = environ_of(pid)
         for name in ("RAY_AUTH_TOKEN", "RLKIT_CONTROL_TOKEN"):
             if env.get(name):
                 secrets[name] = env[name]

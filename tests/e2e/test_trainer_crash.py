@@ -29,21 +29,10 @@ import pytest
 
 from rlkit.buffers.fault_switch import RELEASE, TRAINER_FAULT_ENV, read_fired
 from tests.e2e.test_interrupt import listening_ports
+from tests.netprobe import descendants
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
-
-
-def _children() -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            out.setdefault(ppid, []).append(int(d.name))
-    return out
 
 
 def _start_time(pid: int) -> str | None:
@@ -55,12 +44,7 @@ def _start_time(pid: int) -> str | None:
 
 def process_tree(root: int) -> dict[int, str | None]:
     """Every descendant of `root` (pid -> start time, to tell a reused pid apart)."""
-    children, out, todo = _children(), {}, [root]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out[c] = _start_time(c)
-            todo.append(c)
-    return out
+    return {c: _start_time(c) for c in descendants(root)}
 
 
 def cmdline(pid: int) -> str:

@@ -17,6 +17,7 @@ from rlkit.config import load_recipe
 from rlkit.driver.cluster import Cluster
 from rlkit.driver.run import train
 from tests.e2e.test_train_tiny import processes_with, rows
+from tests.netprobe import environ_of
 from tests.ray_clusters import actor_node, external_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,11 +26,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 def _cmdline(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-
-
-def _env_of(pid: int) -> dict[str, str]:
-    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return dict(x.decode(errors="replace").split("=", 1) for x in raw if b"=" in x)
 
 
 def test_two_nodes_placement_addresses_and_steps(tmp_path, monkeypatch):
@@ -49,7 +45,7 @@ def test_two_nodes_placement_addresses_and_steps(tmp_path, monkeypatch):
             trainer_nodes=[actor_node(w) for w in self.trainer.workers],
             actor_tokens=ray.get([a.__ray_call__.remote(lambda _: os.environ.get("RLKIT_CONTROL_TOKEN"))
                                   for a in [*self.engines, self.rollout_actor, *self.trainer.workers]]),
-            server_tokens=[_env_of(pid).get("RLKIT_CONTROL_TOKEN")
+            server_tokens=[environ_of(pid).get("RLKIT_CONTROL_TOKEN")
                            for pid in processes_with(str(Path(self.model_path)))
                            if "rlkit.rollout.engines.builtin.hf_server" in _cmdline(pid)],
             labels={n["NodeID"]: next(k for k in ("node_a", "node_b") if k in n["Resources"])

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from rlkit.buffers.control_token import collectives_on_loopback, is_loopback
+from rlkit.buffers.control_token import collectives_on_loopback
 
 
 @dataclass(frozen=True)
@@ -90,8 +90,7 @@ def init_parallel(
         if device.type == "cuda":
             torch.cuda.set_device(device.index if device.index is not None else 0)
         timeout = datetime.timedelta(seconds=timeout_s)
-        if is_loopback(master_addr):  # one node: no socket of the world beyond loopback
-            collectives_on_loopback()
+        collectives_on_loopback(master_addr)  # one node: no socket of the world beyond it
         # rank 0's store listens on master_addr only (torch's own would listen everywhere)
         store = (bound_tcp_store(master_addr, master_port, world_size, timeout) if rank == 0
                  else dist.TCPStore(master_addr, master_port, world_size, is_master=False,

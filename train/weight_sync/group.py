@@ -15,7 +15,7 @@ import datetime
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from rlkit.buffers.control_token import collectives_on_loopback, is_loopback
+from rlkit.buffers.control_token import collectives_on_loopback
 from rlkit.train.megatron.parallel import bound_tcp_store
 
 
@@ -31,8 +31,7 @@ def join_weight_group(
 ) -> dist.ProcessGroup:
     """Create (rank 0) or join (rank > 0) the weight-update group; blocks until all have joined."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    if is_loopback(master_address):  # every member on this machine: gloo/NCCL on loopback too
-        collectives_on_loopback()
+    collectives_on_loopback(master_address)  # all on this machine: gloo/NCCL on loopback too
     if rank == 0:
         store: dist.Store = bound_tcp_store(master_address, master_port, world_size, timeout)
     else:

@@ -106,8 +106,7 @@ def address_toward(engines: Sequence[str]) -> str:
     import socket
     from urllib.parse import urlsplit
 
-    hosts = [urlsplit(u).hostname or "" for u in engines]
-    away = [(h, urlsplit(u).port or 80) for h, u in zip(hosts, engines) if not is_loopback(h)]
+    away = [(u.hostname, u.port or 80) for u in map(urlsplit, engines) if not is_loopback(u.hostname or "")]
     if not away:
         return "127.0.0.1"
     family = socket.AF_INET6 if ":" in away[0][0] else socket.AF_INET

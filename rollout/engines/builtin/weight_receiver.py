@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from rlkit.buffers.control_token import collectives_on_loopback, is_loopback
+from rlkit.buffers.control_token import collectives_on_loopback
 
 DTYPES = {
     "float32": torch.float32, "float": torch.float32, "float16": torch.float16,
@@ -140,8 +140,7 @@ def create_group(*, master_address: str, master_port: int, rank: int, world_size
     if backend not in ("gloo", "nccl"):
         raise WeightUpdateError(f"backend must be gloo or nccl, got {backend!r}")
     timeout = datetime.timedelta(seconds=timeout_s)
-    if is_loopback(master_address):  # every member on this machine: gloo/NCCL on loopback too
-        collectives_on_loopback()
+    collectives_on_loopback(master_address)  # all on this machine: gloo/NCCL on loopback too
     store, rank, world_size = next(
         c10d.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
     )
