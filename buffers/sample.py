@@ -63,6 +63,7 @@ class Sample:
     reward: float | None = None
     error: str | None = None
     requests: int = 0  # generate calls that contributed tokens (1 + number of resumptions)
+    resumes: int = 0  # requests that continued a parked response (PARTIAL: a partial rollout)
     finished_at: float | None = None  # clock time it became finished (first-n selection)
     metadata: dict[str, Any] = field(default_factory=dict)
 
@@ -135,6 +136,8 @@ class Sample:
         """A request for this sample is about to be sent (fresh or resumed)."""
         if self.status.terminal:
             raise SampleError(f"sample {self.index}: cannot start a request, status {self.status.value}")
+        if self.status is SampleStatus.PARTIAL:
+            self.resumes += 1
         self.status = SampleStatus.RUNNING
         self.requests += 1
 
@@ -185,6 +188,7 @@ class Sample:
         self.logprobs = []
         self.versions = []
         self.loss_mask = []
+        self.resumes = 0
         self.status = SampleStatus.PENDING
         self.finish_reason = None
         self.reward = None
@@ -240,6 +244,7 @@ class Sample:
             "reward": self.reward,
             "error": self.error,
             "requests": self.requests,
+            "resumes": self.resumes,
             "finished_at": self.finished_at,
             "metadata": self.metadata,
         }
@@ -260,6 +265,7 @@ class Sample:
             reward=state["reward"],
             error=state["error"],
             requests=int(state["requests"]),
+            resumes=int(state.get("resumes", 0)),  # absent from checkpoints before it existed
             finished_at=state["finished_at"],
             metadata=dict(state["metadata"]),
         )

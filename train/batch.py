@@ -6,7 +6,7 @@ with an empty response take part in the group statistics but carry no token to t
 
 Off-policy check: a token whose policy version differs from the trainer's `policy_version` was
 produced by other weights (a stale group, or a partial rollout resumed across a weight update).
-Such a batch needs an explicit `off_policy_correction` ('tis' or 'none'); with 'unset' building it
+Such a batch needs an explicit `off_policy_correction` (an estimator or 'none'); with 'unset' building it
 raises `OffPolicyCorrectionRequired`, a configuration error.
 """
 
@@ -38,6 +38,9 @@ class TrainSample:
     reward: float
     min_version: int
     max_version: int
+    # int32 [response]: the policy version of each token (telemetry's lag); None: max_version
+    versions: torch.Tensor | None = None
+    resumed: bool = False  # resumed after a park (Sample.resumes): a partial rollout's tokens
     old_logprobs: torch.Tensor | None = None  # pi_old, set from Trainer.logprobs
     ref_logprobs: torch.Tensor | None = None  # reference policy, set from Trainer.logprobs
 
@@ -150,8 +153,9 @@ def build_batch(
                 )
             mask = torch.tensor(s.loss_mask, dtype=torch.float32)
             rollout = torch.tensor(s.logprobs, dtype=torch.float32)
-            if off_policy_correction == "tis":
-                _check_rollout_logprobs(group.group_id, s.index, rollout, mask)
+            if off_policy_correction not in ("none", "unset"):
+                _check_rollout_logprobs(group.group_id, s.index, rollout, mask,
+                                        off_policy_correction)
             samples.append(
                 TrainSample(
                     index=s.index,
@@ -164,6 +168,8 @@ def build_batch(
                     reward=float(s.reward),  # type: ignore[arg-type]
                     min_version=min(s.versions),
                     max_version=max(s.versions),
+                    versions=torch.tensor(s.versions, dtype=torch.int32),
+                    resumed=s.resumes > 0,
                 )
             )
     batch = TrainBatch(samples, policy_version)
@@ -172,15 +178,15 @@ def build_batch(
         raise OffPolicyCorrectionRequired(
             f"{off} of {len(batch)} samples hold tokens from a policy version other than "
             f"{policy_version} (stale or resumed partial rollouts): set "
-            "train.algorithm.off_policy_correction to 'tis' or 'none'"
+            "train.algorithm.off_policy_correction to 'tis', 'mis', 'icepop' or 'none'"
         )
     batch.metadata["off_policy_samples"] = off
     return batch
 
 
 def _check_rollout_logprobs(group_id: int, index: int, rollout: torch.Tensor,
-                            mask: torch.Tensor) -> None:
-    """TIS weighs each trainable token by exp(pi_old - rollout logprob): a token the engine
+                            mask: torch.Tensor, estimator: str) -> None:
+    """A correction weighs each trainable token by exp(pi_old - rollout logprob): a token the engine
     returned without a logprob (SGLang's entry [None, id, ...], parsed as NaN) would make the
     loss NaN, and the optimizer would skip the whole step with nothing but
     train/step_applied 0 to show for it. Name it instead. (Mask-0 tokens never reach the loss.)"""
@@ -189,7 +195,7 @@ def _check_rollout_logprobs(group_id: int, index: int, rollout: torch.Tensor,
         raise ValueError(
             f"group {group_id} sample {index}: the engine returned no logprob for "
             f"{len(bad)} of its {int(mask.sum())} trainable tokens (first at response position "
-            f"{int(bad[0])}), and off_policy_correction 'tis' weighs every trainable token by "
+            f"{int(bad[0])}), and off_policy_correction '{estimator}' weighs every trainable token by "
             "its rollout logprob. Make the engine return output_token_logprobs for every token "
             "(return_logprob), or set train.algorithm.off_policy_correction 'none'")
 
@@ -199,6 +205,6 @@ def build_batch_from_config(groups: Iterable[Group], algorithm, policy_version: 
     return build_batch(
         groups,
         advantage=algorithm.advantage,
-        off_policy_correction=algorithm.off_policy_correction,
+        off_policy_correction=algorithm.off_policy_correction.estimator,
         policy_version=policy_version,
     )

@@ -171,11 +171,11 @@ class Recipe(BaseModel):
             ws.pause_mode = "retract" if self.mode == "async" else "abort"
         if algo.loss_aggregation == "sequence_mean_token_sum_norm" and algo.loss_norm_length == 0:
             algo.loss_norm_length = rollout.sampling.max_new_tokens  # Dr.GRPO's MAX_TOKENS
-        if why is not None and algo.off_policy_correction == "unset":
+        if why is not None and not algo.off_policy_correction.chosen:
             raise ValueError(
                 f"train.algorithm.off_policy_correction must be chosen explicitly: {why}. "
-                "Set it to 'tis' (truncated importance sampling against rollout logprobs) or "
-                "'none'."
+                "Set it to 'tis' (truncated importance sampling against rollout logprobs), "
+                "'mis', 'icepop' or 'none' (docs/training.md, 'Off-policy correction')."
             )
         gbs = self.train.global_batch_size
         samples = rollout.samples_per_step

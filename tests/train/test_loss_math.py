@@ -351,11 +351,13 @@ def policy_loss_before_issue_23(inp: PolicyLossInput, cfg: AlgorithmConfig):
     clipped = -adv * ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
     pg = torch.maximum(unclipped, clipped)
     sums = {}
-    if cfg.off_policy_correction == "tis":
+    if cfg.off_policy_correction.estimator == "tis":
+        cap = cfg.off_policy_correction.high
         tis_raw = torch.exp(old - inp.rollout_logprobs.to(lp.dtype))
-        tis = tis_raw.clamp(max=cfg.tis_cap).detach()
-        sums["tis_weight"] = tis
-        sums["tis_truncated_frac"] = (tis_raw > cfg.tis_cap).to(lp.dtype)
+        tis = tis_raw.clamp(max=cap).detach()
+        sums["is_weight"] = tis
+        sums["is_truncated_frac"] = (tis_raw > cap).to(lp.dtype)
+        sums["is_masked_frac"] = torch.zeros_like(tis)
         pg = pg * tis
     loss = pg
     sums["pg_loss"] = pg.detach()

@@ -157,14 +157,14 @@ def test_entropy_bonus_lowers_the_loss_by_coef_times_entropy():
 
 def test_truncated_importance_sampling():
     # pi_old / pi_rollout = exp(0.5) = 1.6487 (truncated to 1.5) and exp(-0.8) = 0.4493
-    cfg = AlgorithmConfig(off_policy_correction="tis", tis_cap=1.5)
+    cfg = AlgorithmConfig(off_policy_correction={"estimator": "tis", "high": 1.5})
     inp = _inp([-1.0, -1.0], [1.0, 1.0], old=[-1.0, -1.0], rollout_logprobs=torch.tensor([-1.5, -0.2], dtype=torch.float64))
     terms, grad = _grad(inp, cfg)
     w = [1.5, math.exp(-0.8)]
     assert terms.numerator.item() == pytest.approx(-(w[0] + w[1]))
     assert torch.allclose(grad, -torch.tensor(w, dtype=torch.float64))  # weights carry no gradient
-    assert terms.metric_sums["tis_weight"] == pytest.approx(sum(w))
-    assert terms.metric_sums["tis_truncated_frac"] == pytest.approx(1.0)
+    assert terms.metric_sums["is_weight"] == pytest.approx(sum(w))
+    assert terms.metric_sums["is_truncated_frac"] == pytest.approx(1.0)
     assert terms.metric_sums["train_rollout_logprob_abs_diff"] == pytest.approx(0.5 + 0.8)
     # 'none' ignores the rollout logprobs
     plain, _ = _grad(_inp([-1.0, -1.0], [1.0, 1.0], old=[-1.0, -1.0]), AlgorithmConfig(off_policy_correction="none"))

@@ -83,7 +83,8 @@ def with_trailing_observation(batch, n: int = 5):
             continue
         extra = {"tokens": torch.randint(0, 512, (n,), generator=g), "loss_mask": torch.zeros(n),
                  "rollout_logprobs": torch.zeros(n), "old_logprobs": torch.full((n,), -70.0),
-                 "ref_logprobs": torch.full((n,), 35.0)}
+                 "ref_logprobs": torch.full((n,), 35.0),
+                 "versions": torch.full((n,), s.max_version, dtype=torch.int32)}
         samples.append(dataclasses.replace(s, **{k: torch.cat([getattr(s, k), v]) for k, v in extra.items()}))
     return dataclasses.replace(batch, samples=samples)
 
@@ -137,7 +138,7 @@ def test_mask0_tokens_change_nothing_in_the_trainers_gradient_loss_or_step(tiny_
 
     base_grads, base_metrics, base_weights = one_step(batch)
     assert base_metrics["train/step_applied"] == 1.0 and base_metrics["train/kl"] != 0
-    assert 0 < base_metrics["train/tis_weight"] < 2.0
+    assert 0 < base_metrics["train/is_weight"] < 2.0
     trainable = sum(int(m.sum()) for m in masks)
     expected_denominator = trainable if trainer.config.algorithm.loss_aggregation == "token_mean" else len(batch)
     assert base_metrics["train/loss_denominator"] == expected_denominator
@@ -153,7 +154,7 @@ def test_mask0_tokens_change_nothing_in_the_trainers_gradient_loss_or_step(tiny_
     grads, metrics, _ = one_step(with_trailing_observation(batch))
     assert metrics["train/loss_denominator"] == base_metrics["train/loss_denominator"]
     assert metrics["train/tokens"] > base_metrics["train/tokens"]
-    for key in ("train/loss", "train/kl", "train/tis_weight", "train/grad_norm"):
+    for key in ("train/loss", "train/kl", "train/is_weight", "train/grad_norm"):
         assert metrics[key] == pytest.approx(base_metrics[key], rel=1e-5), key
     scale = max(float(g.abs().max()) for g in base_grads.values())
     for name, g0 in base_grads.items():

@@ -234,7 +234,7 @@ def test_a_batch_streamed_in_any_order_trains_as_the_synchronous_step(tiny_qwen2
         stream.add(groups[i])
     assert b.pending_samples == 12  # full micro-batches trained while the groups arrived
     streamed = stream.finish()
-    for key in ("train/loss", "train/grad_norm", "train/kl", "train/tis_weight", "train/samples"):
+    for key in ("train/loss", "train/grad_norm", "train/kl", "train/is_weight", "train/samples"):
         assert streamed[key] == pytest.approx(sync[key], rel=1e-5), key
     wa, wb = weights(a), weights(b)
     assert all(float((wa[k] - wb[k]).abs().max()) <= 1e-6 for k in wa)
@@ -351,7 +351,7 @@ def test_token_budget_micro_batches_train_as_the_count_split(tiny_qwen2_dir):
         for name, g in t.main_grads().items():
             assert torch.allclose(g, ref_grads[name], rtol=1e-5, atol=1e-6 * scale), (budget, name)
         m = t.step()
-        for key in ("train/loss", "train/grad_norm", "train/entropy", "train/tis_weight"):
+        for key in ("train/loss", "train/grad_norm", "train/entropy", "train/is_weight"):
             assert m[key] == pytest.approx(ref_metrics[key], rel=1e-5), (budget, key)
         for key in ("train/loss_denominator", "train/samples", "train/tokens"):
             assert m[key] == ref_metrics[key], (budget, key)
@@ -430,7 +430,7 @@ def test_stream_by_token_budget_over_two_replicas_trains_as_the_synchronous_coun
     assert sorted(int(m.split()[3]) for m in over) == [62, 85]
     assert replicas[0].micro_batches == replicas[1].micro_batches
     assert streamed["train/empty_micro_batches"] > 0
-    for key in ("train/loss", "train/grad_norm", "train/tis_weight"):
+    for key in ("train/loss", "train/grad_norm", "train/is_weight"):
         assert streamed[key] == pytest.approx(sync[key], rel=1e-5), key
     assert (streamed["train/samples"], streamed["train/loss_denominator"]) == (sync["train/samples"], sync["train/loss_denominator"])
     wa, wb = weights(a), weights(b)

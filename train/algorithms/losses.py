@@ -13,10 +13,12 @@ Per token t of sample i (mask m_t, n_i = trainable tokens of sample i, B = LOG_R
               sequence: r_t = sg(s_i) * exp(lp_t - sg(lp_t)),
                         s_i = exp(clamp(sum_t m_t (lp_t - old_t) / n_i, +-B))
   pg_t        max(-A_t r_t, -A_t clip(r_t, 1 - clip_low, 1 + clip_high))
-  tis_t       min(exp(old_t - rollout_t), tis_cap), no gradient        (off_policy_correction=tis)
+  is_t        the off-policy correction's weight of rho_t = exp(old_t - rollout_t): tis, mis or
+              icepop at token, sequence or geometric level, 0 for a rejected sample, no gradient
+              (corrections.py; 1 with off_policy_correction none)
   kl_t        k1: lp - ref;  k3: exp(ref - lp) - (ref - lp) - 1;
               low_var: k3 of clamp(lp - ref, +-B), then clamped to +-10 (as verl)
-  loss_t      tis_t * pg_t + kl_coef * kl_t - entropy_coef * H_t
+  loss_t      is_t * pg_t + kl_coef * kl_t - entropy_coef * H_t
   weight w_t  token_mean: m_t (denominator: sum of m);  sequence_mean: m_t / n_i (denominator:
               samples with n_i > 0);  sequence_mean_token_sum_norm: m_t / C, C = loss_norm_length
               (denominator: samples with n_i > 0), i.e. Dr.GRPO's mean over sequences of the
@@ -37,7 +39,7 @@ gradient nor a metric; `0 * inf` would be NaN, and an inf forward gives a NaN gr
 
 Metrics (`metric_sums`, divided by the global denominator by the trainer) are weighted like the
 loss, except under sequence_mean_token_sum_norm, where only `loss` and `pg_loss` are (so
-train/loss is the objective) and the diagnostics (ratio, clip_frac, KL, entropy, TIS) are
+train/loss is the objective) and the diagnostics (ratio, clip_frac, KL, entropy, the correction's) are
 per-sequence means (weight m_t / n_i): weighted by m_t / C they would read as their mean times
 the mean length / C.
 """
@@ -49,15 +51,17 @@ from typing import Literal
 
 import torch
 
+from rlkit.train.algorithms.corrections import LOG_RATIO_BOUND, correction_weights, per_sample_sum
+from rlkit.train.algorithms.mismatch import telemetry_sums
 from rlkit.train.config import AlgorithmConfig
 
 KLEstimator = Literal["k1", "k3", "low_var"]
 LOW_VAR_KL_BOUND = 10.0
-# Log-ratios (the token ratio's lp - old, GSPO's sequence mean, low_var KL's lp - ref) are clamped
-# to +-20 before exp (verl's bound): exp(20) ~ 4.9e8 is finite in bf16/fp32
-# where exp(89) is not, and an inf forward gives a NaN gradient even when a later clamp hides the
-# value. For low_var the clamp changes no value: k3 passes 10 already at log-ratio -2.6 and +11.
-LOG_RATIO_BOUND = 20.0
+# Log-ratios (the token ratio's lp - old, GSPO's sequence mean, low_var KL's lp - ref, the
+# correction's rho) are clamped to LOG_RATIO_BOUND = 20 before exp (verl's bound): exp(20) ~ 4.9e8
+# is finite in bf16/fp32 where exp(89) is not, and an inf forward gives a NaN gradient even when a
+# later clamp hides the value. For low_var the clamp changes no value: k3 passes 10 already at
+# log-ratio -2.6 and +11.
 # Metrics that are loss values: always weighted like the loss (see the module's docstring).
 _LOSS_METRICS = frozenset({"loss", "pg_loss"})
 
@@ -72,9 +76,13 @@ class PolicyLossInput:
     sample_ids: torch.Tensor  # long, which sample of the micro-batch a token belongs to
     num_samples: int
     old_logprobs: torch.Tensor | None = None  # pi_old; None: the current logprobs, detached
-    rollout_logprobs: torch.Tensor | None = None  # needed by off_policy_correction=tis
+    rollout_logprobs: torch.Tensor | None = None  # needed by an off_policy_correction
     ref_logprobs: torch.Tensor | None = None  # needed when kl_coef > 0
     entropy: torch.Tensor | None = None  # needed when entropy_coef > 0
+    # for the mismatch telemetry (mismatch.py): the trainer's version minus each token's, and
+    # whether the token's sample was resumed after a park (bool)
+    token_lag: torch.Tensor | None = None
+    resumed: torch.Tensor | None = None
 
 
 @dataclass
@@ -82,6 +90,8 @@ class LossTerms:
     numerator: torch.Tensor  # scalar; backpropagate this
     denominator: float  # this micro-batch's share of the global normaliser
     metric_sums: dict[str, float] = field(default_factory=dict)  # weighted like the loss
+    telemetry: torch.Tensor | None = None  # mismatch.SIZE sums, added over micro-batches
+    rejected_samples: int = 0  # samples the correction's rejection test set to weight 0
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator) -> torch.Tensor:
@@ -97,12 +107,6 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: K
     raise ValueError(f"unknown KL estimator {estimator!r}; expected k1, k3 or low_var")
 
 
-def _per_sample_sum(values: torch.Tensor, sample_ids: torch.Tensor, num_samples: int) -> torch.Tensor:
-    return torch.zeros(num_samples, dtype=values.dtype, device=values.device).index_add(
-        0, sample_ids, values
-    )
-
-
 def policy_loss(inp: PolicyLossInput, cfg: AlgorithmConfig) -> LossTerms:
     keep = inp.loss_mask > 0  # the trainable tokens; everything below selects with it
     dtype = inp.logprobs.dtype
@@ -115,7 +119,7 @@ def policy_loss(inp: PolicyLossInput, cfg: AlgorithmConfig) -> LossTerms:
     mask = inp.loss_mask.to(dtype)
     old = lp.detach() if inp.old_logprobs is None else masked(inp.old_logprobs)
 
-    tokens_per_sample = _per_sample_sum(mask, inp.sample_ids, inp.num_samples)
+    tokens_per_sample = per_sample_sum(mask, inp.sample_ids, inp.num_samples)
     per_sequence = mask / tokens_per_sample.clamp(min=1)[inp.sample_ids]
     metric_weight = None  # None: the metrics are weighted like the loss
     if cfg.loss_aggregation == "token_mean":
@@ -140,7 +144,7 @@ def policy_loss(inp: PolicyLossInput, cfg: AlgorithmConfig) -> LossTerms:
         log_ratio = (lp - old).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     elif cfg.ratio_level == "sequence":
         # lp and old are 0 at mask-0 positions: they add nothing to a sequence's sum
-        seq_log_ratio = _per_sample_sum(lp.detach() - old, inp.sample_ids, inp.num_samples)
+        seq_log_ratio = per_sample_sum(lp.detach() - old, inp.sample_ids, inp.num_samples)
         seq_log_ratio = seq_log_ratio / tokens_per_sample.clamp(min=1)
         # detached, so the clamp bounds the ratio's value without cutting the gradient path
         seq_log_ratio = seq_log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
@@ -155,14 +159,22 @@ def policy_loss(inp: PolicyLossInput, cfg: AlgorithmConfig) -> LossTerms:
 
     sums: dict[str, torch.Tensor] = {}
     rollout = None if inp.rollout_logprobs is None else masked(inp.rollout_logprobs)
-    if cfg.off_policy_correction == "tis":
-        if rollout is None:
-            raise ValueError("off_policy_correction=tis needs the rollout logprobs of every token")
-        tis_raw = torch.exp(old - rollout)
-        tis = tis_raw.clamp(max=cfg.tis_cap).detach()
-        sums["tis_weight"] = tis
-        sums["tis_truncated_frac"] = (tis_raw > cfg.tis_cap).to(dtype)
-        pg = pg * tis
+    correction = cfg.off_policy_correction
+    weights = None
+    if rollout is not None:
+        weights = correction_weights(old, rollout, keep, inp.sample_ids, inp.num_samples, correction)
+    if correction.estimator not in ("none", "unset"):
+        if weights is None:
+            raise ValueError(f"off_policy_correction={correction.estimator} needs the rollout "
+                             "logprobs of every token")
+        w = weights.weight.to(dtype)
+        sums["is_weight"] = w
+        sums["is_truncated_frac"] = weights.truncated.to(dtype)
+        sums["is_masked_frac"] = weights.masked.to(dtype)
+        pg = pg * w
+    if weights is not None and correction.reject != "none":
+        sums["is_rejected_frac"] = weights.rejected.to(dtype)
+        pg = torch.where(weights.rejected, 0.0, pg)  # also under estimator 'none'
     loss = pg
     sums["pg_loss"] = pg.detach()
     sums["clip_frac"] = (clipped > unclipped).to(dtype)
@@ -183,7 +195,7 @@ def policy_loss(inp: PolicyLossInput, cfg: AlgorithmConfig) -> LossTerms:
     if entropy is not None:
         sums["entropy"] = entropy.detach()
     if rollout is not None:
-        # a diagnostic: a token without a rollout logprob (NaN, refused under TIS by
+        # a diagnostic: a token without a rollout logprob (NaN, refused under a correction by
         # train/batch.py) adds 0 instead of poisoning the step's metric
         diff = (old - rollout).abs()
         sums["train_rollout_logprob_abs_diff"] = torch.where(diff.isfinite(), diff, 0.0)
@@ -195,4 +207,12 @@ def policy_loss(inp: PolicyLossInput, cfg: AlgorithmConfig) -> LossTerms:
     metric_sums = {
         k: float(torch.where(keep, (w if k in _LOSS_METRICS else mw) * v, 0.0).sum()) for k, v in sums.items()
     }
-    return LossTerms(numerator=numerator, denominator=denominator, metric_sums=metric_sums)
+    terms = LossTerms(numerator=numerator, denominator=denominator, metric_sums=metric_sums)
+    if weights is not None:
+        terms.rejected_samples = weights.rejected_samples
+        if inp.token_lag is not None:
+            resumed = (inp.resumed if inp.resumed is not None
+                       else torch.zeros_like(keep))
+            terms.telemetry = telemetry_sums(weights.log_ratio, inp.token_lag, resumed, keep,
+                                             weights.truncated, weights.masked, weights.rejected)
+    return terms

@@ -29,6 +29,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from rlkit.train.algorithms.losses import PolicyLossInput, policy_loss
+from rlkit.train.algorithms.mismatch import empty as mismatch_empty, metrics as mismatch_metrics
 from rlkit.train.batch import TrainBatch, TrainSample
 from rlkit.train.config import TrainConfig
 from rlkit.train.convert import hf_to_megatron, megatron_param_names, megatron_param_to_hf
@@ -264,11 +265,15 @@ class MegatronTrainer:
             samples = [batch.samples[i] for i in mb]
             packed = self._pack(samples)
             lp, entropy = self._forward(packed, with_entropy=with_entropy)
-            terms = policy_loss(self._loss_input(samples, packed, lp, entropy, with_entropy), self.config.algorithm)
+            inp = self._loss_input(samples, packed, lp, entropy, with_entropy, batch.policy_version)
+            terms = policy_loss(inp, self.config.algorithm)
             terms.numerator.backward()
             self._denominator += terms.denominator
             for k, v in terms.metric_sums.items():
                 self._metric_sums[k] += v
+            if terms.telemetry is not None:
+                self._mismatch += terms.telemetry
+            self._rejected_samples += terms.rejected_samples
             self._samples += len(mb)
             self._tokens += packed.tokens
             self._slots += packed.slots
@@ -293,6 +298,7 @@ class MegatronTrainer:
         lp: torch.Tensor,
         entropy: torch.Tensor,
         with_entropy: bool,
+        policy_version: int,
     ) -> PolicyLossInput:
         dev = lp.device
 
@@ -312,6 +318,7 @@ class MegatronTrainer:
             return torch.cat(values).to(dev)
 
         sample_ids = packed.sample_ids.to(dev)
+        versions = cat("versions")  # None: samples built without them, no telemetry
         advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32, device=dev)
         return PolicyLossInput(
             logprobs=lp,
@@ -323,6 +330,8 @@ class MegatronTrainer:
             rollout_logprobs=cat("rollout_logprobs"),
             ref_logprobs=cat("ref_logprobs"),
             entropy=entropy if with_entropy else None,
+            token_lag=None if versions is None else policy_version - versions.long(),
+            resumed=torch.cat([torch.full((s.response_length,), s.resumed) for s in samples]).to(dev),
         )
 
     def _finalize_grads(self) -> float:
@@ -343,7 +352,8 @@ class MegatronTrainer:
         present = [1.0 if k in self._metric_sums else 0.0 for k in self._metric_keys]
         counters = torch.tensor(  # on the device: NCCL reduces CUDA tensors only
             [self._samples, self._tokens, self._slots, self._micro_batch_count,
-             self._empty_micro_batches, *self._metric_sums_vector(), *present],
+             self._empty_micro_batches, self._rejected_samples, *self._metric_sums_vector(),
+             *present, *self._mismatch.tolist()],
             dtype=torch.float64,
             device=self.device,
         )
@@ -359,9 +369,10 @@ class MegatronTrainer:
         if applied:
             self.step_count += 1
         counters = counters.cpu()
-        samples, tokens, slots, micro_batches, empty = (float(x) for x in counters[:5])
+        samples, tokens, slots, micro_batches, empty, rejected = (float(x) for x in counters[:6])
         n_keys = len(self._metric_keys)
-        sums, seen = counters[5 : 5 + n_keys], counters[5 + n_keys :]
+        sums, seen = counters[6 : 6 + n_keys], counters[6 + n_keys : 6 + 2 * n_keys]
+        mismatch = counters[6 + 2 * n_keys :]
         metrics = {
             f"train/{k}": float(v) / global_denominator if global_denominator > 0 else 0.0
             for k, v, flag in zip(self._metric_keys, sums, seen)
@@ -379,6 +390,8 @@ class MegatronTrainer:
                 "train/empty_micro_batches": empty,
                 "train/loss_denominator": global_denominator,
                 "train/step": float(self.step_count),
+                "train/rejected_samples": rejected,
+                **mismatch_metrics(mismatch),
             }
         )
         self._reset_accumulation()
@@ -393,8 +406,10 @@ class MegatronTrainer:
         "approx_kl_old",
         "kl",
         "entropy",
-        "tis_weight",
-        "tis_truncated_frac",
+        "is_weight",
+        "is_truncated_frac",
+        "is_masked_frac",
+        "is_rejected_frac",
         "train_rollout_logprob_abs_diff",
     )
 
@@ -412,6 +427,8 @@ class MegatronTrainer:
         self._slots = 0
         self._micro_batch_count = 0
         self._empty_micro_batches = 0
+        self._rejected_samples = 0
+        self._mismatch = mismatch_empty()  # mismatch.SIZE sums, over this step's micro-batches
 
     def discard_gradients(self) -> None:
         """Drop everything accumulated since the last step (gradients, denominators, metrics)."""
