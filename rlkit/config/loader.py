@@ -119,7 +119,10 @@ def _apply_override(raw: dict, origins: Origins, item: str) -> None:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
             where = ".".join(parts[: i + 1])
-            raise RecipeError(f"{CMDLINE}: override {key}: {where} is a value, not a section")
+            raise RecipeError(
+                f"{CMDLINE}: override {key}: {where} is a value ({child!r}), not a section; a "
+                "setting given by a bare name takes fields once written as a section (e.g. "
+                f"{where}.estimator={child} for an off-policy correction)")
         node = child
     node[parts[-1]] = value
     _forget_below(origins, parts)
