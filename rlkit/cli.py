@@ -30,6 +30,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "e2e"), "rlkit.bench.e2e", "a recipe's whole job in each driver mode, on this machine"),
     (("bench", "faults"), "rlkit.bench.faults", "engine faults injected vs survived vs data lost, simulated"),
     (("bench", "ranker"), "rlkit.bench.ranker", "length rankers' recall of the long tail"),
+    (("bench", "learn"), "rlkit.bench.learn", "held-out accuracy of off-policy modes vs sync, same samples, over seeds"),
 ]
 
 
