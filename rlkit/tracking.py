@@ -15,6 +15,7 @@ from typing import Any, Iterable
 
 from rlkit.config.schema import TrackingConfig
 from rlkit.rollout.timeline import TIMELINE_FILE
+from rlkit.train.algorithms.mismatch import LAG_BUCKETS
 
 GROUPS_FILE = "groups.jsonl"
 EVAL_FILE = "eval.jsonl"  # one row per evaluation (recipe `eval`): step = the version evaluated
@@ -200,8 +201,22 @@ def _summary_line(step: int, m: dict[str, Any]) -> str:
         f"step {step:>4}{round_} | reward {f('rollout/reward_mean', '.3f')} | "
         f"rollout {f('rollout/seconds', '.1f')} s, {f('rollout/throughput_tok_s', ',.0f')} tok/s, "
         f"resumed {f('rollout/resumed_token_share', '.0%')} | "
-        f"train {f('train/seconds', '.1f')} s, loss {f('train/loss', '.4f')}"
+        f"train {f('train/seconds', '.1f')} s, loss {f('train/loss', '.4f')}{_mismatch_part(m)}"
     )
+
+
+def _mismatch_part(m: dict[str, Any]) -> str:
+    """Per lag bucket with tokens: its share of the trained tokens and KL(rollout || old) by k3
+    (train/algorithms/mismatch.py); rejected samples when the correction rejects."""
+    lags = [b for b in LAG_BUCKETS if f"mismatch/{b}/tokens" in m]
+    total = sum(m[f"mismatch/{b}/tokens"] for b in lags)
+    if not total:
+        return ""
+    parts = [f"{b} {_fmt(m, f'mismatch/{b}/kl_k3', '.1e')} ({m[f'mismatch/{b}/tokens'] / total:.0%})"
+             for b in lags]
+    rejected = m.get("train/rejected_samples")
+    tail = f", rejected {rejected:.0f}" if rejected else ""
+    return f" | mismatch k3 {', '.join(parts)}{tail}"
 
 
 def eval_passes(metrics: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlkit.tracking import EVAL_FILE, eval_passes
+from rlkit.train.algorithms.mismatch import FIGURES, LAG_BUCKETS
 
 DEFAULT_KEYS = ["batch/reward_mean", "rollout/reward_mean"]
 METRICS_FILE = "metrics.jsonl"
@@ -36,6 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"metric to plot (default: {DEFAULT_KEYS}, plus the held-out pass@k "
                              f"curves of {EVAL_FILE} when the run has one); eval/... keys are "
                              f"read from {EVAL_FILE}")
+    parser.add_argument("--mismatch", metavar="FIGURE", choices=FIGURES,
+                        help="one curve per version lag (0, 1, 2, 3+) of the train-inference "
+                             "mismatch figure mismatch/<lag>/FIGURE, e.g. kl_k3, "
+                             f"abs_log_ratio_p99, ess (choices: {', '.join(FIGURES)}); adds to "
+                             "--key")
     parser.add_argument("--out", type=Path, help="PNG to write (default: <run>/metrics.png)")
     parser.add_argument("--title", help="chart title")
 
@@ -75,6 +81,17 @@ class Panel:
 
 def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def mismatch_keys(rows: list[dict], figure: str) -> list[str]:
+    """mismatch/<lag bucket>/<figure> for each lag bucket some step has (a run whose steps all
+    trained fresh tokens has lag 0 only)."""
+    keys = [f"mismatch/{b}/{figure}" for b in LAG_BUCKETS]
+    present = [k for k in keys if any(_number(r.get(k)) for r in rows)]
+    if not present:
+        raise SystemExit(f"no mismatch telemetry in {METRICS_FILE} (none of {', '.join(keys)}): "
+                         "it needs the rollout logprobs of the trained tokens")
+    return present
 
 
 def _points(rows: list[dict], key: str) -> tuple[list, list]:
@@ -212,9 +229,14 @@ def run(args: argparse.Namespace) -> int:
     if args.key is None and not args.run.is_dir():
         eval_rows = []  # the held-out overlay is for a run folder; a metrics file plots as before
     out = args.out or ((args.run if args.run.is_dir() else args.run.parent) / "metrics.png")
-    panels = collect_panels(rows, args.key, eval_rows)
+    keys = args.key
+    if args.mismatch:
+        keys = [*(keys or []), *mismatch_keys(rows, args.mismatch)]
+    panels = collect_panels(rows, keys, eval_rows)
     if args.title:
         title = args.title
+    elif args.mismatch and not args.key:
+        title = f"{args.run.name}: mismatch {args.mismatch} per version lag"
     elif args.key is None and any(p.eval for p in panels):
         title = f"{args.run.name}: training reward and held-out eval (pass@k)"
     else:

@@ -151,3 +151,30 @@ def test_unknown_key_names_it_and_both_files(run_dir: Path):
     assert "batch/reward_mean" in msg and P1 in msg
     with pytest.raises(SystemExit, match="no values for 'rollout/nope'"):
         pm.collect_panels(pm.load_metrics(run_dir), ["rollout/nope"], pm.load_eval(run_dir))
+
+
+def test_mismatch_figure_per_version_lag(tmp_path: Path, monkeypatch):
+    run = tmp_path / "lagged"
+    run.mkdir()
+    rows = _metrics(4)
+    for r in rows:  # lag 2 only from step 3 on; no step has lag 3+
+        r["mismatch/lag0/kl_k3"], r["mismatch/lag1/kl_k3"] = 1e-5, 2e-4
+        if r["step"] >= 3:
+            r["mismatch/lag2/kl_k3"] = 9e-4
+    _write(run / "metrics.jsonl", rows)
+    seen = {}
+    real_draw = pm.draw
+
+    def spy(panels, rows, out, title):
+        seen["title"], seen["drawn"] = title, real_draw(panels, rows, out, title)
+        return seen["drawn"]
+
+    monkeypatch.setattr(pm, "draw", spy)
+    assert cli.main(["plot", "metrics", str(run), "--mismatch", "kl_k3"]) == 0
+    _png_ok(run / "metrics.png")
+    assert seen["title"] == "lagged: mismatch kl_k3 per version lag"
+    assert list(seen["drawn"]) == [f"mismatch/lag{k}/kl_k3" for k in (0, 1, 2)]
+    assert seen["drawn"]["mismatch/lag2/kl_k3"] == ([3, 4], [9e-4, 9e-4])
+    _write(run / "metrics.jsonl", _metrics(2))
+    with pytest.raises(SystemExit, match="no mismatch telemetry"):
+        cli.main(["plot", "metrics", str(run), "--mismatch", "ess"])

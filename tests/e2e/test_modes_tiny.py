@@ -12,6 +12,7 @@ import pytest
 
 from rlkit.config import load_recipe
 from rlkit.driver.run import train
+from rlkit.train.algorithms.mismatch import LAG_BUCKETS
 from tests.e2e.test_train_tiny import processes_with, rows
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,6 +60,12 @@ def test_a_mode_with_a_policy_end_to_end(tmp_path, monkeypatch, mode, recipe, ep
     # the bound (1) holds; stream with tail batching (restart: on-policy) trains no old token
     on_policy = mode == "stream" and "tail" in recipe
     assert all(m["batch/max_staleness"] <= (0 if on_policy else 1) for m in metrics)
+    # the mismatch telemetry sees every trained token once, at the lag its version gives
+    for m in metrics:
+        lag_tokens = [m.get(f"mismatch/{b}/tokens", 0) for b in LAG_BUCKETS]
+        assert sum(lag_tokens) == m.get("mismatch/fresh/tokens", 0) + m.get("mismatch/resumed/tokens", 0)
+        assert sum(lag_tokens) == m["train/loss_denominator"] > 0  # token_mean: the trained tokens
+        assert lag_tokens[2:] == [0, 0] and (lag_tokens[1] == 0 or not on_policy), m
     ids = trained_groups(run_dir)
     assert len(ids) == len(set(ids)) == 3 * r.rollout.batch_size
     if mode == "async":

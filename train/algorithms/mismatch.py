@@ -27,6 +27,10 @@ import torch
 
 BUCKETS = ("lag0", "lag1", "lag2", "lag3plus", "fresh", "resumed")
 MAX_LAG_BUCKET = 3  # lags of 3 and more share the last lag bucket
+LAG_BUCKETS = BUCKETS[:MAX_LAG_BUCKET + 1]
+# what `metrics` reports per bucket, as mismatch/<bucket>/<figure>
+FIGURES = ("tokens", "abs_log_ratio_mean", "abs_log_ratio_p99", "kl_k1", "kl_k3", "ess", "chi2",
+           "truncated", "masked", "rejected")
 _SUMS = ("tokens", "abs_log_ratio", "k1", "k3", "rho", "rho_sq", "truncated", "masked", "rejected")
 _HIST_LOW, _HIST_HIGH, _HIST_BINS = 1e-4, 20.0, 64
 # bin b (1..BINS-1) holds |l| in [edge[b-1], edge[b]); bin 0 everything below 1e-4
@@ -89,14 +93,15 @@ def metrics(vector: torch.Tensor | list[float], prefix: str = "mismatch") -> dic
         n = s["tokens"]
         if n <= 0:
             continue
-        key = f"{prefix}/{bucket}"
-        out[f"{key}/tokens"] = n
-        out[f"{key}/abs_log_ratio_mean"] = s["abs_log_ratio"] / n
-        out[f"{key}/abs_log_ratio_p99"] = _p99(part[len(_SUMS):], n)
-        out[f"{key}/kl_k1"] = s["k1"] / n
-        out[f"{key}/kl_k3"] = s["k3"] / n
-        out[f"{key}/ess"] = s["rho"] ** 2 / (n * s["rho_sq"]) if s["rho_sq"] > 0 else math.nan
-        out[f"{key}/chi2"] = s["rho_sq"] / n - 1.0
-        for share in ("truncated", "masked", "rejected"):
-            out[f"{key}/{share}"] = s[share] / n
+        figures = {
+            "tokens": n,
+            "abs_log_ratio_mean": s["abs_log_ratio"] / n,
+            "abs_log_ratio_p99": _p99(part[len(_SUMS):], n),
+            "kl_k1": s["k1"] / n,
+            "kl_k3": s["k3"] / n,
+            "ess": s["rho"] ** 2 / (n * s["rho_sq"]) if s["rho_sq"] > 0 else math.nan,
+            "chi2": s["rho_sq"] / n - 1.0,
+            **{share: s[share] / n for share in ("truncated", "masked", "rejected")},
+        }
+        out.update({f"{prefix}/{bucket}/{k}": figures[k] for k in FIGURES})
     return out
