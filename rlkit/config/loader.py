@@ -119,10 +119,11 @@ def _apply_override(raw: dict, origins: Origins, item: str) -> None:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
             where = ".".join(parts[: i + 1])
-            raise RecipeError(
-                f"{CMDLINE}: override {key}: {where} is a value ({child!r}), not a section; a "
-                "setting given by a bare name takes fields once written as a section (e.g. "
-                f"{where}.estimator={child} for an off-policy correction)")
+            hint = ""
+            if isinstance(child, str):  # a setting given by a bare name, e.g. a correction
+                hint = (f"; a setting given by a bare name ({child!r}) takes fields once "
+                        f"written as a section, e.g. {where}.estimator={child}")
+            raise RecipeError(f"{CMDLINE}: override {key}: {where} is a value, not a section{hint}")
         node = child
     node[parts[-1]] = value
     _forget_below(origins, parts)

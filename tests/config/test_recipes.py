@@ -95,7 +95,17 @@ def test_off_policy_modes_require_an_explicit_correction_choice():
         load_recipe(None, ["mode=async"])
     assert load_recipe(None, ["mode=async", "rollout.max_staleness=0"]).mode == "async"
     r = load_recipe(None, ["rollout.policy=partial", "train.algorithm.off_policy_correction=tis"])
-    assert r.train.algorithm.off_policy_correction == "tis"
+    assert r.train.algorithm.off_policy_correction.estimator == "tis"
+    # the correction is a section: its fields by path, a bare name's fields only once written so
+    r = load_recipe(None, ["rollout.policy=partial", "train.algorithm.off_policy_correction.estimator=mis",
+                           "train.algorithm.off_policy_correction.level=geometric"])
+    c = r.train.algorithm.off_policy_correction
+    assert (c.estimator, c.level, c.low, c.high) == ("mis", "geometric", 0.5, 2.0)
+    with pytest.raises(RecipeError, match="bare name .'tis'. takes fields once written as a section"):
+        load_recipe(None, ["train.algorithm.off_policy_correction=tis",
+                           "train.algorithm.off_policy_correction.level=sequence"])
+    with pytest.raises(RecipeError, match="tis_cap is now train.algorithm.off_policy_correction.high"):
+        load_recipe(None, ["train.algorithm.tis_cap=3"])
     # the registry says which policies make off-policy tokens: tail batching only when resuming
     assert load_recipe(None, ["rollout.policy=tail_batching"]).rollout.tail_batching.deferred == "restart"
     with pytest.raises(RecipeError, match="tail_batching.deferred=resume continues deferred"):
