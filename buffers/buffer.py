@@ -23,6 +23,13 @@ The staleness rule lives here and nowhere else: when a group whose oldest token 
 consumer's version by more than `max_staleness` is about to be handed out (to the producer for
 resumption, or to the trainer), the configured StalenessPolicy applies, and is counted.
 
+The token-lag bound (`max_token_lag`, optional) is per sample and keeps the group: a sample of
+a group about to be resumed whose oldest token would lag the version it is produced for by more
+than the bound is restarted from its prompt (its tokens discarded and counted, `lag_restarts`,
+`lag_restart_tokens`), its siblings kept; a complete group queued as ready (or still ready when
+the consumer's version moves) whose samples lag more goes back to the partial queue with those
+samples restarted. So no token the trainer takes lags more than the bound.
+
 Thread-safe: producers and consumers may run in different threads or event loops.
 """
 
@@ -124,15 +131,19 @@ class RolloutBuffer:
         n_samples_per_prompt: int,
         max_staleness: int = 4,
         staleness_policy: StalenessPolicy | str = StalenessPolicy.DROP,
+        max_token_lag: int | None = None,
     ) -> None:
         if n_samples_per_prompt < 1:
             raise ValueError("n_samples_per_prompt must be >= 1")
         if max_staleness < 0:
             raise ValueError("max_staleness must be >= 0")
+        if max_token_lag is not None and max_token_lag < 0:
+            raise ValueError("max_token_lag must be >= 0 (or None: no bound)")
         self.source = source
         self.n_samples_per_prompt = n_samples_per_prompt
         self.max_staleness = max_staleness
         self.staleness_policy = StalenessPolicy(staleness_policy)
+        self.max_token_lag = max_token_lag
 
         self._lock = threading.Lock()
         self._ready_cond = threading.Condition(self._lock)
@@ -187,12 +198,20 @@ class RolloutBuffer:
                                   f"{self._producer_version} to {version}")
             self._producer_version = version
 
+    @property
+    def max_ahead(self) -> int:
+        """How many versions a rollout step may run ahead of the engines' weights: the smaller
+        of max_staleness and max_token_lag (tokens generated now lag that much when trained)."""
+        if self.max_token_lag is None:
+            return self.max_staleness
+        return min(self.max_staleness, self.max_token_lag)
+
     def admits(self, for_version: int) -> bool:
         """Whether a rollout step whose groups will be trained at consumer version
         `for_version` may start now: its tokens, generated with the engines' current weights,
-        would then lag by at most max_staleness (the admission half of the bound; hand-out is
-        the other)."""
-        return for_version - self._producer_version <= self.max_staleness
+        would then lag by at most max_staleness and max_token_lag (the admission half of the
+        bounds; hand-out is the other)."""
+        return for_version - self._producer_version <= self.max_ahead
 
     def begin_production(self, for_version: int) -> None:
         """A rollout step starts, to be trained at consumer version `for_version` (the
@@ -207,7 +226,8 @@ class RolloutBuffer:
                 raise StalenessBoundError(
                     f"a rollout step for consumer version {for_version} with the engines at "
                     f"version {self._producer_version} runs {for_version - self._producer_version} "
-                    f"versions ahead; rollout.max_staleness is {self.max_staleness}")
+                    f"versions ahead; rollout.max_staleness is {self.max_staleness}, "
+                    f"rollout.max_token_lag {self.max_token_lag}")
             self._producing_for = for_version
 
     # -- producer side ------------------------------------------------------------------
@@ -436,6 +456,8 @@ class RolloutBuffer:
                 "stale_regenerated": c["stale_regenerated"],
                 "stale_corrected": c["stale_corrected"],
                 "discarded_tokens": c["discarded_tokens"],
+                "lag_restarts": c["lag_restarts"],
+                "lag_restart_tokens": c["lag_restart_tokens"],
             }
         out["balanced"] = out["created"] == (
             out["in_flight"] + out["partial"] + out["long"] + out["ready"]
@@ -676,14 +698,36 @@ class RolloutBuffer:
         self._end(group, "stale")
         return "dropped"
 
+    def _restart_lagging(self, group: Group, consumer: int) -> int:
+        """The token-lag bound (max_token_lag) for a group about to be resumed or queued as
+        ready, against the consumer version it will be trained at: each sample whose oldest
+        token would lag more than the bound forgets its response (generated again from the
+        prompt; a failed sample is left for its group's drop). Returns the samples restarted."""
+        bound = self.max_token_lag
+        if bound is None:
+            return 0
+        restarted = 0
+        for s in group.samples:
+            oldest = s.oldest_version()
+            if oldest is None or consumer - oldest <= bound or s.status is SampleStatus.FAILED:
+                continue
+            tokens = self._discard([s])
+            s.reset()
+            self._counts["lag_restarts"] += 1
+            self._counts["lag_restart_tokens"] += tokens
+            restarted += 1
+        return restarted
+
     def _pop_fit(self, queue: _OldestFirst, k: int) -> list[Group]:
-        """Up to k groups from a queue, oldest first, each through the staleness rule."""
+        """Up to k groups from a queue, oldest first, each through the staleness rule and the
+        token-lag bound."""
         out: list[Group] = []
         while len(out) < k:
             group = queue.pop()
             if group is None:
                 break
             if self._enforce_staleness(group, self._producing_for) != "dropped":
+                self._restart_lagging(group, self._producing_for)
                 out.append(group)
         return out
 
@@ -702,8 +746,11 @@ class RolloutBuffer:
 
     def _to_ready(self, group: Group) -> bool:
         """Queue a complete group as ready, through the staleness rule (a stale one goes back
-        to partial or is dropped instead). True if it was queued as ready."""
+        to partial or is dropped instead) and the token-lag bound (a group with samples past
+        it goes back to partial, those samples restarted). True if it was queued as ready."""
         verdict = self._enforce_staleness(group)
+        if verdict != "dropped" and self._restart_lagging(group, self._version):
+            verdict = "regenerated"
         if verdict == "regenerated":
             self._to_partial(group)
         elif verdict != "dropped":

@@ -516,6 +516,18 @@ class RolloutConfig(BaseModel):
         "'regenerate' it from the prompt, or 'correct' (keep it; the trainer's off-policy "
         "correction must be on).",
     )
+    max_token_lag: int | None = Field(
+        None,
+        ge=0,
+        le=1000,
+        description="Most policy versions any trained token may lag behind the trainer "
+        "(null: no bound). Per sample, keeping the group (max_staleness bounds whole groups): "
+        "a parked sample about to be resumed whose oldest token would lag more than this when "
+        "trained is restarted from its prompt instead (its tokens discarded, counted in "
+        "rollout/lag_restarts and rollout/lag_restart_tokens), and so is a ready sample still "
+        "untrained when the trainer's version moves past it. Async mode generates one version "
+        "ahead, so 0 there admits no overlap (sync, step for step).",
+    )
     reward: RewardConfig = Field(
         default_factory=RewardConfig,
         description="Reward function (an episode whose environment gives a reward is not scored by it).")

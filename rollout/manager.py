@@ -130,6 +130,9 @@ class RolloutManager:
         self.relaunches_per_sample = relaunches_per_sample
         self.episodes = episodes
         self.current: Step | None = None  # the step running now, for progress reports
+        # The buffer's lag-restart counters at the last report (None before the first step):
+        # each report counts the restarts since, between steps too (a version bump's sweep).
+        self._lag_mark: tuple[int, int] | None = None
         # Recent lengths of finished groups, across steps: the distribution D the dispatcher's
         # cost model and the ranker-driven policies' thresholds read (responses; group means).
         self.response_lengths = LengthWindow(4096)
@@ -226,7 +229,10 @@ class Step:
         self._stopped = asyncio.Event()  # set by stop(): an episode waiting on a tool parks
         self._filter_failed = False
         self._t0 = self._loop.time()
-        self._discarded0 = self.buffer.stats()["discarded_tokens"]
+        stats = self.buffer.stats()
+        self._discarded0 = stats["discarded_tokens"]
+        if manager._lag_mark is None:
+            manager._lag_mark = (stats["lag_restarts"], stats["lag_restart_tokens"])
         self._completed: list[Group] = []
         self._cancelled: list[asyncio.Task] = []  # awaited by stop(): their spans count too
         self._tokens_at_launch: dict[int, int] = {}  # sample index -> response length at launch
@@ -714,7 +720,12 @@ class Step:
                 if s.reward is not None:
                     rewards.append(s.reward)
         r.reward_mean = sum(rewards) / len(rewards) if rewards else math.nan
-        r.tokens_discarded = self.buffer.stats()["discarded_tokens"] - self._discarded0
+        stats = self.buffer.stats()
+        r.tokens_discarded = stats["discarded_tokens"] - self._discarded0
+        mark = (stats["lag_restarts"], stats["lag_restart_tokens"])
+        before = self._m._lag_mark or mark
+        r.lag_restarts, r.lag_restart_tokens = mark[0] - before[0], mark[1] - before[1]
+        self._m._lag_mark = mark
         return r
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from rlkit.rollout.rankers.recall import recalls
 from rlkit.rollout.timeline import Span
@@ -39,6 +39,10 @@ class StepReport:
     filtered_tokens: int = 0
     filter_exhausted: int = 0  # complete groups kept unfiltered: the step's filter limit was hit
     surplus_restarted: int = 0  # complete past an exact target: restarted (see Step.exact_target)
+    # rollout.max_token_lag: samples restarted from the prompt since the last step's report
+    # (parked ones about to be resumed, ready ones when the version moved) and their tokens
+    lag_restarts: int = 0
+    lag_restart_tokens: int = 0
     # (predicted, actual) mean response length of each group completed, when a ranker predicted
     predictions: list[tuple[float, float]] = field(default_factory=list)
     launched_predictions: list[tuple[int, float]] = field(default_factory=list)  # (group, predicted)
@@ -107,9 +111,26 @@ class StepReport:
             "rollout/filtered_tokens": self.filtered_tokens,
             "rollout/filter_exhausted": self.filter_exhausted,
             "rollout/surplus_restarted": self.surplus_restarted,
+            "rollout/lag_restarts": self.lag_restarts,
+            "rollout/lag_restart_tokens": self.lag_restart_tokens,
             **{f"rollout/ranker_{k}": v for k, v in self.ranker_recalls().items()},
             **{f"rollout/ranker_turns_{k}": v for k, v in self.ranker_turn_recalls().items()},
             **{f"rollout/dispatch/{k}": v for k, v in self.dispatch.items()},
             **{f"rollout/filtered/{k}": v for k, v in self.filtered.items()},
             **{f"rollout/dropped/{k}": v for k, v in self.dropped.items()},
         }
+
+
+# The lag of the tokens a training step trains (its trainer's version - the version that generated
+# each token), in the buckets of buffers.staleness.lag_counts: 0, 1, 2, 3+.
+LAG_KEYS = ("lag0", "lag1", "lag2", "lag3plus")
+
+
+def trained_lag_metrics(counts: Sequence[int], max_lag: int) -> dict[str, float]:
+    """`rollout/trained_lag{0,1,2,3plus}_share` (shares of the trained tokens) and
+    `rollout/trained_max_lag` from a batch's lag counts; {} for a batch without tokens."""
+    total = sum(counts)
+    if not total:
+        return {}
+    return {**{f"rollout/trained_{k}_share": n / total for k, n in zip(LAG_KEYS, counts)},
+            "rollout/trained_max_lag": float(max_lag)}

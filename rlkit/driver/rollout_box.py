@@ -19,6 +19,9 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
+from rlkit.buffers.staleness import LAG_BUCKETS, lag_counts
+from rlkit.rollout.step_report import trained_lag_metrics
+
 if TYPE_CHECKING:
     from rlkit.buffers import Group
     from rlkit.rollout.step_report import StepReport
@@ -106,14 +109,34 @@ def handed_of(groups: Sequence["Group"]) -> Handed:
     return Handed(list(groups), [group_record(g) for g in groups])
 
 
+def lag_record(g: "Group", trained_at: int) -> dict[str, Any]:
+    """What a group's record says of its tokens' lag when trained at `trained_at`: the trained
+    tokens at lag 0, 1, 2, 3+ (buffers.staleness.lag_counts) and the largest lag."""
+    counts, most = lag_counts(g.samples, trained_at)
+    return {"trained_at": trained_at, "lag_tokens": counts, "max_lag": most}
+
+
+def batch_lags(records: Sequence[dict[str, Any]]) -> tuple[list[int], int]:
+    """A batch's trained tokens by lag bucket, and its largest lag (from `lag_record`s)."""
+    counts, most = [0] * LAG_BUCKETS, 0
+    for r in records:
+        if "lag_tokens" in r:
+            counts = [a + b for a, b in zip(counts, r["lag_tokens"])]
+            most = max(most, r["max_lag"])
+    return counts, most
+
+
 def batch_metrics(records: Sequence[dict[str, Any]]) -> dict[str, float]:
-    """Reward statistics of the groups a training step uses (from `group_record`s)."""
+    """Reward statistics of the groups a training step uses (from `group_record`s), and the
+    lag of their trained tokens (rollout/trained_lag*_share, rollout/trained_max_lag)."""
     rewards = [r for g in records for r in g["rewards"] if r is not None]
     lengths = [n for g in records for n in g["lengths"]]
+    lags = trained_lag_metrics(*batch_lags(records))
     if not rewards:
-        return {}
+        return lags
     mean = sum(rewards) / len(rewards)
     return {
+        **lags,
         "batch/reward_mean": mean,
         "batch/reward_max": max(rewards),
         "batch/response_length_mean": sum(lengths) / len(lengths),

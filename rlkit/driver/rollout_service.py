@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 from rlkit.buffers import Group, PromptSource, RolloutBuffer, load_buffer, save_buffer
-from rlkit.driver.rollout_box import Handed, RolloutResult, handed_of
+from rlkit.driver.rollout_box import Handed, RolloutResult, handed_of, lag_record
 from rlkit.rollout.config import RolloutConfig
 from rlkit.rollout.engine_api import Engines
 from rlkit.rollout.episodes import EpisodeRunner
@@ -72,6 +72,7 @@ class RolloutService:
             n_samples_per_prompt=cfg.n_samples_per_prompt,
             max_staleness=cfg.max_staleness,
             staleness_policy=cfg.staleness_policy,
+            max_token_lag=cfg.max_token_lag,
         )
         rewards = RewardScheduler(score, timeout_s=cfg.reward.timeout_s, on_error=cfg.reward.on_error)
         health = EngineMonitor(engines, cfg.health, restarter) if cfg.health.enabled else None
@@ -180,15 +181,24 @@ class RolloutService:
         except TimeoutError as e:
             raise RuntimeError(f"{e} (after the rollout step); nothing was taken") from None
         self._untrained += groups
-        return self.hand(groups)
+        return self._handed(groups)
 
     async def next_ready(self) -> Handed:
         """The next ready group, as soon as there is one (stream mode). It waits on the event
         loop generation runs on without blocking it."""
         async for group in self.buffer.stream(1):
             self._untrained.append(group)
-            return self.hand([group])
+            return self._handed([group])
         raise RuntimeError("unreachable: stream(1) yields one group")
+
+    def _handed(self, groups: list[Group]) -> Handed:
+        """The groups to the trainer, each record with the lag of its trained tokens behind
+        the version they are trained at: the consumer's, which the buffer has at hand-out
+        (every mode's trainer trains the batch it takes at the version it takes it at)."""
+        handed = self.hand(groups)
+        for record, group in zip(handed.records, groups):
+            record.update(lag_record(group, self.buffer.version))
+        return handed
 
     async def admits(self, for_version: int) -> bool:
         return self.buffer.admits(for_version)

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rlkit.buffers.group import Group
+from rlkit.buffers.staleness import LAG_BUCKETS
 from rlkit.buffers.sample import Sample
 from rlkit.buffers.source import ListPromptSource
 from rlkit.sim.engine import Segment, SimConfig, WorkerStats
@@ -66,6 +67,12 @@ class SimulatedStep:
     turn: dict[str, float] = field(default_factory=dict)
     # multi-turn: recall@20/10/5 of the episodes' model turns (a ranker of turns)
     ranker_turns_recall: dict[str, float] = field(default_factory=dict)
+    # the trained batch's tokens at lag 0, 1, 2, 3+ behind the version it was trained at, and
+    # the largest lag (the run's rollout/trained_lag*_share and rollout/trained_max_lag)
+    trained_lag_tokens: list[int] = field(default_factory=lambda: [0] * LAG_BUCKETS)
+    trained_max_lag: int = 0
+    lag_restarts: int = 0  # rollout.max_token_lag: samples restarted from the prompt
+    lag_restart_tokens: int = 0  # their tokens (also in tokens_discarded when in the step)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -130,6 +137,7 @@ def measure(step: int, policy: str, cluster: SimConfig, report: Any,
         long_engines=int(report.dispatch.get("long_engines", 0)),
         preemptions=int(delta("preemptions")),
         prefill_s=delta("prefill_s"),
+        lag_restarts=report.lag_restarts, lag_restart_tokens=report.lag_restart_tokens,
     )
 
 

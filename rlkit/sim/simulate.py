@@ -45,7 +45,7 @@ from rlkit.buffers.buffer import RolloutBuffer
 from rlkit.buffers.group import Group
 from rlkit.driver.loop import LoopState, Run
 from rlkit.driver.modes import MODES
-from rlkit.driver.rollout_box import Handed, RolloutResult
+from rlkit.driver.rollout_box import Handed, RolloutResult, batch_lags
 from rlkit.driver.rollout_service import RolloutService
 from rlkit.rollout.config import HealthConfig, SamplingConfig
 from rlkit.rollout.filters import GroupFilter
@@ -184,6 +184,7 @@ async def simulate(
     max_new_tokens: int | None = None,
     train: TrainTimeModel | None = None,
     max_staleness: int = 1000,
+    max_token_lag: int | None = None,
     timeline_path: str | Path | None = None,
     seed: int = 0,
     observer: Callable[[SimWorker, str], None] | None = None,
@@ -220,7 +221,7 @@ async def simulate(
     cap = max_new_tokens or trace.cap
     if buffer is None:
         buffer = RolloutBuffer(trace_source(trace), n_samples_per_prompt=trace.group_size,
-                               max_staleness=max_staleness)
+                               max_staleness=max_staleness, max_token_lag=max_token_lag)
     engines = SimEngines(cluster, observer=observer)
     replay = TraceReplayEngines(engines, trace, BufferPrompts(buffer))
     sampling = SamplingConfig(max_new_tokens=cap, temperature=1.0)
@@ -254,6 +255,7 @@ async def simulate(
         r = measure(step, policy.name, cluster, report, before, after, tokens,
                     train.batch_s(lengths_of(handed.refs)) if train else 0.0, sync_s)
         r.step_s, r.mode, r.placement = row["step/seconds"], mode, placement
+        r.trained_lag_tokens, r.trained_max_lag = batch_lags(handed.records)
         r.turn = {k: v for k, v in row.items() if k.startswith("colocate/")}
         r.waited_train_s = (row["train/seconds"] + row["sync/seconds"]
                             + r.turn.get("colocate/sleep_seconds", 0.0))

@@ -1,5 +1,5 @@
 """Property tests of the RolloutBuffer: accounting always balances, every group is in exactly one
-place, and nothing handed out violates the staleness bound."""
+place, and nothing handed out violates the staleness bound or the token-lag bound."""
 
 import json
 
@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from rlkit.buffers import Place, RolloutBuffer, SampleStatus, StalenessPolicy, staleness
+from rlkit.buffers.staleness import lag_counts
 from tests.buffers.helpers import make_source
 
 
@@ -16,9 +17,11 @@ class BufferMachine(RuleBasedStateMachine):
         policy=st.sampled_from(list(StalenessPolicy)),
         max_staleness=st.integers(0, 2),
         n=st.integers(1, 3),
+        max_token_lag=st.one_of(st.none(), st.integers(0, 2)),
     )
-    def setup(self, policy, max_staleness, n):
+    def setup(self, policy, max_staleness, n, max_token_lag):
         self.policy, self.max_staleness, self.n = policy, max_staleness, n
+        self.max_token_lag = max_token_lag
         self.buf = self._fresh()
         self.flying = {}  # group_id -> Group, as the producer sees it
         self.trained = set()
@@ -27,6 +30,7 @@ class BufferMachine(RuleBasedStateMachine):
         return RolloutBuffer(
             make_source(5), n_samples_per_prompt=self.n,
             max_staleness=self.max_staleness, staleness_policy=self.policy,
+            max_token_lag=self.max_token_lag,
         )
 
     def _check_handed_out(self, group):
@@ -34,6 +38,11 @@ class BufferMachine(RuleBasedStateMachine):
         assert lag <= self.max_staleness or (
             self.policy is StalenessPolicy.CORRECT and group.stale_corrected
         ), f"group {group.group_id} lags {lag} > {self.max_staleness}"
+        if self.max_token_lag is not None:  # per token, whatever the staleness policy
+            _, most = lag_counts(group.samples, self.buf.version)
+            oldest = [s.versions[0] for s in group.samples if s.versions]
+            assert not oldest or self.buf.version - min(oldest) <= self.max_token_lag
+            assert most <= self.max_token_lag
 
     def _take_flying(self, data):
         gid = data.draw(st.sampled_from(sorted(self.flying)))
@@ -171,6 +180,9 @@ class BufferMachine(RuleBasedStateMachine):
             return
         st_ = self.buf.stats()
         assert st_["balanced"], st_
+        if self.max_token_lag is None:
+            assert st_["lag_restarts"] == 0
+        assert st_["lag_restart_tokens"] <= st_["discarded_tokens"]
         assert st_["in_flight"] == len(self.flying)
         assert st_["trained"] >= len(self.trained)
         for g in self.flying.values():

@@ -1,0 +1,205 @@
+"""rollout.max_token_lag in the buffer: a parked sample whose oldest token would lag more than the
+bound when trained is restarted from its prompt (counted), its group and siblings kept; a ready
+group swept past the bound goes back to be finished; the trained tokens' lag counts
+(buffers.staleness.lag_counts) match a token-by-token count."""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from rlkit.buffers import Place, Sample, SampleStatus
+from rlkit.buffers.staleness import LAG_BUCKETS, lag_counts
+from tests.buffers.helpers import finish, make_buffer
+
+
+def park_with_tokens(buf, spans_of_sample):
+    """Acquire one group and give each sample its (version, tokens) spans, then park it
+    (requeue). A sample whose spans end with 'stop' finishes and is rewarded."""
+    (g,) = buf.acquire(1)
+    for s, spans in zip(g.samples, spans_of_sample):
+        s.start_request()
+        for version, tokens, *end in spans:
+            s.append([7] * tokens, [-0.5] * tokens, version, finish_reason=end[0] if end else None)
+        if s.status is SampleStatus.DONE:
+            s.set_reward(1.0)
+    buf.requeue(g)
+    return g
+
+
+def test_a_parked_sample_past_the_bound_is_restarted_and_counted_its_sibling_kept():
+    buf = make_buffer(n=3, max_staleness=100, max_token_lag=2)
+    # sample 0: tokens of versions 0 and 1; sample 1: of version 1 only; sample 2: finished at 0
+    g = park_with_tokens(buf, [[(0, 4), (1, 2)], [(1, 5)], [(0, 3, "stop")]])
+    buf.set_version(2)
+    buf.set_producer_version(2)
+    buf.begin_production(3)  # resumed now, trained at 3: version 0 would lag 3, version 1 lags 2
+    (again,) = buf.acquire(1)
+    assert again is g and buf.place_of(g) is Place.IN_FLIGHT
+    s0, s1, s2 = g.samples
+    assert (s0.response_ids, s0.status, s0.resumes) == ([], SampleStatus.PENDING, 0)
+    assert s2.response_ids == [] and s2.reward is None  # finished, but it would lag 3 as well
+    assert s1.versions == [1] * 5 and s1.status is SampleStatus.PARTIAL  # within the bound: kept
+    stats = buf.stats()
+    assert (stats["lag_restarts"], stats["lag_restart_tokens"]) == (2, 9)
+    assert stats["discarded_tokens"] == 9 and stats["dropped"] == 0 and stats["balanced"]
+
+
+def test_within_the_bound_nothing_is_restarted_and_without_one_nothing_ever_is():
+    for bound, restarts in ((3, 0), (None, 0), (0, 1)):
+        buf = make_buffer(n=1, max_staleness=100, max_token_lag=bound)
+        park_with_tokens(buf, [[(0, 4)]])
+        buf.set_version(3)
+        buf.set_producer_version(3)
+        (g,) = buf.acquire(1)
+        assert buf.stats()["lag_restarts"] == restarts
+        assert len(g.samples[0].response_ids) == 4 * (1 - restarts)
+
+
+def test_a_ready_group_past_the_bound_goes_back_with_its_lagging_samples_restarted():
+    buf = make_buffer(n=2, max_staleness=100, max_token_lag=1)
+    (g,) = buf.acquire(1)
+    finish(g, version=0, tokens=3)
+    assert buf.complete(g).queued
+    buf.set_version(1)  # lag 1: still ready
+    assert buf.place_of(g) is Place.READY
+    buf.set_version(2)  # lag 2 > 1: the group goes back to be generated again, not dropped
+    assert buf.place_of(g) is Place.PARTIAL and buf.take_nowait(1) == []
+    assert all(s.status is SampleStatus.PENDING for s in g.samples)
+    stats = buf.stats()
+    assert (stats["lag_restarts"], stats["lag_restart_tokens"], stats["dropped"]) == (2, 6, 0)
+    (again,) = buf.acquire(1)
+    finish(again, version=2)
+    buf.complete(again)
+    (trained,) = buf.take_nowait(1)
+    assert trained is g and {v for s in g.samples for v in s.versions} == {2}
+
+
+def test_async_admission_respects_the_token_bound():
+    buf = make_buffer(n=1, max_staleness=4, max_token_lag=0)
+    assert buf.max_ahead == 0 and buf.admits(0) and not buf.admits(1)
+    assert make_buffer(n=1, max_staleness=4, max_token_lag=2).max_ahead == 2
+    assert make_buffer(n=1, max_staleness=1, max_token_lag=3).max_ahead == 1
+    assert make_buffer(n=1, max_staleness=4).max_ahead == 4
+    with pytest.raises(ValueError, match="max_token_lag must be >= 0"):
+        make_buffer(max_token_lag=-1)
+
+
+def test_the_counters_survive_a_save_and_load():
+    buf = make_buffer(n=1, max_staleness=100, max_token_lag=0)
+    park_with_tokens(buf, [[(0, 4)]])
+    buf.set_version(1)
+    buf.acquire(1)
+    restored = make_buffer(n=1, max_staleness=100, max_token_lag=0)
+    restored.load_state_dict(buf.state_dict())
+    assert (restored.stats()["lag_restarts"], restored.stats()["lag_restart_tokens"]) == (1, 4)
+
+
+def test_lag_counts_known_answer_for_a_sample_spanning_three_versions():
+    s = Sample(0, 0, (1,))
+    s.append([1] * 3, [-0.1] * 3, 4)  # lag 3 at 7
+    s.append([1] * 2, [-0.1] * 2, 5, trainable=False)  # an observation: not trained
+    s.append([1] * 5, [-0.1] * 5, 6)  # lag 1
+    s.append([1] * 1, [-0.1] * 1, 7)  # lag 0
+    assert lag_counts([s], 7) == ([1, 5, 0, 3], 3)
+    assert lag_counts([s], 9) == ([0, 0, 1, 8], 5)  # version 7 lags 2, the rest 3+
+    assert lag_counts([], 3) == ([0] * LAG_BUCKETS, 0)
+
+
+@st.composite
+def samples(draw):
+    out = []
+    for i in range(draw(st.integers(0, 4))):
+        s = Sample(i, 0, (1,))
+        version = draw(st.integers(0, 3))
+        for _ in range(draw(st.integers(0, 4))):
+            version += draw(st.integers(0, 2))
+            n = draw(st.integers(0, 5))
+            s.append([2] * n, [-0.1] * n, version, trainable=draw(st.booleans()))
+        out.append(s)
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(samples(), st.integers(0, 15))
+def test_lag_counts_equal_a_token_by_token_count(batch, consumer):
+    counts, most = [0] * LAG_BUCKETS, 0
+    for s in batch:
+        for v, m in zip(s.versions, s.loss_mask):
+            if m:
+                lag = max(0, consumer - v)
+                counts[min(lag, LAG_BUCKETS - 1)] += 1
+                most = max(most, lag)
+    assert lag_counts(batch, consumer) == (counts, most)
+
+
+class LagMachine(RuleBasedStateMachine):
+    """Groups generated across version moves (sync-like: the engines follow the trainer; or a
+    producer one version ahead, as async): whatever happens, no sample handed out for
+    resumption lags more than the bound against the version it is produced for, no trained
+    token lags more than it, and every generated token is live, trained or counted discarded."""
+
+    @initialize(bound=st.integers(0, 2), n=st.integers(1, 3), ahead=st.booleans())
+    def setup(self, bound, n, ahead):
+        self.bound, self.ahead = bound, ahead and bound >= 1
+        self.buf = make_buffer(n=n, rows=6, max_staleness=1000, max_token_lag=bound)
+        self.flying, self.generated, self.trained_tokens = {}, 0, 0
+        if self.ahead:
+            self.buf.begin_production(1)
+
+    @rule(k=st.integers(1, 3))
+    def acquire(self, k):
+        for g in self.buf.acquire(k):
+            for s in g.samples:
+                if s.versions:
+                    assert self.buf._producing_for - s.versions[0] <= self.bound
+            self.flying[g.group_id] = g
+
+    @precondition(lambda self: self.flying)
+    @rule(data=st.data(), tokens=st.integers(1, 4), stop=st.booleans())
+    def generate(self, data, tokens, stop):
+        g = self.flying[data.draw(st.sampled_from(sorted(self.flying)))]
+        for s in g.to_generate():
+            s.start_request()
+            s.append([3] * tokens, [-0.1] * tokens, self.buf.producer_version,
+                     finish_reason="stop" if stop else None)
+            self.generated += tokens
+            if stop:
+                s.set_reward(1.0)
+
+    @precondition(lambda self: self.flying)
+    @rule(data=st.data())
+    def park_or_complete(self, data):
+        g = self.flying.pop(data.draw(st.sampled_from(sorted(self.flying))))
+        if g.trainable:
+            self.buf.complete(g)
+        else:
+            self.buf.requeue(g)
+
+    @rule()
+    def bump(self):
+        v = self.buf.version + 1
+        self.buf.set_version(v)
+        self.buf.set_producer_version(v)
+        if self.ahead:
+            self.buf.begin_production(v + 1)
+
+    @rule(k=st.integers(1, 2))
+    def take(self, k):
+        for g in self.buf.take_nowait(k):
+            counts, most = lag_counts(g.samples, self.buf.version)
+            assert most <= self.bound
+            self.trained_tokens += sum(counts)
+
+    @invariant()
+    def every_token_is_accounted_for(self):
+        stats = self.buf.stats()
+        live = sum(g.tokens for place in (Place.PARTIAL, Place.LONG, Place.READY)
+                   for g in self.buf.queued(place)) + sum(g.tokens for g in self.flying.values())
+        assert self.generated == live + self.trained_tokens + stats["discarded_tokens"]
+        assert stats["lag_restart_tokens"] <= stats["discarded_tokens"] and stats["balanced"]
+
+
+TestLagMachine = LagMachine.TestCase
+TestLagMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None,
+                                   suppress_health_check=[HealthCheck.too_slow])
