@@ -28,6 +28,9 @@ synchronous driver whose training and weight-sync times come from a TrainTimeMod
   top of its rollout, 1 - (step - rollout) / (train + sync);
   x max (async): step / max(rollout, train + sync), 1.0 when the overlap is perfect;
 - resumed token share and the most policy versions in one trained sample;
+- the frontier, one table per cap: every mode and policy's rollout and end-to-end speed-up and
+  share of its mode limit against the lag of the tokens it trained (the share at lag 0, 1, 2,
+  3+ behind the trainer's version, the largest lag) and what `--max-token-lag` restarted;
 - for policies with rounds (tail batching): short- and long-round counts, mean seconds and the
   longest response trained in each, and the sync rounds adaptive tail batching fell back to.
 
@@ -121,6 +124,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--steps", type=int, default=30, help="steps measured")
     r.add_argument("--max-staleness", type=int, default=1000,
                    help="buffer staleness bound (default: unbounded, as APRIL)")
+    r.add_argument("--max-token-lag", type=int, default=None, metavar="N",
+                   help="rollout.max_token_lag: restart a parked sample whose oldest token would "
+                   "lag more than N versions when trained (default: no bound)")
     add_out_argument(r, "suite")
     r.add_argument("--no-timelines", action="store_true", help="do not write timelines")
 
@@ -203,16 +209,17 @@ def run(args: argparse.Namespace) -> int:
     if any(t.multi_turn for t in traces):  # each turn resends the episode: SGLang's radix cache
         cluster = dataclasses.replace(cluster, prefix_cache=True)
     suite = SuiteSpec(cluster, train, args.batch_size, args.warmup, args.steps,
-                      args.max_staleness, args.seed, base)
+                      args.max_staleness, args.seed, base, args.max_token_lag)
     t0 = time.perf_counter()
     rows = run_suite(suite, traces, policies,
                      timelines=None if args.no_timelines else out / "timelines", modes=modes)
     wall = time.perf_counter() - t0
-    table = format_table(rows, describe(suite, traces, wall))
+    table = format_table(rows, describe(suite, traces, wall)) + "\n\n" + format_frontier(rows)
     plot_suite(rows, out / "suite.png", title=f"{profile.name} x {cluster.engines}, "
                f"{args.batch_size} groups x {traces[0].group_size}")
     print(table)
-    write_report(out, "suite", [r.to_json() for r in rows], table)
+    sync = baselines(rows)
+    write_report(out, "suite", [r.to_json(sync.get(r.cap)) for r in rows], table)
     return 0
 
 
@@ -226,6 +233,7 @@ class SuiteSpec:
     max_staleness: int = 1000
     seed: int = 0
     base: Any = None  # RolloutConfig the specs start from (rollout_base)
+    max_token_lag: int | None = None  # rollout.max_token_lag (None: no bound)
 
 
 @dataclass
@@ -329,12 +337,52 @@ class SuiteRow:
         return sum(got) / len(got) if got else math.nan
 
     @property
+    def lag_tokens(self) -> list[int]:
+        """Trained tokens at lag 0, 1, 2, 3+ over the measured steps."""
+        return [sum(t) for t in zip(*(s.trained_lag_tokens for s in self.steps))]
+
+    @property
+    def lag_shares(self) -> list[float]:
+        counts = self.lag_tokens
+        total = sum(counts)
+        return [n / total if total else 0.0 for n in counts]
+
+    @property
+    def max_lag(self) -> int:
+        """The most versions any trained token lagged behind the trainer."""
+        return max(s.trained_max_lag for s in self.steps)
+
+    @property
+    def lag_restarts(self) -> float:
+        """Samples restarted by rollout.max_token_lag, per step."""
+        return self._sum("lag_restarts") / len(self.steps)
+
+    @property
+    def lag_restart_share(self) -> float:
+        """Their discarded tokens, as a share of the tokens generated."""
+        return self._sum("lag_restart_tokens") / max(1.0, self._sum("tokens_generated"))
+
+    def speedup(self, sync: "SuiteRow") -> float:
+        """End-to-end speed-up over sync mode + sync policy."""
+        return sync.step_s / self.step_s
+
+    def of_mode_limit(self, sync: "SuiteRow") -> float:
+        return self.speedup(sync) / self.mode_limit(sync)
+
+    @property
     def parked_groups(self) -> float:
         """Groups carried over per step (partial rollouts' parked work)."""
         return self._sum("groups_carried_over") / len(self.steps)
 
-    def to_json(self) -> dict[str, Any]:
-        return {"cap": self.cap, "mode": self.mode, "policy": self.policy, "rollout_s": self.rollout_s,
+    def to_json(self, sync: "SuiteRow | None" = None) -> dict[str, Any]:
+        """Every figure; those against the baseline (sync mode + sync policy on the same
+        trace) when it is given."""
+        versus = {} if sync is None else {
+            "rollout_speedup": sync.rollout_s / self.rollout_s, "speedup": self.speedup(sync),
+            "mode_limit": self.mode_limit(sync), "of_mode_limit": self.of_mode_limit(sync)}
+        return {**versus, "trained_lag_shares": dict(zip(LAG_LABELS, self.lag_shares)),
+                "trained_max_lag": self.max_lag, "lag_restarts_per_step": self.lag_restarts,
+                "lag_restart_share": self.lag_restart_share, "cap": self.cap, "mode": self.mode, "policy": self.policy, "rollout_s": self.rollout_s,
                 "throughput": self.throughput, "trained_throughput": self.trained_throughput,
                 "step_s": self.step_s,
                 "idle_share": self.idle_share, "bound_ratio": self.bound_ratio,
@@ -361,7 +409,8 @@ def run_suite(suite: SuiteSpec, traces: list[Any], policies: list[str],
         results = run_simulation(
             suite.cluster, trace, make_policy(spec, suite.base),
             steps=suite.warmup + suite.steps, batch_size=suite.batch_size, train=suite.train,
-            max_staleness=suite.max_staleness, timeline_path=tl, seed=suite.seed,
+            max_staleness=suite.max_staleness, max_token_lag=suite.max_token_lag,
+            timeline_path=tl, seed=suite.seed,
             final_step=False,  # the steady state: no drain of tail batching's queue
             ranker=make_ranker(spec, trace, suite.base), mode=mode,
         )
@@ -383,7 +432,8 @@ def describe(suite: SuiteSpec, traces: list[Any], wall_s: float) -> str:
         f"replicas) at MFU {t.mfu:g} ({t.tokens_per_s:,.0f} tokens/s), attention weight "
         f"{t.attention_weight:.3g} per token, weight sync {t.sync_s():.1f} s.",
         f"Steps: {suite.warmup} warm-up, {suite.steps} measured (means over measured steps); "
-        f"max staleness {suite.max_staleness}; seed {suite.seed}. "
+        f"max staleness {suite.max_staleness}; max token lag "
+        f"{'none' if suite.max_token_lag is None else suite.max_token_lag}; seed {suite.seed}. "
         f"Simulated in {wall_s:.0f} s of wall time.",
     ]
     return "\n".join(lines)
@@ -401,9 +451,13 @@ def _episodes_line(trace: Any) -> str:
             "cache (cache-aware routing).")
 
 
+def baselines(rows: list[SuiteRow]) -> dict[int, SuiteRow]:
+    """The baseline of every row, by cap: sync mode with the sync policy, on the same trace."""
+    return {r.cap: r for r in rows if r.policy == "sync" and r.mode == "sync"}
+
+
 def format_table(rows: list[SuiteRow], header: str = "") -> str:
-    # the baseline of every row: sync mode with the sync policy, on the same trace
-    sync = {r.cap: r for r in rows if r.policy == "sync" and r.mode == "sync"}
+    sync = baselines(rows)
     out = [header, ""] if header else []
     out += [
         "| cap | mode | policy | rollout s/step | rollout speed-up | rollout tok/s | vs sync | "
@@ -497,3 +551,48 @@ def plot_suite(rows: list[SuiteRow], path: Path, title: str = "") -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+LAG_LABELS = ("lag0", "lag1", "lag2", "lag3plus")
+FRONTIER_LAG = 2  # the target's bound: no trained token more than 2 versions behind
+
+
+def format_frontier(rows: list[SuiteRow]) -> str:
+    """Speed against staleness, one table per cap: every mode and policy's speed-ups and share
+    of its mode limit beside the lag of the tokens it trained; under each table, each mode's
+    best share of its limit overall and with no trained token over FRONTIER_LAG versions."""
+    sync = baselines(rows)
+    out = ["Frontier: speed against the lag of the trained tokens (trainer version - token "
+           "version), over the measured steps."]
+    for cap in sorted({r.cap for r in rows}):
+        base = sync.get(cap)
+        if base is None:
+            continue
+        at = [r for r in rows if r.cap == cap]
+        out += [
+            "", f"Cap {cap // 1024}k:", "",
+            "| mode | policy | rollout speed-up | e2e speed-up | % of mode limit | lag 0 | lag 1 | "
+            "lag 2 | lag 3+ | max lag | lag restarts/step | restarted tokens |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in at:
+            shares = " | ".join(f"{x:.0%}" for x in r.lag_shares)
+            out.append(
+                f"| {r.mode} | {r.policy} | {base.rollout_s / r.rollout_s:.2f}x | "
+                f"{r.speedup(base):.2f}x | {r.of_mode_limit(base):.0%} | {shares} | {r.max_lag} | "
+                f"{r.lag_restarts:.1f} | {r.lag_restart_share:.1%} |")
+        out.append("")
+        for mode in dict.fromkeys(r.mode for r in at):
+            mine = [r for r in at if r.mode == mode]
+            best = max(mine, key=lambda r: r.of_mode_limit(base))
+            bounded = [r for r in mine if r.max_lag <= FRONTIER_LAG]
+            line = (f"- {mode}: best {best.policy} at {best.of_mode_limit(base):.0%} of its mode "
+                    f"limit (max lag {best.max_lag})")
+            if bounded:
+                b = max(bounded, key=lambda r: r.of_mode_limit(base))
+                line += (f"; with no trained token over {FRONTIER_LAG} versions behind: "
+                         f"{b.policy} at {b.of_mode_limit(base):.0%}")
+            else:
+                line += f"; none keeps every trained token within {FRONTIER_LAG} versions"
+            out.append(line)
+    return "\n".join(out)

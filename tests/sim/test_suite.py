@@ -91,3 +91,33 @@ def test_the_suite_runs_multi_turn_episodes_with_the_ranker_s_turns(tmp_path):
     assert len(rows) == 4 and all(s["tokens_in_batch"] > 0 for r in rows for s in r["steps"])
     partial = next(r for r in rows if r["policy"] == "partial+history")
     assert 0.0 <= partial["turns_recall20"] <= 1.0
+
+
+def test_the_frontier_table_puts_speed_beside_the_lag_of_the_trained_tokens(tmp_path):
+    """One frontier table per cap (every mode and policy: speed-ups, share of the mode limit,
+    lag shares, max lag), the same figures in the JSON; --max-token-lag bounds the max lag."""
+    args = ["bench", "suite", "--caps", "2048", "--policies", "sync,partial@2.0", "--modes",
+            "sync,async", "--batch-size", "8", "--group-size", "4", "--prompts", "256",
+            "--engines", "2", "--profile", "h100-qwen3-4b-tp1", "--warmup", "2", "--steps", "6",
+            "--train-gpus", "1", "--no-timelines"]
+    rows = {}
+    for bound in (None, 1):
+        out = tmp_path / str(bound)
+        extra = [] if bound is None else ["--max-token-lag", str(bound)]
+        assert main([*args, *extra, "--out", str(out)]) == 0
+        table = (out / "suite.md").read_text()
+        assert "Cap 2k:" in table and "| lag 0 | lag 1 | lag 2 | lag 3+ | max lag |" in table
+        assert "- async: best " in table and f"max token lag {bound or 'none'}" in table
+        rows[bound] = {(r["mode"], r["policy"]): r
+                       for r in json.loads((out / "suite.json").read_text())}
+    for r in rows[None].values():
+        assert sum(r["trained_lag_shares"].values()) == pytest.approx(1.0)
+        assert 0 < r["of_mode_limit"] == pytest.approx(r["speedup"] / r["mode_limit"])
+    free, bounded = rows[None], rows[1]
+    assert free[("sync", "sync")]["trained_lag_shares"]["lag0"] == 1.0  # on-policy: lag 0 only
+    assert free[("async", "sync")]["trained_max_lag"] == 1  # one version ahead, no more
+    assert free[("sync", "partial@2.0")]["trained_max_lag"] > 1
+    assert free[("async", "partial@2.0")]["trained_max_lag"] > 1
+    for key in (("sync", "partial@2.0"), ("async", "partial@2.0")):
+        assert bounded[key]["trained_max_lag"] <= 1 and bounded[key]["lag_restarts_per_step"] > 0
+        assert free[key]["lag_restarts_per_step"] == 0
