@@ -72,6 +72,13 @@ SCALE = [
 ]
 DEFAULT_STEPS = 8
 
+# Evaluation must not take the engines down: with the eval's 200 requests all in flight at once
+# the health probe (a one-token /generate) queues behind them, and on a loaded 2-core machine two
+# 10 s probe timeouts declared both engines hung mid-evaluation (every held-out answer then failed
+# and scored 0). A bound on eval requests in flight leaves the probe a decode slot; a longer probe
+# timeout keeps a machine shared with other work from restarting engines.
+ROBUST = ["eval.max_concurrency=32", "rollout.health.probe_timeout_s=30"]
+
 # Per-step figures kept per run (mean over its steps) to explain a gap.
 TELEMETRY = ("batch/reward_mean", "batch/max_staleness", "rollout/resumed_token_share",
              "train/off_policy_samples", "train/rejected_samples", "step/seconds",
@@ -189,7 +196,8 @@ def mean_curve(runs: Sequence[dict]) -> list[dict]:
         acc, se = mean_se([p["accuracy"] for p in pts])
         out.append({"step": step, "samples": statistics.mean(p["samples"] for p in pts),
                     "seconds": statistics.mean(p["seconds"] for p in pts),
-                    "accuracy": acc, "se": se, "seeds": len(pts)})
+                    "accuracy": acc, "se": se,
+                    "seeds": sum(1 for p in pts if not math.isnan(p["accuracy"]))})
     return out
 
 
@@ -211,6 +219,7 @@ def summarize(results: dict[str, list[dict]], reference: str) -> dict[str, dict]
         reach = time_to_reach([(p["seconds"], p["accuracy"]) for p in curve], ref_mean)
         out[c] = {
             "runs": len(runs), "failed": len(runs) - len(ok), "curve": curve,
+            "failed_evals": sum(1 for r in ok for p in r["curve"] if math.isnan(p["accuracy"])),
             "final_accuracy": mean, "final_se": se,
             "final_samples": final["samples"] if final else math.nan,
             "final_seconds": final["seconds"] if final else math.nan,
@@ -252,6 +261,8 @@ def format_table(summary: dict[str, dict], reference: str, settings: dict) -> st
         noise = {True: "yes", False: "**no**", None: "n/a"}[s["within_noise"]]
         reach = s["seconds_to_reference_final"]
         runs = f"{s['runs'] - s['failed']}" + (f" ({s['failed']} failed)" if s["failed"] else "")
+        if s.get("failed_evals"):
+            runs += f" ({s['failed_evals']} eval(s) failed)"
         tel = s["telemetry"]
         lines.append(
             f"| {c} | {runs} | {_fmt(s['final_accuracy'])} ± {_fmt(s['final_se'])} | "
@@ -291,17 +302,27 @@ def read_run(run_dir: Path, acc_key: str, initial: dict | None) -> dict:
         samples += float(r.get("train/samples", 0.0))
         seconds += float(r.get("step/seconds", 0.0))
         cum[int(r["step"])] = (samples, seconds)
+    prefix = acc_key.rsplit("/", 1)[0]
+
+    def accuracy(e: dict) -> float:
+        # an answer an engine failed to give scores 0 in the evaluation: such an evaluation
+        # measures the engines, not the policy, and is left out (NaN, counted)
+        if float(e.get(f"{prefix}/failures/engine") or 0) > 0:
+            return math.nan
+        value = e.get(acc_key)
+        return math.nan if value is None else float(value)
+
     curve = []
     if 0 in evals:
-        initial = {"accuracy": evals[0].get(acc_key, math.nan),
-                   "seconds": evals[0].get(acc_key.rsplit("/", 1)[0] + "/seconds", math.nan)}
+        initial = {"accuracy": accuracy(evals[0]),
+                   "seconds": evals[0].get(f"{prefix}/seconds", math.nan)}
     if initial is not None:
         curve.append({"step": 0, "samples": 0.0, "seconds": 0.0, "accuracy": initial["accuracy"]})
     for step in sorted(s for s in evals if s > 0 and s in cum):
         e = evals[step]
         curve.append({"step": step, "samples": cum[step][0], "seconds": cum[step][1],
-                      "accuracy": float(e.get(acc_key, math.nan)),
-                      "eval_seconds": e.get(acc_key.rsplit("/", 1)[0] + "/seconds")})
+                      "accuracy": accuracy(e), "eval_seconds": e.get(f"{prefix}/seconds"),
+                      "eval_engine_failures": e.get(f"{prefix}/failures/engine", 0)})
     telemetry = {}
     for k in TELEMETRY:
         vals = [float(r[k]) for r in rows if isinstance(r.get(k), (int, float))]
@@ -360,7 +381,7 @@ def run(args: argparse.Namespace) -> int:
         *([] if args.no_scale else SCALE),
         f"data.path={TRAIN_DATA}",
         f"eval.datasets=[{{name: {EVAL_NAME}, path: '{HELD_OUT.format(rows=args.eval_rows)}'}}]",
-        "eval.greedy=true", "eval.n_samples=0", f"eval.every_steps={every}",
+        "eval.greedy=true", "eval.n_samples=0", f"eval.every_steps={every}", *ROBUST,
         "tracking.progress=false", "tracking.wandb=disabled",
         *args.overrides,
     ]

@@ -134,6 +134,14 @@ def test_read_run_builds_the_curve_from_the_run_files(tmp_path):
     (tmp_path / "eval.jsonl").write_text(json.dumps({"step": 4, key: 0.6}) + "\n")
     r = learn.read_run(tmp_path, key, {"accuracy": 0.5, "seconds": 9.0})
     assert [p["step"] for p in r["curve"]] == [0, 4] and r["curve"][0]["accuracy"] == 0.5
+    # an evaluation whose engines failed answers is left out (NaN), not scored 0, and counted
+    (tmp_path / "eval.jsonl").write_text(json.dumps(
+        {"step": 4, key: 0.0, "eval/heldout/greedy/failures/engine": 200.0}) + "\n")
+    r = learn.read_run(tmp_path, key, {"accuracy": 0.5, "seconds": 9.0})
+    assert math.isnan(r["curve"][-1]["accuracy"])
+    s = learn.summarize({"sync": [r, _run([0.5, 0.6, 0.7], [0, 10, 20])]}, "sync")["sync"]
+    assert s["failed_evals"] == 1 and s["final_accuracy"] == pytest.approx(0.6)  # step 4, one seed
+    assert s["curve"][-1]["seeds"] == 1
 
 
 @pytest.mark.parametrize("recipe", ["grpo_smollm2_cpu.yaml", "grpo_tiny_ci.yaml"])
