@@ -337,6 +337,7 @@ class SimWorker:
         self.idle.set()
         self._task: asyncio.Task | None = None
         self.state = "up"  # up | dead | hung
+        self._new_version: int | None = None  # weights updated: restamp from the next boundary
 
     # -- called by SimEngines -------------------------------------------------------------
     def start(self) -> None:
@@ -354,6 +355,14 @@ class SimWorker:
         self.stats.requests += 1
         self.idle.clear()
         self._wake()
+
+    def set_weights_version(self, version: int) -> None:
+        """New weights while requests run (async mode's mid-step sync): tokens decoded from the
+        next step boundary on carry `version`, as SGLang stamps them after an update that
+        keeps requests (retract or in place) and rlkit's client appends them."""
+        self._new_version = version
+        if self.running or self.waiting:
+            self._wake()
 
     def request_abort(self) -> None:
         if self.running or self.waiting:
@@ -528,8 +537,14 @@ class SimWorker:
             self._observer(self, "advance")
 
     def _boundary(self) -> None:
-        """Between steps: aborts, finished requests, KV pressure, streaming."""
+        """Between steps: new weights, aborts, finished requests, KV pressure, streaming."""
         now = self._now()
+        if self._new_version is not None:
+            for r in [*self.running.values(), *self.waiting]:
+                if r.version < self._new_version:
+                    self._flush(r, None)  # what it decoded so far, with the old weights
+                    r.version = self._new_version
+            self._new_version = None
         if self._abort:
             self._abort = False
             for r in [*self.running.values(), *self.waiting]:
@@ -652,6 +667,11 @@ class SimEngines:
         self._next_rid = 0
         self._aborts = 0  # abort_all calls so far: requests on their way see it on arrival
         self._prefix: dict[int, tuple[str, int, int]] = {}  # sample -> (worker, version, tokens)
+
+    def set_weights_version(self, version: int) -> None:
+        """New weights on every engine while requests run (SimWorker.set_weights_version)."""
+        for w in self._all:
+            w.set_weights_version(version)
 
     # -- Engines ----------------------------------------------------------------------------
     def workers(self) -> list[str]:

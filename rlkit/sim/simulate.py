@@ -160,6 +160,12 @@ class MeasuredRolloutBox:
 
         return asyncio.ensure_future(measured())
 
+    async def set_version(self, version: int) -> None:
+        """The weights reached the engines: requests still running (async mode's mid-step
+        sync) decode the rest of their tokens with them, stamped with `version`."""
+        self.engines.set_weights_version(version)
+        await self.service.set_version(version)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.service, name)
 

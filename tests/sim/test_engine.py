@@ -428,3 +428,25 @@ def test_a_request_arriving_during_a_prefill_is_admitted_after_one_decode_step()
     # a's prefill to 0.1, one decode step to 0.11, b's prefill (10 tokens) to 0.12, 4 steps
     assert t == pytest.approx(0.16)
     assert len(b.response_ids) == 5
+
+
+def test_new_weights_mid_request_stamp_the_tokens_decoded_after_them():
+    """Async mode's mid-step sync: a request running when the weights change keeps its tokens
+    and decodes the rest with the new version (SGLang's update keeps requests; rlkit's client
+    stamps each chunk), at the step boundary after the update; timing is unchanged."""
+    prof = constant_profile(0.01, prefill_s_per_token=0.0)
+
+    async def main(update_at):
+        engines = SimEngines(SimConfig(1, prof))
+        loop = asyncio.get_running_loop()
+        if update_at is not None:
+            loop.call_later(update_at, engines.set_weights_version, 3)
+        samples = await generate_all(engines, [4, 4], [100, 20])
+        return loop.time(), samples
+
+    t0, plain = run_virtual(lambda: main(None))
+    t1, (long, short) = run_virtual(lambda: main(0.305))  # during the 31st decode step
+    assert t1 == pytest.approx(t0)
+    assert short.versions == [0] * 20  # finished before the update
+    assert long.versions == [0] * 32 + [3] * 68  # the step in progress ends, then version 3
+    assert [len(s.response_ids) for s in plain] == [100, 20]
