@@ -228,7 +228,10 @@ class RolloutBuffer:
                     f"version {self._producer_version} runs {for_version - self._producer_version} "
                     f"versions ahead; rollout.max_staleness is {self.max_staleness}, "
                     f"rollout.max_token_lag {self.max_token_lag}")
+            ahead = for_version > self._producing_for
             self._producing_for = for_version
+            if ahead:  # the ready groups left are trained at for_version now: the rules again,
+                self._sweep_ready()  # before the step counts them toward its target
 
     # -- producer side ------------------------------------------------------------------
     def acquire(self, k: int) -> list[Group]:
@@ -747,9 +750,13 @@ class RolloutBuffer:
     def _to_ready(self, group: Group) -> bool:
         """Queue a complete group as ready, through the staleness rule (a stale one goes back
         to partial or is dropped instead) and the token-lag bound (a group with samples past
-        it goes back to partial, those samples restarted). True if it was queued as ready."""
-        verdict = self._enforce_staleness(group)
-        if verdict != "dropped" and self._restart_lagging(group, self._version):
+        it goes back to partial, those samples restarted), both against the version the next
+        take trains at: the running production's (async mode: one ahead of the consumer's), so
+        a group the step counted as complete is still ready when the weights move mid-step.
+        True if it was queued as ready."""
+        consumer = self._producing_for
+        verdict = self._enforce_staleness(group, consumer)
+        if verdict != "dropped" and self._restart_lagging(group, consumer):
             verdict = "regenerated"
         if verdict == "regenerated":
             self._to_partial(group)
@@ -760,7 +767,8 @@ class RolloutBuffer:
         return False
 
     def _sweep_ready(self) -> None:
-        """After a version bump: apply the staleness rule to every ready group."""
+        """After a version bump (the consumer's, or a production's for a later version): the
+        staleness rule and the token-lag bound for every ready group."""
         waiting, self._ready = self._ready, deque()
         for group in waiting:
             self._to_ready(group)

@@ -75,6 +75,38 @@ def test_a_ready_group_past_the_bound_goes_back_with_its_lagging_samples_restart
     assert trained is g and {v for s in g.samples for v in s.versions} == {2}
 
 
+def test_a_group_completed_for_the_next_version_is_checked_against_it():
+    """Async mode: a step produces for the consumer's version + 1 and its groups are trained
+    there, so a group it completes is checked against that version (not the consumer's): it is
+    never counted ready and then restarted when the weights move mid-step. Leftover ready
+    groups are checked again when the next production begins, before it counts them."""
+    buf = make_buffer(n=1, max_staleness=100, max_token_lag=2)
+    park_with_tokens(buf, [[(0, 4)]])
+    buf.set_version(1)
+    buf.set_producer_version(1)
+    buf.begin_production(2)  # lag 2 at 2: resumed with its tokens
+    (g,) = buf.acquire(1)
+    assert len(g.samples[0].response_ids) == 4
+    buf.set_version(2)  # (a production for 3 starts below; the group completes during it)
+    buf.set_producer_version(2)
+    buf.begin_production(3)
+    finish(g, version=2)
+    assert not buf.complete(g).queued  # version 0 would lag 3 at version 3: not ready
+    assert buf.place_of(g) is Place.PARTIAL and buf.stats()["lag_restarts"] == 1
+    (h,) = buf.acquire(1)
+    finish(h, version=2)
+    assert buf.complete(h).queued  # a leftover: ready for 3
+    assert buf.count(Place.READY) == 1
+    buf.set_version(3)
+    buf.set_producer_version(3)
+    buf.begin_production(4)  # lags 2 at 4: still ready
+    assert buf.count(Place.READY) == 1
+    buf.set_version(4)
+    buf.set_producer_version(4)
+    buf.begin_production(5)  # lags 3 at 5: back to partial before the step counts it
+    assert buf.count(Place.READY) == 0 and buf.stats()["lag_restarts"] == 2
+
+
 def test_async_admission_respects_the_token_bound():
     buf = make_buffer(n=1, max_staleness=4, max_token_lag=0)
     assert buf.max_ahead == 0 and buf.admits(0) and not buf.admits(1)
@@ -179,7 +211,10 @@ class LagMachine(RuleBasedStateMachine):
     @rule()
     def bump(self):
         v = self.buf.version + 1
+        ready = self.buf.count(Place.READY)
         self.buf.set_version(v)
+        if self.ahead:  # what a running step counted as ready stays ready when the weights move
+            assert self.buf.count(Place.READY) == ready
         self.buf.set_producer_version(v)
         if self.ahead:
             self.buf.begin_production(v + 1)
@@ -190,6 +225,11 @@ class LagMachine(RuleBasedStateMachine):
             counts, most = lag_counts(g.samples, self.buf.version)
             assert most <= self.bound
             self.trained_tokens += sum(counts)
+
+    @invariant()
+    def ready_groups_fit_the_version_they_are_trained_at(self):
+        for g in self.buf.queued(Place.READY):
+            assert lag_counts(g.samples, self.buf._producing_for)[1] <= self.bound
 
     @invariant()
     def every_token_is_accounted_for(self):
