@@ -188,8 +188,10 @@ class Router:
         url = url.rstrip("/")
         if not http_ok(f"{url}/health"):
             raise RouterError(f"worker {url} does not answer /health; not registering it")
-        status, body = _request("POST", f"{self.url}/workers", {"url": url},
-                                token=self.control_token)
+        # the key the router sends this worker: workers given at start get --api-key's, one
+        # registered later gets none unless named (the router warns "without API key")
+        spec = {"url": url, **({"api_key": self.control_token} if self.control_token else {})}
+        status, body = _request("POST", f"{self.url}/workers", spec, token=self.control_token)
         if status not in (200, 201, 202):
             raise RouterError(f"router refused worker {url}: HTTP {status} {body}")
         return self._wait_listed(url, timeout_s or self.config.startup_timeout_s).id

@@ -219,6 +219,12 @@ def test_router_control_plane_needs_the_token(server, monkeypatch, tmp_path):
                               headers=headers, timeout=30)
             assert r.status_code == 401, r.text
         assert generate_ok(router.url, **AUTH) and requests.get(f"{router.url}/health").status_code == 200
+        # a worker registered later (an engine restart) gets the key as well: without it the
+        # router would send it none and the engine would refuse every request
+        router.remove_worker(server.url)
+        router.add_worker(server.url)
+        assert generate_ok(router.url, **AUTH)
+        assert "without API key" not in (tmp_path / "router.log").read_text()
         # the prometheus port binds the router's host, not every interface
         listening = subprocess.run(["ss", "-ltn"], capture_output=True, text=True).stdout
         assert f"127.0.0.1:{router.prometheus_port} " in listening
