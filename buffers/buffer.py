@@ -377,7 +377,7 @@ class RolloutBuffer:
         with self._ready_cond:
             while True:
                 if len(self._ready) >= n:
-                    return [self._hand_to_trainer(self._ready.popleft()) for _ in range(n)]
+                    return [self._hand_to_trainer(self._pop_ready()) for _ in range(n)]
                 if self._closed:
                     raise BufferClosed("buffer closed while waiting in take()")
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -389,7 +389,7 @@ class RolloutBuffer:
         """Up to n ready groups, without waiting."""
         with self._lock:
             k = min(n, len(self._ready))
-            return [self._hand_to_trainer(self._ready.popleft()) for _ in range(k)]
+            return [self._hand_to_trainer(self._pop_ready()) for _ in range(k)]
 
     def untake(self, groups: Sequence[Group]) -> None:
         """Groups handed out (take, stream) that no trainer trained, because the run stopped in
@@ -416,7 +416,7 @@ class RolloutBuffer:
             while True:
                 with self._lock:
                     if self._ready:
-                        group = self._hand_to_trainer(self._ready.popleft())
+                        group = self._hand_to_trainer(self._pop_ready())
                         break
                     if self._closed:
                         raise BufferClosed("buffer closed while streaming")
@@ -672,6 +672,17 @@ class RolloutBuffer:
         self._dropped[reason] += 1
         self._counts["discarded_tokens"] += group.tokens
 
+    def _pop_ready(self) -> Group:
+        """The next ready group for the trainer: the first completed; under max_token_lag the
+        one with the oldest token (the first completed among equals), so a group that cannot
+        wait another version is trained before one that can."""
+        if self.max_token_lag is None or len(self._ready) < 2:
+            return self._ready.popleft()
+        first = min(range(len(self._ready)), key=lambda i: (_oldest(self._ready[i]), i))
+        group = self._ready[first]
+        del self._ready[first]
+        return group
+
     def _hand_to_trainer(self, group: Group) -> Group:
         self._move(group, None)
         self._counts["trained"] += 1
@@ -700,6 +711,19 @@ class RolloutBuffer:
             return "regenerated"
         self._end(group, "stale")
         return "dropped"
+
+    def must_finish(self, group: Group) -> bool:
+        """Under max_token_lag: whether `group`, handed out now for the running production,
+        must complete in this step, since resumed in the next one (one version later) some of its
+        tokens would lag past the bound and be restarted. Its oldest token decides; a group
+        without tokens is judged by the version its tokens get now (the engines')."""
+        if self.max_token_lag is None:
+            return False
+        with self._lock:
+            oldest = group.oldest_version()
+            if oldest is None:
+                oldest = self._producer_version
+            return self._producing_for + 1 - oldest > self.max_token_lag
 
     def _restart_lagging(self, group: Group, consumer: int) -> int:
         """The token-lag bound (max_token_lag) for a group about to be resumed or queued as
@@ -778,6 +802,11 @@ class RolloutBuffer:
         waiters, self._async_waiters = self._async_waiters, []
         for loop, fut in waiters:
             loop.call_soon_threadsafe(_resolve, fut)
+
+
+def _oldest(group: Group) -> int:
+    oldest = group.oldest_version()
+    return -1 if oldest is None else oldest
 
 
 def _resolve(fut: asyncio.Future) -> None:

@@ -5,6 +5,11 @@ groups first (oldest first). Once `target` groups are complete, abort everything
 running and park it in the partial queue with its tokens, log-probabilities and versions:
 the long tail no longer holds the step, and none of its work is thrown away.
 
+Under rollout.max_token_lag a group whose samples could not be resumed in the next step
+without restarting one (its oldest token would then lag past the bound) must finish in this
+one: the step waits for it after its target, instead of parking it and throwing its tokens
+away next step (the buffer hands the oldest groups to the trainer first).
+
 Adaptive over-provisioning (with a ranker) replaces the fixed factor: groups are launched one
 at a time while the predicted work in flight is too little to keep the engines at their
 target utilization until the step's last needed group completes (rollout.dispatch's
@@ -14,12 +19,13 @@ InFlightSizer), within [min, max] x target; a filter's recent pass rate scales t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from rlkit.rollout.dispatch import InFlightSizer
 
 if TYPE_CHECKING:
+    from rlkit.buffers.group import Group
     from rlkit.rollout.manager import Step
 
 
@@ -33,6 +39,8 @@ class PartialPolicy:
     max_factor: float = 2.0
     name: str = "partial"
     pass_rate: float = 1.0  # share of complete groups the filter kept, recently (adaptive)
+    # groups of this step launched on their last chance under rollout.max_token_lag
+    _must: list["Group"] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.over_provision < 1.0:
@@ -43,11 +51,12 @@ class PartialPolicy:
     async def run(self, step: Step) -> None:
         in_flight = math.ceil(self.over_provision * step.target)
         adaptive = self.sizer is not None and step.ranker is not None
-        while step.completed < step.target:
+        self._must = []
+        while step.completed < step.target or self._waiting(step):
             if adaptive:
                 self._fill(step)
             else:
-                step.launch_all(step.buffer.acquire(in_flight - step.completed - step.running))
+                self._launch(step, step.buffer.acquire(in_flight - step.completed - step.running))
             await step.next_event()
         if adaptive:
             self._learn_pass_rate(step)
@@ -70,7 +79,16 @@ class PartialPolicy:
             groups = step.buffer.acquire(1)
             if not groups:
                 break
-            step.launch_all(groups)
+            self._launch(step, groups)
+
+    def _launch(self, step: Step, groups: list[Group]) -> None:
+        self._must += [g for g in groups if step.buffer.must_finish(g)]
+        step.launch_all(groups)
+
+    def _waiting(self, step: Step) -> bool:
+        """Whether a group launched on its last chance still runs (the step waits for it)."""
+        self._must = [g for g in self._must if step.is_running(g)]
+        return bool(self._must)
 
     def _learn_pass_rate(self, step: Step) -> None:
         kept, filtered = step.completed, sum(step.report_.filtered.values())

@@ -107,6 +107,37 @@ def test_a_group_completed_for_the_next_version_is_checked_against_it():
     assert buf.count(Place.READY) == 0 and buf.stats()["lag_restarts"] == 2
 
 
+def test_must_finish_says_which_groups_cannot_be_resumed_next_step():
+    buf = make_buffer(n=1, rows=9, max_staleness=100, max_token_lag=2)
+    assert not make_buffer(n=1).must_finish(make_buffer(n=1).acquire(1)[0])  # no bound: never
+    park_with_tokens(buf, [[(0, 3)]])
+    buf.set_version(1)
+    buf.set_producer_version(1)
+    (g,) = buf.acquire(1)
+    (fresh,) = buf.acquire(1)
+    assert not buf.must_finish(g)  # version 0 lags 2 at version 2: it may be resumed once more
+    assert not buf.must_finish(fresh)  # its tokens get version 1
+    buf.begin_production(2)  # async: a step for version 2 with the engines at 1
+    assert buf.must_finish(g)  # 3 at version 3: this step is its last
+    assert not buf.must_finish(fresh)  # tokens of version 1 lag 2 at 3
+
+
+def test_under_the_bound_the_trainer_takes_the_oldest_tokens_first():
+    for bound, order in ((None, [0, 1, 2]), (5, [1, 2, 0])):
+        buf = make_buffer(n=1, max_staleness=100, max_token_lag=bound)
+        groups = buf.acquire(3)
+        finish(groups[1], version=0)
+        finish(groups[2], version=0)
+        buf.set_version(2)
+        buf.set_producer_version(2)
+        finish(groups[0], version=2)
+        # completed in the order 0 (versions 2), 1 (0), 2 (0)
+        for g in groups:
+            buf.complete(g)
+        taken = buf.take_nowait(3)
+        assert [groups.index(g) for g in taken] == order
+
+
 def test_async_admission_respects_the_token_bound():
     buf = make_buffer(n=1, max_staleness=4, max_token_lag=0)
     assert buf.max_ahead == 0 and buf.admits(0) and not buf.admits(1)

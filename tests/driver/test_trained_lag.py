@@ -87,10 +87,26 @@ def test_the_row_s_lag_shares_are_what_the_trainer_trained(tmp_path, mode):
 
 
 @pytest.mark.parametrize("mode, bound", [("sync", 1), ("async", 1), ("async", 2)])
-def test_max_token_lag_restarts_parked_samples_and_bounds_every_trained_token(tmp_path, mode, bound):
+def test_max_token_lag_bounds_every_trained_token_and_partial_waits_instead_of_restarting(
+        tmp_path, mode, bound):
+    """Partial rollouts under the bound: a group on its last chance (resumed next step, a
+    sample would lag past the bound) is waited for, so nothing is restarted or dropped."""
     trainer, service, rows = run(tmp_path, mode, f"rollout.max_token_lag={bound}")
     assert all(max(lags) <= bound for lags in trainer.lags)
     assert all(row["rollout/trained_max_lag"] <= bound for row in rows)
+    stats = service.buffer.stats()
+    assert all(row["rollout/lag_restarts"] == 0 for row in rows) and stats["lag_restarts"] == 0
+    assert stats["balanced"] and stats["dropped"] == 0 and stats["discarded_tokens"] == 0
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_deferred_samples_resumed_past_the_bound_are_restarted_and_counted(tmp_path, mode):
+    """Tail batching with deferred=resume resumes a deferred prompt in a later long round: past
+    the bound its samples are restarted from the prompt (the group kept), counted per step."""
+    trainer, service, rows = run(
+        tmp_path, mode, "rollout.policy=tail_batching", "rollout.tail_batching.deferred=resume",
+        "rollout.tail_batching.long_round_size=3", "rollout.max_token_lag=1", steps=8)
+    assert all(max(lags) <= 1 for lags in trainer.lags)
     restarts = sum(row["rollout/lag_restarts"] for row in rows)
     stats = service.buffer.stats()
     assert restarts > 0 and stats["lag_restarts"] == restarts  # every restart is in some step's row

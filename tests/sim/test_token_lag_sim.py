@@ -1,5 +1,6 @@
 """The simulator's SimulatedStep carries the trained tokens' lag (it runs the real loops), and
-rollout.max_token_lag bounds it there as in a run."""
+rollout.max_token_lag bounds it there as in a run: partial rollouts then wait for the groups on
+their last chance instead of restarting them."""
 
 import pytest
 
@@ -37,7 +38,8 @@ def test_each_step_reports_the_lag_of_what_it_trained_and_the_bound_holds(trace,
     bounded, batches = simulate(trace, mode, 2)
     assert [(s.trained_lag_tokens, s.trained_max_lag) for s in bounded] == batches
     assert max(s.trained_max_lag for s in bounded) <= 2
-    assert sum(s.lag_restarts for s in bounded) > 0
-    assert sum(s.lag_restart_tokens for s in bounded) > 0
+    # partial waits for a group on its last chance rather than parking it to be restarted
+    assert sum(s.lag_restarts for s in bounded) == sum(s.lag_restart_tokens for s in bounded) == 0
+    assert sum(s.rollout_s for s in bounded) > sum(s.rollout_s for s in free)  # the price
     if mode == "async":  # generated with the weights one version behind the trainer's
-        assert all(s.trained_lag_tokens[1] > 0 for s in bounded[1:])
+        assert sum(s.trained_lag_tokens[1] for s in bounded) > 0
