@@ -1,18 +1,17 @@
 """`rlkit bench learn`: the aggregation with known numbers (standard error, 'within noise',
-time to reach, mean curves, the run order), every configuration accepted by the recipe loader,
-and a scaled-down end-to-end run of the command on the tiny model."""
+time to reach, mean curves, the run order) and every configuration accepted by the recipe
+loader. The command's scaled-down run on the tiny model is its row in
+tests/commands/test_cli_smoke.py."""
 
 from __future__ import annotations
 
 import json
 import math
-import time
 from pathlib import Path
 
 import pytest
 
 from rlkit.bench import learn
-from rlkit.cli import main
 from rlkit.config import load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -156,34 +155,3 @@ def test_every_configuration_is_a_valid_recipe(recipe):
     assert list(learn.expand_configs("sync,partial+tis", "tis")) == ["sync", "partial+tis"]
     with pytest.raises(SystemExit, match="unknown nope"):
         learn.expand_configs("sync,nope", "tis")
-
-
-@pytest.mark.slow
-@pytest.mark.integration
-def test_the_command_scaled_down_on_the_tiny_model(tmp_path, monkeypatch, capsys):
-    """Two configurations, one seed, two steps of the tiny model, 8 held-out problems: the
-    report's structure, and every figure finite."""
-    monkeypatch.setenv("RLKIT_CACHE", str(tmp_path / "cache"))
-    out = tmp_path / "bench"
-    t0 = time.perf_counter()
-    assert main(["bench", "learn", "--recipe", str(ROOT / "recipes/grpo_tiny_ci.yaml"),
-                 "--configs", "sync,partial+tis", "--seeds", "1", "--steps", "2",
-                 "--eval-every", "1", "--eval-rows", "8", "--no-scale", "--out", str(out)]) == 0
-    print(f"bench learn smoke: {time.perf_counter() - t0:.1f} s")
-    report = json.loads((out / "learn.json").read_text())
-    assert (out / "learn.md").read_text().startswith("`")
-    assert report["settings"]["reference"] == "sync"
-    assert report["settings"]["order"] == ["sync/seed1", "partial+tis/seed1"]
-    assert math.isfinite(report["settings"]["initial_accuracy"])
-    for name in ("sync", "partial+tis"):
-        s = report["summary"][name]
-        (run,) = report["runs"][name]
-        assert "error" not in run and s["failed"] == 0
-        assert [p["step"] for p in s["curve"]] == [0, 1, 2]
-        assert [p["samples"] for p in s["curve"]] == [0, 8, 16]  # 4 groups of 2 a step
-        for p in s["curve"]:
-            assert all(math.isfinite(p[k]) for k in ("samples", "seconds", "accuracy"))
-        assert 0 <= s["final_accuracy"] <= 1 and s["final_seconds"] > 0
-        assert math.isfinite(s["step_seconds"]) and s["final_se"] is None  # one seed
-    assert report["summary"]["sync"]["diff_vs_reference"] == 0
-    assert "| partial+tis | 1 |" in capsys.readouterr().out

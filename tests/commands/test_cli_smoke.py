@@ -13,6 +13,7 @@ Demo models are built once per session into a temporary RLKIT_CACHE.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -215,6 +216,31 @@ def bench_e2e(c: Ctx) -> None:
     assert (out / "sync-0" / "metrics.jsonl").is_file()
 
 
+def bench_learn(c: Ctx) -> None:
+    """Two configurations, one seed, two steps of the tiny model, 8 held-out problems: the
+    report's structure, and every figure finite."""
+    out = c.tmp / "learn"
+    printed = c.run("bench", "learn", "--recipe", str(TINY_RECIPE), "--configs", "sync,partial+tis",
+                    "--seeds", "1", "--steps", "2", "--eval-every", "1", "--eval-rows", "8",
+                    "--no-scale", "--out", str(out))
+    report = c.report(out, "learn")
+    assert report["settings"]["reference"] == "sync"
+    assert report["settings"]["order"] == ["sync/seed1", "partial+tis/seed1"]
+    assert math.isfinite(report["settings"]["initial_accuracy"])
+    for name in ("sync", "partial+tis"):
+        s = report["summary"][name]
+        (run,) = report["runs"][name]
+        assert "error" not in run and s["failed"] == 0
+        assert [p["step"] for p in s["curve"]] == [0, 1, 2]
+        assert [p["samples"] for p in s["curve"]] == [0, 8, 16]  # 4 groups of 2 a step
+        for p in s["curve"]:
+            assert all(math.isfinite(p[k]) for k in ("samples", "seconds", "accuracy"))
+        assert 0 <= s["final_accuracy"] <= 1 and s["final_seconds"] > 0
+        assert math.isfinite(s["step_seconds"]) and s["final_se"] is None  # one seed
+    assert report["summary"]["sync"]["diff_vs_reference"] == 0
+    assert "| partial+tis | 1 |" in printed
+
+
 @dataclass
 class TinyRun:
     path: Path  # the run folder
@@ -287,6 +313,7 @@ SMOKE: dict[tuple[str, ...], tuple[Callable[[Ctx], None], tuple]] = {
     ("export",): (export, HEAVY),
     ("eval",): (evaluate, HEAVY),
     ("bench", "e2e"): (bench_e2e, HEAVY),
+    ("bench", "learn"): (bench_learn, HEAVY),
 }
 
 
