@@ -211,16 +211,18 @@ def mode_recipe(tmp_path, mode, *extra, steps=4):
     ])
 
 
-def run_mode(tmp_path, mode, *extra, steps=4, length=tail):
+def run_mode(tmp_path, mode, *extra, steps=4, length=tail, trainer_cls=None, prompts=40):
+    """The real loop on fake engines; `trainer_cls` (default RecordingTrainer) records what it
+    was given."""
     r = mode_recipe(tmp_path / mode, mode, *extra, steps=steps)
     engines = FakeEngines(length)
-    source = ListPromptSource(records_from_token_lists([[1, i] for i in range(40)]), shuffle=False)
+    source = ListPromptSource(records_from_token_lists([[1, i] for i in range(prompts)]), shuffle=False)
 
     async def score(sample, group):
         return float(sample.slot)
 
     service = RolloutService.from_config(r.rollout, source, engines, score)
-    trainer = RecordingTrainer(engines)
+    trainer = (trainer_cls or RecordingTrainer)(engines)
     tracker = Tracker(r.tracking, tmp_path / mode, "t", {})
     state = run_local(r, service, trainer, step_recorder(r, tracker, service, trainer, tmp_path / mode))
     tracker.close()

@@ -4,18 +4,9 @@ what the trainer itself was given, and rollout.max_token_lag keeps every trained
 bound by restarting parked samples (counted in rollout/lag_restarts), where without it tokens
 lag further."""
 
-import json
-
 import pytest
 
-from rlkit.driver.local import run_local
-from rlkit.driver.loop import step_recorder
-from rlkit.driver.rollout_service import RolloutService
-from rlkit.buffers import ListPromptSource
-from rlkit.buffers.source import records_from_token_lists
-from rlkit.tracking import Tracker
-from tests.driver.test_modes import RecordingTrainer, mode_recipe
-from tests.manager.fakes import FakeEngines
+from tests.driver.test_modes import RecordingTrainer, run_mode
 
 
 class LagTrainer(RecordingTrainer):
@@ -46,21 +37,10 @@ def long_tail(sample):
 
 
 def run(tmp_path, mode, *extra, steps=6):
-    r = mode_recipe(tmp_path / mode, mode, "rollout.policy=partial", "rollout.over_provision=2.0",
-                    "rollout.max_staleness=20", "train.algorithm.off_policy_correction=tis",
-                    *extra, steps=steps)
-    engines = FakeEngines(long_tail)
-    source = ListPromptSource(records_from_token_lists([[1, i] for i in range(60)]), shuffle=False)
-
-    async def score(sample, group):
-        return float(sample.slot)
-
-    service = RolloutService.from_config(r.rollout, source, engines, score)
-    trainer = LagTrainer(engines)
-    tracker = Tracker(r.tracking, tmp_path / mode, "t", {})
-    run_local(r, service, trainer, step_recorder(r, tracker, service, trainer, tmp_path / mode))
-    tracker.close()
-    rows = [json.loads(x) for x in (tmp_path / mode / "metrics.jsonl").read_text().splitlines()]
+    _, trainer, service, rows = run_mode(
+        tmp_path, mode, "rollout.policy=partial", "rollout.over_provision=2.0",
+        "rollout.max_staleness=20", "train.algorithm.off_policy_correction=tis", *extra,
+        steps=steps, length=long_tail, trainer_cls=LagTrainer, prompts=60)
     return trainer, service, rows
 
 

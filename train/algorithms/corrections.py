@@ -101,7 +101,7 @@ def correction_weights(old: torch.Tensor, rollout: torch.Tensor, keep: torch.Ten
                 raise ValueError(f"unknown off-policy estimator {estimator!r}")
         rejected = false
         rejected_samples = 0
-        if getattr(cfg, "reject", "none") != "none":
+        if cfg.reject != "none":
             lr = level_log_ratio(raw, keep, sample_ids, num_samples, cfg.reject)
             out = (lr < _log_bound(cfg.reject_low)) | (lr > _log_bound(cfg.reject_high))
             rejected = keep & out
