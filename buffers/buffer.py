@@ -461,6 +461,8 @@ class RolloutBuffer:
                 "discarded_tokens": c["discarded_tokens"],
                 "lag_restarts": c["lag_restarts"],
                 "lag_restart_tokens": c["lag_restart_tokens"],
+                "mismatch_restarts": c["mismatch_restarts"],
+                "mismatch_restart_tokens": c["mismatch_restart_tokens"],
             }
         out["balanced"] = out["created"] == (
             out["in_flight"] + out["partial"] + out["long"] + out["ready"]
@@ -744,6 +746,18 @@ class RolloutBuffer:
             self._counts["lag_restart_tokens"] += tokens
             restarted += 1
         return restarted
+
+    def restart_sample(self, sample: Sample) -> int:
+        """A sample of a group in flight forgets its response, to be generated again from its
+        prompt (rollout.max_resume_log_ratio: its parked tokens were re-scored past the bound).
+        Its tokens are discarded and counted (`mismatch_restarts`, `mismatch_restart_tokens`).
+        Returns the tokens discarded."""
+        with self._lock:
+            tokens = self._discard([sample])
+            sample.reset()
+            self._counts["mismatch_restarts"] += 1
+            self._counts["mismatch_restart_tokens"] += tokens
+            return tokens
 
     def _pop_fit(self, queue: _OldestFirst, k: int) -> list[Group]:
         """Up to k groups from a queue, oldest first, each through the staleness rule and the

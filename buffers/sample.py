@@ -10,6 +10,7 @@ terminal, so partial rollouts resumed across several policy versions cannot drif
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -66,6 +67,9 @@ class Sample:
     resumes: int = 0  # requests that continued a parked response (PARTIAL: a partial rollout)
     finished_at: float | None = None  # clock time it became finished (first-n selection)
     metadata: dict[str, Any] = field(default_factory=dict)
+    # This request's re-score of the parked tokens (rollout.max_resume_log_ratio): the mean
+    # log(pi_now / pi_rollout) over them; None unless the running request re-scored them.
+    resume_log_ratio: float | None = None
 
     # -- the one mutator ------------------------------------------------------------------
     def append(
@@ -140,6 +144,21 @@ class Sample:
             self.resumes += 1
         self.status = SampleStatus.RUNNING
         self.requests += 1
+        self.resume_log_ratio = None
+
+    def rescore(self, logprobs_now: Sequence[float | None]) -> float | None:
+        """The engine re-scored the first len(logprobs_now) response tokens under the weights
+        the sample resumes with (SGLang's input_token_logprobs). Records and returns the mean
+        log(pi_now / pi_rollout) over those of them the model generated (loss mask 1) with both
+        logprobs finite: the geometric-level log-ratio (verl's geo rejection), the only one
+        whose size does not grow with the response's length. None when no token counts."""
+        if len(logprobs_now) > len(self.response_ids):
+            raise SampleError(f"sample {self.index}: {len(logprobs_now)} re-scored tokens for a "
+                              f"{len(self.response_ids)}-token response")
+        diffs = [now - then for now, then, m in zip(logprobs_now, self.logprobs, self.loss_mask)
+                 if m and now is not None and math.isfinite(now) and math.isfinite(then)]
+        self.resume_log_ratio = math.fsum(diffs) / len(diffs) if diffs else None
+        return self.resume_log_ratio
 
     def reopen(self) -> None:
         """A multi-turn episode goes on after a model turn stopped (rlkit/rollout/episodes.py):
@@ -189,6 +208,7 @@ class Sample:
         self.versions = []
         self.loss_mask = []
         self.resumes = 0
+        self.resume_log_ratio = None
         self.status = SampleStatus.PENDING
         self.finish_reason = None
         self.reward = None

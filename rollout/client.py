@@ -88,6 +88,7 @@ class _Inflight:
     served_by: str | None = None  # the worker, when the answer says (X-Engine-Url)
     task: asyncio.Task | None = None  # the task awaiting it (abort_worker cancels it)
     lost: str | None = None  # abort_worker ended it: the worker declared lost
+    rescore: int = 0  # parked tokens the engine re-scores (max_resume_log_ratio); 0: none
 
 
 # An abort lands within a decode step: the first load check comes this soon after it, then the
@@ -114,6 +115,11 @@ class EngineClient:
     # The run's control token (rollout.auth), sent as `Authorization: Bearer` on every request:
     # engines and the router guard their control endpoints with it. Default: $RLKIT_CONTROL_TOKEN.
     control_token: str | None = field(default_factory=control_token_from_env)
+    # rollout.max_resume_log_ratio: a resumed request asks the engine to re-score the parked
+    # tokens (input logprobs from the prefill the resume does anyway) and records their mean
+    # log-ratio on the sample; past the bound, the stream is cut at its first chunk (the
+    # manager restarts the sample). None: no re-scoring.
+    max_resume_log_ratio: float | None = None
 
     def __post_init__(self) -> None:
         if self.router_url is None and not self.worker_urls:
@@ -222,9 +228,11 @@ class EngineClient:
 
     # -- Engines: generate -------------------------------------------------------------------
     def build_request(self, sample: Sample, sampling: SamplingConfig, max_new_tokens: int,
-                      rid: str, *, stream: bool) -> dict[str, Any]:
+                      rid: str, *, stream: bool, rescore: bool = False) -> dict[str, Any]:
         """The /generate body for `sample`: prompt + response so far as input_ids, the rest of
-        the token budget, min_new_tokens reduced by what was already generated."""
+        the token budget, min_new_tokens reduced by what was already generated. `rescore`: the
+        engine also scores the response so far (input_token_logprobs of every response token:
+        SGLang scores the tokens after position logprob_start_len)."""
         have = len(sample.response_ids)
         params = SamplingParams(
             max_new_tokens=max_new_tokens,
@@ -237,7 +245,8 @@ class EngineClient:
             ignore_eos=bool(sampling.ignore_eos),
         )
         req = GenerateRequest(input_ids=[int(t) for t in sample.input_ids()], sampling_params=params,
-                              rid=rid, stream=stream, return_logprob=True)
+                              rid=rid, stream=stream, return_logprob=True,
+                              logprob_start_len=len(sample.prompt_ids) - 1 if rescore else -1)
         return req.payload()
 
     async def generate(self, sample: Sample, sampling: SamplingConfig, *, max_new_tokens: int,
@@ -254,6 +263,9 @@ class EngineClient:
         if not base:
             raise EngineError("generate without a router needs a worker URL")
         policy = self.retry_policies["generate"]
+        # a parked response resumes: re-score its tokens under the weights it resumes with
+        rescore = (len(sample.response_ids) if self.max_resume_log_ratio is not None
+                   and sample.status is SampleStatus.PARTIAL else 0)
         sample.start_request()
         abort_alls = self._abort_alls
         last = ""
@@ -265,7 +277,7 @@ class EngineClient:
                     return worker
             rid = uuid.uuid4().hex
             sample.metadata["rid"] = rid
-            flight = _Inflight(rid=rid, url=base, task=asyncio.current_task())
+            flight = _Inflight(rid=rid, url=base, task=asyncio.current_task(), rescore=rescore)
             self._inflight[rid] = flight
             try:
                 outcome = await self._generate_once(sample, sampling, max_new_tokens, version,
@@ -295,7 +307,8 @@ class EngineClient:
         """One attempt. Returns None when the sample got its outcome (finished, aborted), or a
         message when the request failed before anything was generated (may be retried).
         Raises EngineError for failures that must not be retried."""
-        body = self.build_request(sample, sampling, max_new_tokens, flight.rid, stream=self.stream)
+        body = self.build_request(sample, sampling, max_new_tokens, flight.rid, stream=self.stream,
+                                  rescore=flight.rescore > 0)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=self.sock_read_timeout_s)
         try:
             async with self.session.post(f"{flight.url}/generate", json=body, timeout=timeout) as resp:
@@ -371,6 +384,10 @@ class EngineClient:
         except ProtocolError as e:
             sample.interrupt()
             raise EngineError(f"/generate at {flight.url}: {e}") from None
+        if flight.rescore and chunk.input_logprobs:
+            self._rescore(sample, chunk.input_logprobs, flight)
+            if sample.status is not SampleStatus.RUNNING:
+                return received  # past the bound: cut here, nothing of this chunk is kept
         stamped = chunk.weight_version_int(version)
         if ids:
             if len(lps) != len(ids):
@@ -405,6 +422,24 @@ class EngineClient:
                 sample.interrupt()
                 raise EngineError(f"unknown finish reason {finish.type!r} from {flight.url}")
         return received
+
+    def _rescore(self, sample: Sample, scored: tuple[tuple[float | None, int], ...],
+                 flight: _Inflight) -> None:
+        """The engine's input_token_logprobs for a resumed request: its last `flight.rescore`
+        entries score the parked tokens (a one-token prompt adds a None entry before them). Past
+        max_resume_log_ratio the request is cut now, before it decodes further: the sample is
+        left interrupted (its parked tokens kept) for the manager to restart."""
+        n, flight.rescore = flight.rescore, 0  # once per request: later chunks repeat it
+        entries = scored[-n:]
+        if len(entries) != n or [t for _, t in entries] != sample.response_ids[:n]:
+            sample.interrupt()
+            raise EngineError(f"/generate at {flight.url} (rid {flight.rid}): input_token_logprobs "
+                              f"do not score the {n} resumed tokens (got {len(scored)} entries)")
+        ratio = sample.rescore([lp for lp, _ in entries])
+        bound = self.max_resume_log_ratio
+        if ratio is not None and bound is not None and abs(ratio) > bound:
+            flight.aborted = True  # leaving the stream closes it: the engine drops the request
+            sample.interrupt()
 
     # -- Engines: abort and loads ---------------------------------------------------------------
     async def abort(self, rid: str) -> None:

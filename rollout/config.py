@@ -528,6 +528,20 @@ class RolloutConfig(BaseModel):
         "untrained when the trainer's version moves past it. Async mode generates one version "
         "ahead, so 0 there admits no overlap (sync, step for step).",
     )
+    max_resume_log_ratio: float | None = Field(
+        None,
+        gt=0,
+        description="Bound on a resumed sample's measured mismatch (null: none). When a parked "
+        "sample resumes, the engine also scores its parked tokens under the weights it resumes "
+        "with (SGLang's input_token_logprobs, from the prefill the resume does anyway) and the "
+        "mean log(pi_now / pi_rollout) over them is taken: the geometric-level log-ratio, as "
+        "train.algorithm.off_policy_correction's reject: geometric judges a whole sample at "
+        "training. Past this bound in absolute value, the request is cut at its first chunk and "
+        "the sample restarted from its prompt (counted in rollout/mismatch_restarts and "
+        "rollout/mismatch_restart_tokens; rollout/resume_abs_log_ratio is the mean measured). "
+        "Where max_token_lag bounds versions, this bounds what they changed. Single-turn "
+        "rollouts only: an episode's environment cannot rewind.",
+    )
     reward: RewardConfig = Field(
         default_factory=RewardConfig,
         description="Reward function (an episode whose environment gives a reward is not scored by it).")
@@ -553,6 +567,14 @@ class RolloutConfig(BaseModel):
             raise ValueError("rollout.adaptive_over_provision sizes partial rollouts: it needs "
                              "rollout.policy=partial (or ranked_dispatch with base partial), not "
                              f"{self.policy}")
+        return self
+
+    @model_validator(mode="after")
+    def _rescore_single_turn(self) -> "RolloutConfig":
+        if self.max_resume_log_ratio is not None and self.episode.generator is not None:
+            raise ValueError("rollout.max_resume_log_ratio restarts single-turn samples; it cannot "
+                             "be set with rollout.episode.generator (an episode's environment "
+                             "cannot rewind)")
         return self
 
     @property

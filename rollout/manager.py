@@ -113,9 +113,11 @@ class RolloutManager:
         health: EngineMonitor | None = None,
         relaunches_per_sample: int = 3,
         episodes: "EpisodeRunner | None" = None,
+        max_resume_log_ratio: float | None = None,
     ) -> None:
         """`episodes`: multi-turn rollouts (rlkit/rollout/episodes.py); None: one request per
-        sample."""
+        sample. `max_resume_log_ratio`: restart a resumed sample whose parked tokens, re-scored
+        by the engine (EngineClient.max_resume_log_ratio), are past it (single-turn only)."""
         self.buffer = buffer
         self.engines = engines
         self.policy = policy
@@ -129,6 +131,7 @@ class RolloutManager:
         self.health = health
         self.relaunches_per_sample = relaunches_per_sample
         self.episodes = episodes
+        self.max_resume_log_ratio = max_resume_log_ratio
         self.current: Step | None = None  # the step running now, for progress reports
         # The buffer's lag-restart counters at the last report (None before the first step):
         # each report counts the restarts since, between steps too (a version bump's sweep).
@@ -478,17 +481,42 @@ class Step:
                 s.interrupt()
                 return
         try:
-            for attempt in range(self._m.relaunches_per_sample + 1):
-                if not await self._request(run, s, pinned, sampling,
-                                           last=attempt == self._m.relaunches_per_sample):
-                    return
-                remaining = s.remaining_tokens(sampling.max_new_tokens)
-                if remaining <= 0:  # its engine was lost right at its budget
-                    s.append([], [], self.version, finish_reason="length")
-                    return
+            await self._relaunched(run, s, pinned, sampling)
+            # restarted, it has no parked tokens to re-score: the second round is the last
+            if self._restart_mismatched(s) and not self._stopping:
+                await self._relaunched(run, s, pinned, sampling)
         finally:
             if gate is not None:
                 gate.release()
+
+    async def _relaunched(self, run: _GroupRun, s: Sample, pinned: str | None,
+                          sampling: SamplingConfig) -> None:
+        """Requests for `s` until it settles (finished, parked or failed), relaunched on a
+        lost engine."""
+        for attempt in range(self._m.relaunches_per_sample + 1):
+            if not await self._request(run, s, pinned, sampling,
+                                       last=attempt == self._m.relaunches_per_sample):
+                return
+            if s.remaining_tokens(sampling.max_new_tokens) <= 0:  # lost right at its budget
+                s.append([], [], self.version, finish_reason="length")
+                return
+
+    def _restart_mismatched(self, s: Sample) -> bool:
+        """rollout.max_resume_log_ratio: a resumed sample whose parked tokens the engine
+        re-scored past the bound forgets its response (counted) and is generated again from its
+        prompt. Its correction weight would be negligible (or the sample rejected), so the
+        tokens are worth less than a fresh response. True if it was restarted."""
+        bound, ratio = self._m.max_resume_log_ratio, s.resume_log_ratio
+        if ratio is not None:
+            self.report_.resume_rescored += 1
+            self.report_.resume_abs_log_ratio_sum += abs(ratio)
+        if (bound is None or ratio is None or abs(ratio) <= bound or s.status.terminal
+                or self._m.episodes is not None):  # an episode's environment cannot rewind
+            return False
+        tokens = self.buffer.restart_sample(s)
+        self.report_.mismatch_restarts += 1
+        self.report_.mismatch_restart_tokens += tokens
+        return True
 
     async def _request(self, run: _GroupRun, s: Sample, pinned: str | None,
                        sampling: SamplingConfig, *, last: bool) -> bool:

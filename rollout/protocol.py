@@ -246,6 +246,8 @@ class OutputChunk:
     weight_version: str | None
     # the final chunk's exact spans: ((version, start, end), ...) over this request's output
     weight_versions: tuple[tuple[str, int, int], ...] | None = None
+    # input_token_logprobs (a request with logprob_start_len): ((logprob | None, token), ...)
+    input_logprobs: tuple[tuple[float | None, int], ...] | None = None
 
     def weight_version_int(self, default: int) -> int:
         return _version_int(self.weight_version, default)
@@ -297,11 +299,14 @@ def parse_output(payload: Any) -> OutputChunk:
         fr = meta.get("finish_reason")
         version = meta.get("weight_version")
         spans = meta.get("weight_versions")
+        scored = meta.get("input_token_logprobs")
         return OutputChunk(
             ids=ids, logprobs=lps, completion_tokens=int(meta.get("completion_tokens") or 0),
             finish=FinishReason.model_validate(fr) if fr is not None else None,
             weight_version=None if version is None else str(version),
             weight_versions=None if spans is None else tuple(_span(x) for x in spans),
+            input_logprobs=tuple((None if e[0] is None else float(e[0]), int(e[1]))
+                                 for e in scored) if scored else None,
         )
     except (KeyError, TypeError, ValueError, IndexError) as e:
         raise ProtocolError(f"unparseable /generate answer ({type(e).__name__}: {e}): "

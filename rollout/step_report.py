@@ -43,6 +43,12 @@ class StepReport:
     # (parked ones about to be resumed, ready ones when the version moved) and their tokens
     lag_restarts: int = 0
     lag_restart_tokens: int = 0
+    # rollout.max_resume_log_ratio: resumed samples whose parked tokens the engine re-scored,
+    # the sum of |mean log-ratio| over them, and those restarted past the bound (their tokens)
+    resume_rescored: int = 0
+    resume_abs_log_ratio_sum: float = 0.0
+    mismatch_restarts: int = 0
+    mismatch_restart_tokens: int = 0
     # (predicted, actual) mean response length of each group completed, when a ranker predicted
     predictions: list[tuple[float, float]] = field(default_factory=list)
     launched_predictions: list[tuple[int, float]] = field(default_factory=list)  # (group, predicted)
@@ -113,6 +119,11 @@ class StepReport:
             "rollout/surplus_restarted": self.surplus_restarted,
             "rollout/lag_restarts": self.lag_restarts,
             "rollout/lag_restart_tokens": self.lag_restart_tokens,
+            "rollout/resume_rescored": self.resume_rescored,
+            "rollout/resume_abs_log_ratio": (self.resume_abs_log_ratio_sum / self.resume_rescored
+                                             if self.resume_rescored else 0.0),
+            "rollout/mismatch_restarts": self.mismatch_restarts,
+            "rollout/mismatch_restart_tokens": self.mismatch_restart_tokens,
             **{f"rollout/ranker_{k}": v for k, v in self.ranker_recalls().items()},
             **{f"rollout/ranker_turns_{k}": v for k, v in self.ranker_turn_recalls().items()},
             **{f"rollout/dispatch/{k}": v for k, v in self.dispatch.items()},

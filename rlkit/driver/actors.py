@@ -119,8 +119,9 @@ class RolloutActor:
         r = self.recipe
         self.router = Router(r.rollout.router, log_path=self.log_dir / "router.log")
         router_url = await asyncio.to_thread(self.router.start, engine_urls)
-        self.client = await EngineClient(router_url, worker_urls=engine_urls,
-                                         router_admin=self.router).connect()
+        self.client = await EngineClient(
+            router_url, worker_urls=engine_urls, router_admin=self.router,
+            max_resume_log_ratio=r.rollout.max_resume_log_ratio).connect()
         restarter = ActorRestarter(dict(zip(engine_urls, engine_actors))) if engine_actors else None
         self.service = RolloutService.from_config(r.rollout, self.source, self.client, self.score,
                                                   self.group_filter, self.ranker, restarter,

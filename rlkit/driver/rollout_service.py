@@ -79,7 +79,7 @@ class RolloutService:
         manager = RolloutManager(buffer, engines, make_policy(cfg), cfg.sampling, rewards,
                                  group_filter=group_filter, ranker=ranker, health=health,
                                  relaunches_per_sample=cfg.health.relaunches_per_sample,
-                                 episodes=episodes)
+                                 episodes=episodes, max_resume_log_ratio=cfg.max_resume_log_ratio)
         return cls(buffer, manager, cfg.batch_size, evaluator, hand)
 
     def start_step(self, version: int, *, for_version: int,

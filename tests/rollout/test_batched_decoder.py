@@ -65,6 +65,33 @@ def test_sampled_logprobs_equal_teacher_forcing(decoder, tiny_model, temperature
         assert max(abs(a - b) for a, b in zip(ref, r.output_logprobs)) < LOGPROB_TOLERANCE
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.6, 0.0])
+def test_input_logprobs_from_logprob_start_len_equal_teacher_forcing(decoder, tiny_model,
+                                                                      temperature):
+    """SGLang's logprob_start_len k: the logprobs of input tokens k+1 .. n-1 (None first when
+    k = 0), at the sampling temperature, for requests of several lengths and starts in one
+    left-padded prefill beside a request that scores nothing."""
+    starts = [0, 5, 4, -1]  # PROMPTS[3] is one token: it scores nothing
+    rs = []
+    for i, (p, k) in enumerate(zip(PROMPTS, starts)):
+        r = req(f"in{i}", p, temperature=temperature, seed=i, max_new_tokens=3)
+        r.logprob_start_len = k
+        rs.append(r)
+    run(decoder, rs)
+    for p, k, r in zip(PROMPTS, starts, rs):
+        if k < 0:
+            assert r.input_logprobs is None
+            continue
+        ref = teacher_forced_logprobs(tiny_model, p[:k + 1], p[k + 1:], temperature)
+        got = r.input_logprobs[1:] if k == 0 else r.input_logprobs
+        assert (r.input_logprobs[0] is None) == (k == 0)
+        assert len(got) == len(p) - k - 1
+        assert max(abs(a - b) for a, b in zip(ref, got)) < LOGPROB_TOLERANCE
+        # the sampled tokens are unchanged by the wider logits
+        ref_out = teacher_forced_logprobs(tiny_model, p, r.output_ids, temperature)
+        assert max(abs(a - b) for a, b in zip(ref_out, r.output_logprobs)) < LOGPROB_TOLERANCE
+
+
 def test_a_request_joining_a_running_batch_gets_the_same_tokens(decoder):
     alone = run(decoder, [req("alone", PROMPTS[2], seed=11, max_new_tokens=30)])[0]
     # Now the same request joins while others are mid-generation, and others leave meanwhile.

@@ -88,6 +88,38 @@ async def test_abort_keeps_partial_tokens_whose_logprobs_match_teacher_forcing(f
             assert max(abs(a - b) for a, b in zip(ref, s.logprobs)) < LOGPROB_TOLERANCE
 
 
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_resumed_sample_is_rescored_and_cut_past_the_bound(fleet, stream):
+    """rollout.max_resume_log_ratio through the router and the built-in engine: a resumed
+    request asks for the parked tokens' input logprobs; the client records their mean log-ratio
+    against the recorded ones and, past the bound, cuts the request before keeping anything.
+    Here the engine's weights are those that generated the tokens, so a recorded logprob
+    shifted by d reads as a log-ratio of exactly d."""
+    sampling = SamplingConfig(max_new_tokens=30, ignore_eos=True)
+    async with fleet.client(stream=stream) as c:
+        first = samples(3, start=200)
+        await asyncio.gather(*(c.generate(s, sampling, max_new_tokens=8, version=0)
+                               for s in first))
+    shifts = [0.0, 0.3, -0.3]
+    parked = []
+    for s, shift in zip(first, shifts):
+        p = Sample(index=s.index + 10, group_id=s.group_id, prompt_ids=s.prompt_ids)
+        p.append(s.response_ids, [lp - shift for lp in s.logprobs], 0)
+        p.interrupt()
+        parked.append(p)
+    async with fleet.client(stream=stream, max_resume_log_ratio=0.2) as c:
+        await asyncio.gather(*(c.generate(p, sampling, max_new_tokens=22, version=1)
+                               for p in parked))
+        assert set((await c.loads()).values()) == {0}  # the cut requests are gone
+    for p, s, shift in zip(parked, first, shifts):
+        assert p.resume_log_ratio == pytest.approx(shift, abs=LOGPROB_TOLERANCE)
+        assert p.resumes == 1
+    assert parked[0].status is SampleStatus.TRUNCATED and len(parked[0].response_ids) == 30
+    assert parked[0].response_ids[:8] == first[0].response_ids
+    for p, s in zip(parked[1:], first[1:]):
+        assert p.status is SampleStatus.PARTIAL and p.response_ids == s.response_ids
+
+
 async def test_trace_replay_lengths_are_exact_through_the_router(fleet):
     lengths = [3, 17, 1, 40, 9, 26, 2, 33]
     sampling = SamplingConfig(max_new_tokens=64, ignore_eos=True)
@@ -254,6 +286,10 @@ async def test_bad_requests_get_4xx_with_a_message_and_the_server_keeps_serving(
         (worker, {"input_ids": [10_000]}, 400, "vocabulary"),
         (worker, {"input_ids": [1], "sampling_params": {"frequency_penalty": 0.3}}, 400, "frequency_penalty"),
         (worker, {"input_ids": [1], "sampling_params": {"no_such_param": 1}}, 400, "no_such_param"),
+        (worker, {"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 2}, 400,
+         "logprob_start_len (2) must be -1 or in [0, 2)"),
+        (worker, {"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 0,
+                  "sampling_params": {"max_new_tokens": 0}}, 400, "prefill-only scoring"),
     ]
     async with aiohttp.ClientSession() as http:
         for base, body, status, needle in cases:

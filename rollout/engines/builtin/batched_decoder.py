@@ -44,7 +44,7 @@ import torch
 
 from rlkit.rollout.engines.builtin.kv_cache import SlotKVCache, prefill_mask
 from rlkit.rollout.engines.builtin.requests import DecodeParams, DecodeRequest
-from rlkit.rollout.engines.builtin.sampler import RowSampling, sample
+from rlkit.rollout.engines.builtin.sampler import GREEDY_EPS, RowSampling, sample
 from rlkit.rollout.protocol import FinishReason, PauseMode
 
 log = logging.getLogger(__name__)
@@ -95,6 +95,12 @@ MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 _NEEDED_TAGS = frozenset({"kv_cache", "weights"})
 # SGLang's assertion message when a release meets a busy scheduler (weight_updater.py).
 NOT_IDLE_MESSAGE = "release_memory_occupation should be called only when server is idle."
+
+
+def _scores_input(r: DecodeRequest) -> bool:
+    """Whether this prefill scores the request's input (once: a retracted request's
+    re-prefill keeps what its first prefill reported)."""
+    return r.logprob_start_len >= 0 and r.input_logprobs is None
 
 
 def memory_tags(tags: list[str] | tuple[str, ...] | None) -> list[str]:
@@ -428,14 +434,20 @@ class BatchedDecoder:
         scratch = self._new_cache(slots=len(requests), capacity=width)
         scratch.lengths = [0] * len(requests)
         mask = prefill_mask(lengths, width, self.device)
+        scored = [i for i, r in enumerate(requests) if _scores_input(r)]
+        # the last position samples; a request scoring its input needs the positions from its
+        # logprob_start_len on (each predicts the next input token)
+        keep = max([1] + [lengths[i] - requests[i].logprob_start_len for i in scored])
         out = self.model(
             input_ids=ids.to(self.device),
             position_ids=positions.to(self.device),
             attention_mask=mask,  # 4D: transformers uses it as is
             past_key_values=scratch,
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=keep,
         )
+        for i in scored:
+            requests[i].input_logprobs = self._input_logprobs(requests[i], out.logits[i], keep)
         scratch.advance(width)
         self.cache.add_rows(scratch, lengths)
         for r in requests:
@@ -448,6 +460,25 @@ class BatchedDecoder:
         self.stats.prefill_seconds += time.perf_counter() - t0
         first = len(self._running) - len(requests)
         self._emit(out.logits[:, -1, :], rows=list(range(first, len(self._running))))
+
+    def _input_logprobs(self, r: DecodeRequest, logits: torch.Tensor,
+                        keep: int) -> list[float | None]:
+        """SGLang's input_token_logprobs for logprob_start_len k: the logprob of each input
+        token after position k (tokens k+1 .. n-1), with a None first when k = 0, scaled by the
+        request's temperature as the sampled tokens' logprobs are (the ratio against a recorded
+        rollout logprob compares like with like). `logits`: the row's last `keep` positions."""
+        n, k = len(r.input_ids), r.logprob_start_len
+        first = keep - n + k  # index of position k in the kept slice (the row ends the slice)
+        targets = torch.tensor(r.input_ids[k + 1:], dtype=torch.long, device=logits.device)
+        greedy = r.params.temperature < GREEDY_EPS or r.params.top_k == 1  # as RowSampling
+        temperature = 1.0 if greedy else r.params.temperature
+        values: list[float | None] = [None] if k == 0 else []
+        chunk = 512  # positions per log_softmax: bounds the float32 copy of [positions, vocab]
+        for start in range(0, targets.numel(), chunk):
+            rows = logits[first + start:first + start + min(chunk, targets.numel() - start)]
+            lp = torch.log_softmax(rows.float() / temperature, dim=-1)
+            values.extend(lp.gather(-1, targets[start:start + rows.shape[0], None])[:, 0].tolist())
+        return values
 
     # -- decoding ------------------------------------------------------------------------------
     def _decode_step(self) -> None:

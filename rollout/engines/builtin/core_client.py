@@ -119,10 +119,12 @@ class EngineCoreClient:
     def _dispatch(self, message: tuple) -> None:
         kind = message[0]
         if kind == "progress":
-            for rid, ids, lps, versions, version, finish in message[1]:
+            for rid, ids, lps, versions, version, finish, input_lps in message[1]:
                 r = self.requests.get(rid)
                 if r is None:
                     continue
+                if input_lps is not None:
+                    r.input_logprobs = input_lps
                 r.output_ids.extend(ids)
                 r.output_logprobs.extend(lps)
                 r.output_versions.extend(versions)
@@ -164,7 +166,8 @@ class EngineCoreClient:
         self.requests[request.rid] = request
         try:
             self._send(("submit", DecodeRequest(rid=request.rid, input_ids=request.input_ids,
-                                                params=request.params, stream=request.stream)))
+                                                params=request.params, stream=request.stream,
+                                                logprob_start_len=request.logprob_start_len)))
         except CoreDied:
             del self.requests[request.rid]
             raise

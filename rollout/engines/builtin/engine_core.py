@@ -13,8 +13,10 @@ Messages (pickled tuples). HTTP -> core:
     ("stop",)
 Core -> HTTP:
     ("ready", info)                    once the model is loaded
-    ("progress", [(rid, new_ids, new_logprobs, new_versions, weight_version, finish_wire | None),
-                  ...])   new_versions: the weight version of each new token
+    ("progress", [(rid, new_ids, new_logprobs, new_versions, weight_version, finish_wire | None,
+                   input_logprobs | None), ...])
+                          new_versions: the weight version of each new token; input_logprobs:
+                          the scored input (logprob_start_len), in a request's first entry only
     ("result", call_id, ok, value_or_error_message, refused)
                                        refused: the command's arguments were wrong (ValueError),
                                        as opposed to the command failing
@@ -96,6 +98,8 @@ class EngineCore:
         self._crash_reported = False
 
     def info(self) -> dict[str, Any]:
+        import torch  # the core process has it loaded; the module stays importable without
+
         return {
             "vocab_size": int(self.model.get_input_embeddings().weight.shape[0]),
             "context_length": self.decoder.context_length,
@@ -144,8 +148,10 @@ class EngineCore:
             version_changed = n > sent and r.output_versions[sent] != r.output_versions[n - 1]
             if finish is None and not version_changed and (not r.stream or n - sent < interval):
                 continue  # nothing copied: a non-streamed request is sent only when it finishes
+            first = r.rid not in self._reported
             entries.append((r.rid, r.output_ids[sent:n], r.output_logprobs[sent:n],
-                            r.output_versions[sent:n], r.weight_version, finish))
+                            r.output_versions[sent:n], r.weight_version, finish,
+                            r.input_logprobs if first else None))
             if finish is None:
                 self._reported[r.rid] = n
             else:

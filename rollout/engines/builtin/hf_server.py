@@ -336,6 +336,14 @@ class EngineServer:
         if cap and n + max_new > cap:
             raise RequestError(f"prompt + max_new_tokens ({n + max_new}) exceeds this engine's "
                                f"KV capacity max_total_tokens={cap}")
+        # as SGLang: ignored without return_logprob, refused at or past the input's end
+        start = req.logprob_start_len if req.return_logprob else -1
+        if start != -1 and not 0 <= start < n:
+            raise RequestError(f"logprob_start_len ({start}) must be -1 or in [0, {n}) for an "
+                               f"input of {n} tokens")
+        if start != -1 and sp.max_new_tokens == 0:
+            raise RequestError(f"prefill-only scoring (max_new_tokens 0 with logprob_start_len) "
+                               f"is not supported by the {ENGINE_NAME} engine: ask for one token")
         rid = req.rid or uuid.uuid4().hex
         if rid in self.core.requests:
             raise RequestError(f"a request with rid {rid!r} is already running")
@@ -349,7 +357,8 @@ class EngineServer:
             stop_strings=tuple(sp.stop_strings()), ignore_eos=sp.ignore_eos,
             seed=sp.sampling_seed,
         )
-        return RemoteRequest(rid=rid, input_ids=input_ids, params=params, stream=req.stream)
+        return RemoteRequest(rid=rid, input_ids=input_ids, params=params, stream=req.stream,
+                             logprob_start_len=start)
 
     def _payload(self, r: RemoteRequest, req: GenerateRequest, upto: int, since: int,
                  finished: bool, text: str) -> dict[str, Any]:
@@ -373,7 +382,11 @@ class EngineServer:
         if req.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in
                                              zip(r.output_logprobs[since:upto], ids)]
-            meta["input_token_logprobs"] = []
+            # the scored input (logprob_start_len), cumulative like the rest of meta_info: in
+            # every chunk unless the stream is incremental, then in the first one
+            scored = r.input_logprobs if since == 0 else None
+            meta["input_token_logprobs"] = [] if scored is None else [
+                [lp, t, None] for lp, t in zip(scored, r.input_ids[len(r.input_ids) - len(scored):])]
         return {"text": text, "output_ids": ids, "meta_info": meta}
 
     def _final_text(self, r: RemoteRequest, req: GenerateRequest) -> str:

@@ -39,6 +39,10 @@ class DecodeRequest:
     input_ids: list[int]
     params: DecodeParams
     stream: bool = False
+    # SGLang's logprob_start_len: >= 0 scores the input tokens after that position at prefill
+    # (what a resumed partial rollout asks to re-score its parked tokens under new weights)
+    logprob_start_len: int = -1
+    input_logprobs: list[float | None] | None = None  # set once, by the first prefill
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_versions: list[str] = field(default_factory=list)  # weights that produced each token
