@@ -42,6 +42,10 @@ CONFIGS: dict[str, list[str]] = {
     "sync": ["mode=sync", "rollout.policy=sync", f"{CORRECTION}=none"],
     "partial": ["mode=sync", "rollout.policy=partial", f"{CORRECTION}=none"],
     "partial+{corr}": ["mode=sync", "rollout.policy=partial", f"{CORRECTION}={{corr}}"],
+    # issue 31 item 4: the same, with resumed samples restarted past a measured mismatch (mean
+    # |log pi_now/pi_rollout| of their parked tokens > 0.02, re-scored by the engine at resume)
+    "partial+{corr}+bound": ["mode=sync", "rollout.policy=partial", f"{CORRECTION}={{corr}}",
+                             "rollout.max_resume_log_ratio=0.02"],
     "tail_restart": ["mode=sync", "rollout.policy=tail_batching",
                      "rollout.tail_batching.deferred=restart", f"{CORRECTION}=none"],
     "tail_resume": ["mode=sync", "rollout.policy=tail_batching",
@@ -87,7 +91,9 @@ ROBUST = ["eval.max_concurrency=64", "rollout.health.probe_timeout_s=30"]
 # Per-step figures kept per run (mean over its steps) to explain a gap.
 TELEMETRY = ("batch/reward_mean", "batch/max_staleness", "rollout/resumed_token_share",
              "train/off_policy_samples", "train/rejected_samples", "step/seconds",
-             "rollout/seconds", "train/seconds")
+             "rollout/seconds", "train/seconds", "rollout/resume_rescored",
+             "rollout/resume_abs_log_ratio", "rollout/mismatch_restarts",
+             "rollout/mismatch_restart_tokens")
 
 
 def math_unless_truncated(sample: Any, **kwargs: Any) -> float:
