@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlkit.tracking import EVAL_FILE, eval_passes
-from rlkit.train.algorithms.mismatch import FIGURES, LAG_BUCKETS
+from rlkit.train.algorithms.mismatch import BUCKETS, FIGURES, LAG_BUCKETS
 
 DEFAULT_KEYS = ["batch/reward_mean", "rollout/reward_mean"]
 METRICS_FILE = "metrics.jsonl"
@@ -42,6 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "mismatch figure mismatch/<lag>/FIGURE, e.g. kl_k3, "
                              f"abs_log_ratio_p99, ess (choices: {', '.join(FIGURES)}); adds to "
                              "--key")
+    parser.add_argument("--mismatch-table", action="store_true",
+                        help="print the run's mismatch per version lag (and resumed / fresh) as "
+                             "a markdown table, token-weighted over its steps, instead of "
+                             "drawing")
     parser.add_argument("--out", type=Path, help="PNG to write (default: <run>/metrics.png)")
     parser.add_argument("--title", help="chart title")
 
@@ -223,8 +227,54 @@ def draw(panels: list[Panel], rows: list[dict], out: Path, title: str) -> Series
     return drawn
 
 
+# per bucket: figure -> how steps combine (token-weighted mean, or the largest step's)
+_TABLE = (("abs_log_ratio_mean", "mean"), ("abs_log_ratio_p99", "max"), ("kl_k1", "mean"),
+          ("kl_k3", "mean"), ("ess", "mean"), ("chi2", "mean"), ("truncated", "mean"),
+          ("masked", "mean"), ("rejected", "mean"))
+
+
+def mismatch_summary(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """Per bucket with tokens: its tokens summed over the steps, each figure of _TABLE
+    token-weighted over the steps (p99: the largest step's), and `steps` that had it."""
+    out: dict[str, dict[str, float]] = {}
+    for b in BUCKETS:
+        steps = [r for r in rows if (r.get(f"mismatch/{b}/tokens") or 0) > 0]
+        n = sum(r[f"mismatch/{b}/tokens"] for r in steps)
+        if not n:
+            continue
+        fig: dict[str, float] = {"tokens": n, "steps": len(steps)}
+        for name, how in _TABLE:
+            vals = [(r[f"mismatch/{b}/tokens"], r.get(f"mismatch/{b}/{name}")) for r in steps]
+            vals = [(w, v) for w, v in vals if v is not None and math.isfinite(v)]
+            if vals:
+                fig[name] = (max(v for _, v in vals) if how == "max"
+                             else sum(w * v for w, v in vals) / sum(w for w, _ in vals))
+        out[b] = fig
+    return out
+
+
+def mismatch_table(rows: list[dict]) -> str:
+    """`mismatch_summary` as a markdown table (lag buckets, then resumed and fresh tokens)."""
+    summary = mismatch_summary(rows)
+    if not summary:
+        raise SystemExit(f"no mismatch telemetry in {METRICS_FILE}: the trainer reports it from "
+                         "the loss (rollout logprobs needed)")
+    lag_tokens = sum(summary[b]["tokens"] for b in LAG_BUCKETS if b in summary)
+    lines = ["| bucket | steps | tokens (share) | mean abs(log rho) | p99 (max step) | k1 | k3 | "
+             "ESS/n | chi2 | truncated | masked | rejected |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for b, f in summary.items():
+        cells = [f"{f.get(k, math.nan):.3g}" for k, _ in _TABLE]
+        lines.append(f"| {b} | {f['steps']} | {f['tokens']:.0f} "
+                     f"({100 * f['tokens'] / lag_tokens:.0f}%) | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
     rows = load_metrics(args.run)
+    if args.mismatch_table:
+        print(mismatch_table(rows))
+        return 0
     eval_rows = load_eval(args.run)
     if args.key is None and not args.run.is_dir():
         eval_rows = []  # the held-out overlay is for a run folder; a metrics file plots as before

@@ -178,3 +178,29 @@ def test_mismatch_figure_per_version_lag(tmp_path: Path, monkeypatch):
     _write(run / "metrics.jsonl", _metrics(2))
     with pytest.raises(SystemExit, match="no mismatch telemetry"):
         cli.main(["plot", "metrics", str(run), "--mismatch", "ess"])
+
+
+def test_mismatch_table_is_token_weighted_over_steps(tmp_path: Path, capsys):
+    run = tmp_path / "lagged"
+    run.mkdir()
+    rows = _metrics(3)
+    for r, (n0, n1, k3_1, p99_1) in zip(rows, [(30, 10, 1e-3, 0.5), (10, 30, 3e-3, 0.9),
+                                               (20, 0, 0.0, 0.0)]):
+        r.update({"mismatch/lag0/tokens": n0, "mismatch/lag0/kl_k3": 1e-10,
+                  "mismatch/lag1/tokens": n1, "mismatch/lag1/kl_k3": k3_1,
+                  "mismatch/lag1/abs_log_ratio_p99": p99_1,
+                  "mismatch/resumed/tokens": n1 // 2, "mismatch/resumed/kl_k3": 2 * k3_1})
+    _write(run / "metrics.jsonl", rows)
+    s = pm.mismatch_summary(pm.load_metrics(run))
+    assert list(s) == ["lag0", "lag1", "resumed"]  # buckets without tokens are left out
+    assert s["lag0"]["tokens"] == 60 and s["lag0"]["steps"] == 3
+    # (10 x 1e-3 + 30 x 3e-3) / 40; the step without lag-1 tokens does not dilute it
+    assert s["lag1"]["kl_k3"] == pytest.approx(2.5e-3) and s["lag1"]["steps"] == 2
+    assert s["lag1"]["abs_log_ratio_p99"] == 0.9  # the largest step's
+    assert cli.main(["plot", "metrics", str(run), "--mismatch-table"]) == 0
+    out = capsys.readouterr().out
+    assert "| lag1 | 2 | 40 (40%) |" in out and "| resumed | 2 | 20 (20%) |" in out
+    assert not (run / "metrics.png").exists()
+    _write(run / "metrics.jsonl", _metrics(2))
+    with pytest.raises(SystemExit, match="no mismatch telemetry"):
+        cli.main(["plot", "metrics", str(run), "--mismatch-table"])
