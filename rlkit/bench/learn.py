@@ -124,6 +124,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-scale", action="store_true",
                         help="leave the recipe's batch, length and learning rate as they are "
                         "instead of the bench's scale (" + " ".join(SCALE) + ")")
+    parser.add_argument("--merge", nargs="+", type=Path, metavar="DIR",
+                        help="run nothing: one table from the learn.json of earlier runs of "
+                        "this bench (configurations run apart, or an interrupted table and its "
+                        "rest), written to --out; their settings must agree but for the "
+                        "configurations and seeds, and no configuration/seed may repeat")
     add_out_argument(parser, "learn")
     parser.add_argument("overrides", nargs="*",
                         help="recipe overrides, key=value, for every run (after the bench's "
@@ -394,6 +399,11 @@ def run(args: argparse.Namespace) -> int:
     from rlkit.driver.run import train
 
     out = out_folder(args.out)
+    if args.merge:
+        results, settings = merge_reports(args.merge)
+        reference = "sync" if "sync" in results else next(iter(results))
+        print(_report(out, results, reference, settings, final=True))
+        return 0
     if args.seeds < 1 or args.steps < 1 or args.eval_rows < 1:
         raise SystemExit("--seeds, --steps and --eval-rows must be >= 1")
     configs = expand_configs(args.configs, args.correction)
@@ -455,6 +465,55 @@ def run(args: argparse.Namespace) -> int:
     table = _report(out, results, reference, settings, final=True)
     print(table)
     return 0
+
+
+# settings two learn.json must share to be one table (configurations and seeds may differ)
+MERGE_KEYS = ("steps", "eval_every", "eval_rows", "samples_per_step", "max_new_tokens", "lr",
+              "model", "correction", "accuracy_key", "overrides")
+
+
+def merge_reports(dirs: Sequence[Path]) -> tuple[dict[str, list[dict]], dict]:
+    """The runs of several learn.json as one table's (results, settings): the first's settings,
+    its initial accuracy (else the next one's), every order and the summed wall time."""
+    reports = []
+    for d in dirs:
+        path = d / "learn.json" if d.is_dir() else d
+        if not path.is_file():
+            raise SystemExit(f"--merge: no learn.json at {path}")
+        reports.append((path, json.loads(path.read_text())))
+    first_path, first = reports[0]
+    settings = dict(first["settings"])
+    results: dict[str, list[dict]] = {}
+    for path, rep in reports:
+        for key in MERGE_KEYS:
+            if rep["settings"].get(key) != settings.get(key):
+                raise SystemExit(f"--merge: settings.{key} differs: {rep['settings'].get(key)!r} in "
+                                 f"{path}, {settings.get(key)!r} in {first_path}")
+        for config, runs in rep["runs"].items():
+            have = {r["seed"] for r in results.get(config, [])}
+            for r in runs:
+                if r["seed"] in have:
+                    raise SystemExit(f"--merge: {config} seed {r['seed']} is in more than one "
+                                     f"report ({path})")
+                results.setdefault(config, []).append(_nan_for_none(r))
+        if settings.get("initial_accuracy") is None:
+            settings["initial_accuracy"] = rep["settings"].get("initial_accuracy")
+    settings["order"] = [o for _, rep in reports for o in rep["settings"]["order"]]
+    settings["seeds"] = max(len(runs) for runs in results.values())
+    settings["wall_s"] = sum(rep["settings"].get("wall_s") or 0.0 for _, rep in reports)
+    settings["merged_from"] = [str(p) for p, _ in reports]
+    return results, settings
+
+
+def _nan_for_none(x: Any) -> Any:
+    """learn.json stores NaN as null (_json_safe): back to NaN for the summary's arithmetic."""
+    if x is None:
+        return math.nan
+    if isinstance(x, dict):
+        return {k: v if k == "error" else _nan_for_none(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_nan_for_none(v) for v in x]
+    return x
 
 
 def _run_name(config: str, seed: int) -> str:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from rlkit import cli
 from rlkit.bench import learn
 from rlkit.config import load_recipe
 
@@ -155,3 +156,42 @@ def test_every_configuration_is_a_valid_recipe(recipe):
     assert list(learn.expand_configs("sync,partial+tis", "tis")) == ["sync", "partial+tis"]
     with pytest.raises(SystemExit, match="unknown nope"):
         learn.expand_configs("sync,nope", "tis")
+
+
+def _report(tmp_path, name, runs: dict, **settings):
+    base = {"recipe": "r.yaml", "steps": 8, "seeds": 2, "eval_every": 4, "eval_rows": 200,
+            "samples_per_step": 16, "max_new_tokens": 24, "lr": 2e-5, "model": "m",
+            "correction": "tis", "accuracy_key": "eval/h/greedy/pass@1", "overrides": ["a=1"],
+            "order": [f"{c}/seed{r['seed']}" for c, rs in runs.items() for r in rs],
+            "initial_accuracy": 0.5, "wall_s": 100.0, **settings}
+    out = tmp_path / name
+    out.mkdir()
+    learn._report(out, runs, next(iter(runs)), base, final=False)
+    return out
+
+
+def test_merge_makes_one_table_of_reports_run_apart(tmp_path):
+    def seeded(seed, accs, seconds):
+        return {**_run(accs, seconds), "seed": seed}
+
+    a = _report(tmp_path, "a", {"sync": [seeded(1, [0.5, 0.6, 0.70], [0, 100, 200]),
+                                         seeded(2, [0.5, 0.6, 0.74], [0, 110, 220])]})
+    nan_run = seeded(2, [0.5, math.nan, 0.72], [0, 50, 100])  # stored as null
+    b = _report(tmp_path, "b", {"fast": [seeded(1, [0.5, 0.72, 0.74], [0, 50, 100]), nan_run]},
+                initial_accuracy=None, wall_s=50.0)
+    assert cli.main(["bench", "learn", "--merge", str(a), str(b), "--out", str(tmp_path / "m")]) == 0
+    report = json.loads((tmp_path / "m" / "learn.json").read_text())
+    s, settings = report["summary"], report["settings"]
+    assert settings["wall_s"] == 150.0 and settings["initial_accuracy"] == 0.5
+    assert settings["order"] == ["sync/seed1", "sync/seed2", "fast/seed1", "fast/seed2"]
+    assert s["sync"]["final_accuracy"] == pytest.approx(0.72)
+    assert s["fast"]["diff_vs_reference"] == pytest.approx(0.73 - 0.72)
+    assert s["fast"]["failed_evals"] == 1  # the null came back as NaN, not as a crash
+    assert "| fast | 2 (1 eval(s) failed) | 0.730 ± 0.010 | +0.010 ± 0.022 | yes |" in (
+        tmp_path / "m" / "learn.md").read_text()
+    c = _report(tmp_path, "c", {"sync": [seeded(1, [0.5, 0.6, 0.7], [0, 1, 2])]})
+    with pytest.raises(SystemExit, match="sync seed 1 is in more than one report"):
+        cli.main(["bench", "learn", "--merge", str(a), str(c), "--out", str(tmp_path / "m2")])
+    d = _report(tmp_path, "d", {"tail": [seeded(1, [0.5, 0.6, 0.7], [0, 1, 2])]}, lr=3e-5)
+    with pytest.raises(SystemExit, match=r"settings.lr differs: 3e-05"):
+        cli.main(["bench", "learn", "--merge", str(a), str(d), "--out", str(tmp_path / "m3")])
