@@ -163,6 +163,42 @@ def load_ranker(cfg: "RankerConfig", **extra: Any) -> "LengthRanker | None":
     return ranker
 
 
+def environment_factory(cfg: "EpisodeConfig") -> Callable[..., Any]:
+    """The recipe's environment factory, resolved, its signature checked against
+    rollout.episode.env_kwargs: a misspelt argument fails here, naming the key, not in the
+    first episode of the first step."""
+    make_env = resolve_plugin("environment", cfg.environment or "")
+    try:
+        sig = inspect.signature(make_env)
+    except (TypeError, ValueError):
+        return make_env  # no signature to check (a C function): its first episode will say
+    try:
+        sig.bind(None, **cfg.env_kwargs)  # None: the EpisodePrompt each episode passes
+    except TypeError as e:
+        raise PluginNotFound(f"rollout.episode.env_kwargs {dict(cfg.env_kwargs)}: environment "
+                             f"{cfg.environment!r} cannot take them ({e}); its factory is "
+                             f"{getattr(make_env, '__name__', make_env)}{sig}") from None
+    return make_env
+
+
+def check_plugins(recipe: Any) -> None:
+    """Every plugin the recipe names, resolved and (where it has a signature) checked against
+    its kwargs, in the driver before anything starts. The processes that use them resolve them
+    again; this only moves the error to where it costs nothing."""
+    from rlkit.rewards.scoring import load_reward
+
+    r = recipe.rollout
+    for reward in (r.reward, recipe.eval.reward):
+        if reward is not None:
+            load_reward(reward.name)
+    load_group_filter(r.filter)
+    if r.ranker.name is not None:
+        resolve_plugin("ranker", r.ranker.name)
+    if r.episode.generator is not None:
+        resolve_plugin("generator", r.episode.generator)
+        environment_factory(r.episode)
+
+
 def load_episode_runner(cfg: "EpisodeConfig", sampling: "SamplingConfig", tokenizer: Any) -> "EpisodeRunner | None":
     """The recipe's multi-turn set-up (rollout.episode) over this tokenizer, or None when off."""
     make = episode_runners(cfg, tokenizer)
@@ -180,7 +216,7 @@ def episode_runners(cfg: "EpisodeConfig", tokenizer: Any
     if cfg.generator is None:
         return None
     generator = resolve_plugin("generator", cfg.generator)
-    make_env = resolve_plugin("environment", cfg.environment or "")
+    make_env = environment_factory(cfg)
     codec = TokenizerCodec(tokenizer, cfg.observation_template)
 
     def make(sampling: "SamplingConfig") -> EpisodeRunner:

@@ -33,6 +33,9 @@ def train(recipe: Recipe) -> LoopState:
     from rlkit.driver.cluster import Cluster
     from rlkit.driver.proxies import RayTrainerBox, RemoteRolloutBox, TrainerDied
 
+    from rlkit.plugins import check_plugins
+
+    check_plugins(recipe)  # a misspelt plugin or argument fails here, before anything starts
     run_dir = run_dir_of(recipe)
     ckpt = resume_point(run_dir, recipe.run.resume)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -182,3 +182,30 @@ def test_the_recipe_s_episode_runner_tokenizes_observations_once_with_the_turn_m
     ids = runner.codec.encode_observation("<result>84</result>")
     assert tokenizer.decode(ids) == "<|im_end|>\n<|im_start|>user\n<result>84</result><|im_end|>\n<|im_start|>assistant\n"
     assert load_episode_runner(load_recipe(None, []).rollout.episode, r.rollout.sampling, tokenizer) is None
+
+
+def test_a_misspelt_env_kwarg_fails_before_anything_starts(tmp_path, monkeypatch):
+    """rollout.episode.env_kwargs is checked against the factory's signature in the driver,
+    before Ray, engines or trainer start: one error naming the key, not a traceback at the first
+    step (issue 32)."""
+    from rlkit.config import load_recipe
+    from rlkit.driver import cluster, run
+    from rlkit.plugins import environment_factory
+
+    def no_cluster(*a, **k):
+        raise AssertionError("the cluster started")
+
+    monkeypatch.setattr(cluster.Cluster, "__init__", no_cluster)
+    recipe = load_recipe(None, ["rollout.episode.generator=multi_turn",
+                                "rollout.episode.environment=guess_number",
+                                "rollout.episode.env_kwargs={hihg: 10}",
+                                f"run.output_dir={tmp_path}"])
+    with pytest.raises(PluginNotFound, match=r"rollout.episode.env_kwargs \{'hihg': 10\}: "
+                       r"environment 'guess_number' cannot take them \(got an unexpected "
+                       r"keyword argument 'hihg'\); its factory is guess_number\(prompt"):
+        run.train(recipe)
+    assert not (tmp_path / recipe.run.name).exists()  # nothing written either
+    ok = recipe.rollout.episode.model_copy(update={"env_kwargs": {"high": 10}})
+    assert environment_factory(ok)(PROMPT, **ok.env_kwargs).high == 10
+    with pytest.raises(PluginNotFound, match="reward 'nope' not found"):
+        run.train(load_recipe(None, ["rollout.reward.name=nope", f"run.output_dir={tmp_path}"]))
