@@ -131,16 +131,22 @@ def signature_problem(fn: Callable[..., Any]) -> str | None:
     return None
 
 
+def checked_plugin(kind: str, name: str, call: str) -> Callable[..., Any]:
+    """A plugin resolved and checked callable as `call`, fn(x, **kwargs) (rewards, filters)."""
+    fn = resolve_plugin(kind, name)
+    problem = signature_problem(fn)
+    if problem:
+        raise PluginNotFound(f"{kind} {name!r} cannot be called as {call}: {problem}")
+    return fn
+
+
 def load_group_filter(cfg: "FilterConfig") -> "GroupFilter | None":
     """The recipe's group filter (rollout.filter), resolved and checked, or None."""
     from rlkit.rollout.filters import GroupFilter
 
     if cfg.name is None:
         return None
-    fn = resolve_plugin("filter", cfg.name)
-    problem = signature_problem(fn)
-    if problem:
-        raise PluginNotFound(f"filter {cfg.name!r} cannot be called as fn(group, **kwargs): {problem}")
+    fn = checked_plugin("filter", cfg.name, "fn(group, **kwargs)")
     return GroupFilter(fn, cfg.name, dict(cfg.kwargs), cfg.max_filtered_ratio)
 
 
@@ -185,12 +191,10 @@ def check_plugins(recipe: Any) -> None:
     """Every plugin the recipe names, resolved and (where it has a signature) checked against
     its kwargs, in the driver before anything starts. The processes that use them resolve them
     again; this only moves the error to where it costs nothing."""
-    from rlkit.rewards.scoring import load_reward
-
     r = recipe.rollout
     for reward in (r.reward, recipe.eval.reward):
         if reward is not None:
-            load_reward(reward.name)
+            checked_plugin("reward", reward.name, "fn(sample, **kwargs)")
     load_group_filter(r.filter)
     if r.ranker.name is not None:
         resolve_plugin("ranker", r.ranker.name)

@@ -6,8 +6,8 @@ from typing import Any, Callable, Sequence
 
 from rlkit.buffers.group import Group
 from rlkit.buffers.sample import Sample
-from rlkit.rewards import (RewardInput, RewardNotFound, call_reward, make_runner, resolve_reward,
-                          signature_problem)
+from rlkit.plugins import checked_plugin
+from rlkit.rewards import RewardInput, RewardNotFound, call_reward, make_runner
 from rlkit.rollout.config import RewardConfig
 from rlkit.rollout.rewards import ScoreFn
 
@@ -15,11 +15,7 @@ Decode = Callable[[Sequence[int]], str]
 
 
 def load_reward(name: str) -> Callable[..., object]:
-    fn = resolve_reward(name)
-    problem = signature_problem(fn)
-    if problem:
-        raise RewardNotFound(f"reward {name!r} cannot be called as fn(sample, **kwargs): {problem}")
-    return fn
+    return checked_plugin("reward", name, "fn(sample, **kwargs)")
 
 
 def reward_input(sample: Sample, group: Group, decode: Decode) -> RewardInput:
