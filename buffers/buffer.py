@@ -740,10 +740,7 @@ class RolloutBuffer:
             oldest = s.oldest_version()
             if oldest is None or consumer - oldest <= bound or s.status is SampleStatus.FAILED:
                 continue
-            tokens = self._discard([s])
-            s.reset()
-            self._counts["lag_restarts"] += 1
-            self._counts["lag_restart_tokens"] += tokens
+            self._restart(s, "lag")
             restarted += 1
         return restarted
 
@@ -753,11 +750,16 @@ class RolloutBuffer:
         Its tokens are discarded and counted (`mismatch_restarts`, `mismatch_restart_tokens`).
         Returns the tokens discarded."""
         with self._lock:
-            tokens = self._discard([sample])
-            sample.reset()
-            self._counts["mismatch_restarts"] += 1
-            self._counts["mismatch_restart_tokens"] += tokens
-            return tokens
+            return self._restart(sample, "mismatch")
+
+    def _restart(self, sample: Sample, why: str) -> int:
+        """Forget `sample`'s response, its tokens discarded and counted as `why`_restarts and
+        `why`_restart_tokens (lock held). Returns the tokens discarded."""
+        tokens = self._discard([sample])
+        sample.reset()
+        self._counts[f"{why}_restarts"] += 1
+        self._counts[f"{why}_restart_tokens"] += tokens
+        return tokens
 
     def _pop_fit(self, queue: _OldestFirst, k: int) -> list[Group]:
         """Up to k groups from a queue, oldest first, each through the staleness rule and the

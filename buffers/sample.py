@@ -160,6 +160,11 @@ class Sample:
         self.resume_log_ratio = math.fsum(diffs) / len(diffs) if diffs else None
         return self.resume_log_ratio
 
+    def rescored_past(self, bound: float | None) -> bool:
+        """Whether this request's re-score is past rollout.max_resume_log_ratio (None: off)."""
+        ratio = self.resume_log_ratio
+        return bound is not None and ratio is not None and abs(ratio) > bound
+
     def reopen(self) -> None:
         """A multi-turn episode goes on after a model turn stopped (rlkit/rollout/episodes.py):
         the stop ended the turn, not the response. Back to RUNNING, no finish reason."""

@@ -435,9 +435,8 @@ class EngineClient:
             sample.interrupt()
             raise EngineError(f"/generate at {flight.url} (rid {flight.rid}): input_token_logprobs "
                               f"do not score the {n} resumed tokens (got {len(scored)} entries)")
-        ratio = sample.rescore([lp for lp, _ in entries])
-        bound = self.max_resume_log_ratio
-        if ratio is not None and bound is not None and abs(ratio) > bound:
+        sample.rescore([lp for lp, _ in entries])
+        if sample.rescored_past(self.max_resume_log_ratio):
             flight.aborted = True  # leaving the stream closes it: the engine drops the request
             sample.interrupt()
 

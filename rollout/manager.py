@@ -506,11 +506,10 @@ class Step:
         re-scored past the bound forgets its response (counted) and is generated again from its
         prompt. Its correction weight would be negligible (or the sample rejected), so the
         tokens are worth less than a fresh response. True if it was restarted."""
-        bound, ratio = self._m.max_resume_log_ratio, s.resume_log_ratio
-        if ratio is not None:
+        if s.resume_log_ratio is not None:
             self.report_.resume_rescored += 1
-            self.report_.resume_abs_log_ratio_sum += abs(ratio)
-        if (bound is None or ratio is None or abs(ratio) <= bound or s.status.terminal
+            self.report_.resume_abs_log_ratio_sum += abs(s.resume_log_ratio)
+        if (not s.rescored_past(self._m.max_resume_log_ratio) or s.status.terminal
                 or self._m.episodes is not None):  # an episode's environment cannot rewind
             return False
         tokens = self.buffer.restart_sample(s)

@@ -44,7 +44,7 @@ import torch
 
 from rlkit.rollout.engines.builtin.kv_cache import SlotKVCache, prefill_mask
 from rlkit.rollout.engines.builtin.requests import DecodeParams, DecodeRequest
-from rlkit.rollout.engines.builtin.sampler import GREEDY_EPS, RowSampling, sample
+from rlkit.rollout.engines.builtin.sampler import RowSampling, sample
 from rlkit.rollout.protocol import FinishReason, PauseMode
 
 log = logging.getLogger(__name__)
@@ -470,7 +470,7 @@ class BatchedDecoder:
         n, k = len(r.input_ids), r.logprob_start_len
         first = keep - n + k  # index of position k in the kept slice (the row ends the slice)
         targets = torch.tensor(r.input_ids[k + 1:], dtype=torch.long, device=logits.device)
-        greedy = r.params.temperature < GREEDY_EPS or r.params.top_k == 1  # as RowSampling
+        greedy = RowSampling(temperature=r.params.temperature, top_k=r.params.top_k).greedy
         temperature = 1.0 if greedy else r.params.temperature
         values: list[float | None] = [None] if k == 0 else []
         chunk = 512  # positions per log_softmax: bounds the float32 copy of [positions, vocab]
