@@ -14,12 +14,10 @@ package's `__init__` re-exporting its submodules is fine. No cycle is whiteliste
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# Import name -> folder (setup.py: one namespace over the repository's top-level folders).
-FOLDERS = {"rlkit": "rlkit", "rlkit.rollout": "rollout", "rlkit.train": "train",
-           "rlkit.buffers": "buffers"}
 LIBRARIES = ("rlkit.buffers", "rlkit.rollout", "rlkit.train")
 # Measuring tools: they import the runtime, the runtime never imports them; only other tools
 # and the command line do.
@@ -37,11 +35,21 @@ def library_of(module: str) -> str:
     return next((lib for lib in LIBRARIES if within(module, lib)), "rlkit")
 
 
-def module_files(root: Path = ROOT, folders: dict[str, str] = FOLDERS) -> dict[str, Path]:
+def package_dirs(root: Path = ROOT) -> list[Path]:
+    """Every folder under rlkit/, walked as setuptools' discovery walks it: into the symlinks
+    rlkit/rollout, rlkit/train, rlkit/buffers (the top-level folders), so each file once."""
+    out = []
+    for d, dirs, _ in os.walk(root / "rlkit", followlinks=True):
+        dirs[:] = sorted(x for x in dirs if x != "__pycache__")
+        out.append(Path(d))
+    return out
+
+
+def module_files(root: Path = ROOT) -> dict[str, Path]:
     out = {}
-    for name, folder in folders.items():
-        for f in sorted((root / folder).rglob("*.py")):
-            parts = [name, *f.relative_to(root / folder).with_suffix("").parts]
+    for d in package_dirs(root):
+        for f in sorted(d.glob("*.py")):
+            parts = list(f.relative_to(root).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts.pop()
             out[".".join(parts)] = f
@@ -68,8 +76,8 @@ def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     return {m for m in found if m in modules and m != name}
 
 
-def import_graph(root: Path = ROOT, folders: dict[str, str] = FOLDERS) -> dict[str, set[str]]:
-    modules = module_files(root, folders)
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    modules = module_files(root)
     return {name: imports_of(name, path, modules) for name, path in modules.items()}
 
 
@@ -140,15 +148,13 @@ def test_the_graph_sees_lazy_and_type_only_imports_and_finds_a_cycle():
     modules = module_files()
     # rlkit.driver.run imports the cluster inside train(): a lazy import is an edge
     assert "rlkit.driver.cluster" in imports_of("rlkit.driver.run", modules["rlkit.driver.run"], modules)
-    # the folders map into the one namespace
-    assert modules["rlkit.buffers.buffer"] == ROOT / "buffers" / "buffer.py"
+    # the top-level folders are in the one namespace, through the symlinks
+    assert modules["rlkit.buffers.buffer"].resolve() == ROOT / "buffers" / "buffer.py"
 
 
-def test_every_source_folder_is_a_package_that_setup_py_installs():
-    """setup.py finds packages by their __init__.py: a folder without one would work in an
-    editable install (as a namespace folder) and be missing from a wheel."""
-    missing = sorted(
-        str(d.relative_to(ROOT)) for folder in FOLDERS.values() for d in (ROOT / folder).rglob("*")
-        if d.is_dir() and d.name != "__pycache__" and any(d.glob("*.py"))
-        and not (d / "__init__.py").exists())
+def test_every_source_folder_is_a_package_that_the_wheel_installs():
+    """pyproject.toml's package discovery finds packages by their __init__.py: a folder without
+    one would work in an editable install (as a namespace folder) and be missing from a wheel."""
+    missing = sorted(str(d.relative_to(ROOT)) for d in package_dirs()
+                     if any(d.glob("*.py")) and not (d / "__init__.py").exists())
     assert missing == []
