@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import difflib
+import warnings
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -86,7 +89,8 @@ class SamplingConfig(BaseModel):
 class TailBatchingConfig(BaseModel):
     """Tail batching (Flexes / RollPacker; policy `tail_batching`): short rounds with speculative
     over-launch defer the prompts that do not finish to a long queue; long rounds run them
-    together. Read only when rollout.policy=tail_batching."""
+    together. Read only when rollout.policy=tail_batching; under any other policy it is ignored
+    (the loader warns when it is written)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -238,12 +242,92 @@ class RankerConfig(BaseModel):
     )
 
 
-class DispatchConfig(BaseModel):
-    """Skewness-aware dispatch (StreamRL Algorithm 2) and longest-first admission; used by
-    policy ranked_dispatch."""
+class EngineModelConfig(BaseModel):
+    """What one engine can run, for the policies that plan with predicted lengths: ranked
+    dispatch (placement and admission) and partial.adaptive (groups in flight). Read only by
+    them; the loader warns when it is written and neither is selected."""
 
     model_config = ConfigDict(extra="forbid")
 
+    profile: str | None = Field(
+        None,
+        description="Engine profile (per-token latency by batch size, KV capacity): a packaged "
+        "profile name or a JSON file `rlkit bench engine` wrote; None: per-token latency "
+        "independent of the batch, so ranked dispatch's split only balances predicted work and "
+        "partial.adaptive counts every engine slot as peak throughput.",
+    )
+    slots_per_engine: int | None = Field(
+        None, ge=1,
+        description="Requests one engine runs at once in the plans, and that ranked dispatch "
+        "lets run on one engine at once, admitting the longest predicted remaining work first "
+        "as slots free (LPT); None: rollout.engine.max_running_requests. Set it to the batch "
+        "the engine really runs.",
+    )
+
+
+class AdaptiveOverProvisionConfig(BaseModel):
+    """Partial rollouts sizing their groups in flight from the ranker's predictions instead of
+    the fixed rollout.partial.over_provision."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(
+        False,
+        description="Keep just enough groups in flight that the engines run at `utilization` of "
+        "their peak throughput until the step's last needed group completes, by the ranker's "
+        "predicted remaining lengths and the filter's recent pass rate; between min and max x "
+        "batch_size. Fewer groups in flight park fewer tokens. Needs a ranker (and a "
+        "rollout.engine_model.profile for the peak; without one, every engine slot counts).",
+    )
+    min: float = Field(1.0, ge=1.0, le=16.0, description="Fewest groups in flight, x batch_size.")
+    max: float = Field(2.0, ge=1.0, le=16.0, description="Most groups in flight, x batch_size.")
+    utilization: float = Field(
+        0.9, gt=0, le=1,
+        description="Share of peak throughput the engines should keep until the target is met.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> "AdaptiveOverProvisionConfig":
+        if self.min > self.max:
+            raise ValueError(f"partial.adaptive.min ({self.min}) exceeds max ({self.max})")
+        return self
+
+
+class PartialConfig(BaseModel):
+    """Policy 'partial' (APRIL active partial rollouts): over-provision, abort once batch_size
+    groups are complete, resume the rest first next step. Read when rollout.policy=partial and
+    by ranked_dispatch with base 'partial'; under any other policy it is ignored (the loader
+    warns when it is written)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    over_provision: float = Field(
+        2.0,
+        ge=1.0,
+        le=16.0,
+        description="Groups in flight = over_provision x batch_size (2.0 mirrors APRIL); "
+        "adaptive.enabled replaces it.",
+    )
+    adaptive: AdaptiveOverProvisionConfig = Field(
+        default_factory=AdaptiveOverProvisionConfig,
+        description="Groups in flight sized by the ranker (adaptive over-provisioning).",
+    )
+
+
+class RankedDispatchConfig(BaseModel):
+    """Policy ranked_dispatch (StreamRL): a base policy whose groups a dispatcher places on
+    engines by predicted length (skewness-aware dispatch, StreamRL Algorithm 2) and admits
+    longest first. Read only when rollout.policy=ranked_dispatch (the loader warns when it is
+    written under another policy); it also reads rollout.engine_model, and rollout.partial when
+    its base is 'partial'."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    base: Literal["sync", "partial"] = Field(
+        "sync",
+        description="The policy under the dispatcher: 'sync', or 'partial' (configured by "
+        "rollout.partial; off-policy, so it needs an explicit correction).",
+    )
     alpha: float = Field(
         0.2, gt=0, lt=1,
         description="Share of a step's groups, longest predicted first, treated as long-tail: "
@@ -269,58 +353,6 @@ class DispatchConfig(BaseModel):
         description="cost_model=streamrl: how the long-tail and regular engines' predicted "
         "latencies combine: 'max' (they run in parallel) or 'sum' (as StreamRL's pseudocode "
         "writes it).",
-    )
-    profile: str | None = Field(
-        None,
-        description="Engine profile for the cost model (per-token latency by batch size, KV "
-        "capacity): a packaged profile name or a JSON file `rlkit bench engine` wrote; None: "
-        "per-token latency independent of the batch, so the split only balances predicted work.",
-    )
-    slots_per_engine: int | None = Field(
-        None, ge=1,
-        description="Requests the dispatcher lets run on one engine at once, admitting the "
-        "longest predicted remaining work first as slots free (LPT); None: "
-        "rollout.engine.max_running_requests. Set it to the batch the engine really runs.",
-    )
-
-
-class AdaptiveOverProvisionConfig(BaseModel):
-    """Policy 'partial' (also as ranked_dispatch's base) sizing its groups in flight from the
-    ranker's predictions instead of the fixed rollout.over_provision."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    enabled: bool = Field(
-        False,
-        description="Keep just enough groups in flight that the engines run at `utilization` of "
-        "their peak throughput until the step's last needed group completes, by the ranker's "
-        "predicted remaining lengths and the filter's recent pass rate; between min and max x "
-        "batch_size. Fewer groups in flight park fewer tokens. Needs a ranker (and a "
-        "rollout.dispatch.profile for the peak; without one, every engine slot counts).",
-    )
-    min: float = Field(1.0, ge=1.0, le=16.0, description="Fewest groups in flight, x batch_size.")
-    max: float = Field(2.0, ge=1.0, le=16.0, description="Most groups in flight, x batch_size.")
-    utilization: float = Field(
-        0.9, gt=0, le=1,
-        description="Share of peak throughput the engines should keep until the target is met.",
-    )
-
-    @model_validator(mode="after")
-    def _check(self) -> "AdaptiveOverProvisionConfig":
-        if self.min > self.max:
-            raise ValueError(f"adaptive_over_provision.min ({self.min}) exceeds max ({self.max})")
-        return self
-
-
-class RankedDispatchConfig(BaseModel):
-    """Policy ranked_dispatch: a base policy whose groups the dispatcher places and orders."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    base: Literal["sync", "partial"] = Field(
-        "sync",
-        description="The policy under the dispatcher: 'sync', or 'partial' (rollout.over_provision "
-        "or rollout.adaptive_over_provision; off-policy, so it needs an explicit correction).",
     )
 
 
@@ -456,6 +488,112 @@ class HealthConfig(BaseModel):
     )
 
 
+# -- the per-policy layout's moved keys ----------------------------------------------------
+# Each policy's knobs are the section of its name; engine_model serves the two policies that
+# plan with predicted lengths. The loader warns when one of these is written but the selected
+# policy does not read it (RolloutConfig.sections_read).
+POLICY_SECTIONS: tuple[str, ...] = ("partial", "tail_batching", "ranked_dispatch", "engine_model")
+
+# Keys of the earlier feature-grouped layout -> their place now, both under `rollout.`; a
+# section (adaptive_over_provision) moves key by key. Read at the new place, with a
+# DeprecatedKeyWarning each, for one release. TODO(next release): remove, with move_keys.
+MOVED_KEYS: dict[str, str] = {
+    "over_provision": "partial.over_provision",
+    "adaptive_over_provision": "partial.adaptive",
+    "dispatch.alpha": "ranked_dispatch.alpha",
+    "dispatch.cost_model": "ranked_dispatch.cost_model",
+    "dispatch.min_recall": "ranked_dispatch.min_recall",
+    "dispatch.objective": "ranked_dispatch.objective",
+    "dispatch.profile": "engine_model.profile",
+    "dispatch.slots_per_engine": "engine_model.slots_per_engine",
+}
+MOVED_ROOTS: tuple[str, ...] = tuple(dict.fromkeys(k.split(".")[0] for k in MOVED_KEYS))
+
+
+class DeprecatedKeyWarning(FutureWarning):
+    """A recipe key that moved: it still loads, at its new place, until the next release.
+    (A FutureWarning, so a user running `rlkit` sees it: DeprecationWarning is hidden.)"""
+
+
+class MovedKeyError(ValueError):
+    """A moved key set at its old and its new place to different values, or an unknown key
+    under a section that moved; `path` is the old key path (under rollout.) as written."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+def deprecation_message(old: str, new: str) -> str:
+    return (f"rollout.{old} is deprecated: read as rollout.{new}; write that instead "
+            "(the old key is accepted until the next release)")
+
+
+def moved_to(old: str) -> str | None:
+    """The new path (under rollout.) of an old one, or None if it did not move."""
+    for before, after in MOVED_KEYS.items():
+        if old == before or old.startswith(before + "."):
+            return after + old[len(before):]
+    return None
+
+
+def move_keys(data: dict[str, Any]) -> list[tuple[str, str]]:
+    """Move every MOVED_KEYS key in `data` (a `rollout` mapping as written) to its new place,
+    in place, leaf by leaf; returns the (old, new) paths moved. Both places set to different
+    values, or an unknown key under a moved section, raise MovedKeyError."""
+    moved = []
+    for root in MOVED_ROOTS:
+        if root not in data:
+            continue
+        for sub, value in _leaves(data.pop(root)):
+            old = ".".join((root, *sub))
+            new = moved_to(old)
+            if new is None:
+                raise MovedKeyError(old, _unknown_under_moved(root, sub))
+            _put(data, old, new, value)
+            moved.append((old, new))
+    return moved
+
+
+def _leaves(value: Any, at: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
+    if isinstance(value, dict) and value:
+        return [leaf for k, v in value.items() for leaf in _leaves(v, (*at, str(k)))]
+    return [(at, value)]
+
+
+def _unknown_under_moved(root: str, sub: tuple[str, ...]) -> str:
+    keys = {k.split(".", 1)[1]: v for k, v in MOVED_KEYS.items() if k.startswith(root + ".")}
+    to: dict[str, list[str]] = {}
+    for k, v in keys.items():
+        to.setdefault(v.split(".")[0], []).append(k)
+    where = " and ".join(f"rollout.{s} ({', '.join(ks)})" for s, ks in to.items())
+    if not sub:
+        return f"rollout.{root}: this section no longer exists: its keys moved to {where}"
+    close = difflib.get_close_matches(sub[0], list(keys), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return (f"rollout.{'.'.join((root, *sub))}: unknown key{hint}; rollout.{root} no longer "
+            f"exists: its keys moved to {where}")
+
+
+def _put(data: dict[str, Any], old: str, new: str, value: Any) -> None:
+    *parents, last = new.split(".")
+    node = data
+    for i, part in enumerate(parents):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise MovedKeyError(old, f"rollout.{old} moved to rollout.{new}, but rollout."
+                                f"{'.'.join(parents[: i + 1])} is set to a value, not a section")
+        node = child
+    if value == {} and isinstance(node.get(last, {}), dict):  # an empty section: nothing moves
+        node.setdefault(last, {})
+    elif last in node and node[last] != value:
+        raise MovedKeyError(old, f"rollout.{old} and rollout.{new} are both set, to {value!r} "
+                            f"and {node[last]!r}: rollout.{old} is the deprecated name of "
+                            f"rollout.{new}; keep only rollout.{new}")
+    else:
+        node[last] = value
+
+
 class RolloutConfig(BaseModel):
     """Generation side: engines, router, sampling and the scheduling policy over the buffer."""
 
@@ -477,33 +615,38 @@ class RolloutConfig(BaseModel):
         "resumes the unfinished ones first next step (requires an explicit "
         "train.algorithm.off_policy_correction); 'tail_batching' (Flexes/RollPacker) runs "
         "speculative short rounds and defers the prompts that do not finish to long rounds "
-        "(knobs under rollout.tail_batching; on-policy unless deferred=resume). Every policy "
-        "works with rollout.filter.",
+        "(on-policy unless deferred=resume); 'ranked_dispatch' (StreamRL) runs sync or partial "
+        "with every group placed and admitted by predicted length. Each policy's knobs are the "
+        "section of its name (rollout.partial, rollout.tail_batching, rollout.ranked_dispatch); "
+        "a policy's section written while another policy is selected is ignored, with a "
+        "warning, so one recipe can switch policies from the command line. The ranker, the "
+        "filter and the staleness bounds serve every policy.",
     )
-    over_provision: float = Field(
-        2.0,
-        ge=1.0,
-        le=16.0,
-        description="Policy 'partial': groups in flight = over_provision x batch_size "
-        "(2.0 mirrors APRIL).",
+    partial: PartialConfig = Field(
+        default_factory=PartialConfig,
+        description="Policy 'partial': over-provisioning. Read under rollout.policy=partial and "
+        "ranked_dispatch with base 'partial'; otherwise ignored (with a warning when written).",
     )
     tail_batching: TailBatchingConfig = Field(
-        default_factory=TailBatchingConfig, description="Tail batching knobs."
+        default_factory=TailBatchingConfig,
+        description="Policy 'tail_batching': short and long rounds. Read under "
+        "rollout.policy=tail_batching; otherwise ignored (with a warning when written).",
+    )
+    ranked_dispatch: RankedDispatchConfig = Field(
+        default_factory=RankedDispatchConfig,
+        description="Policy 'ranked_dispatch': its base policy and the dispatcher. Read under "
+        "rollout.policy=ranked_dispatch; otherwise ignored (with a warning when written).",
+    )
+    engine_model: EngineModelConfig = Field(
+        default_factory=EngineModelConfig,
+        description="Engine capacity and latency for the policies that plan with predicted "
+        "lengths: read by ranked_dispatch and by partial with adaptive.enabled; otherwise "
+        "ignored (with a warning when written).",
     )
     filter: FilterConfig = Field(
         default_factory=FilterConfig, description="Dynamic sampling: the group filter."
     )
     ranker: RankerConfig = Field(default_factory=RankerConfig, description="Output-length ranker.")
-    dispatch: DispatchConfig = Field(
-        default_factory=DispatchConfig, description="Skewness-aware dispatch (ranked_dispatch)."
-    )
-    ranked_dispatch: RankedDispatchConfig = Field(
-        default_factory=RankedDispatchConfig, description="Policy ranked_dispatch."
-    )
-    adaptive_over_provision: AdaptiveOverProvisionConfig = Field(
-        default_factory=AdaptiveOverProvisionConfig,
-        description="Partial rollouts sized by the ranker.",
-    )
     max_staleness: int = Field(
         4,
         ge=0,
@@ -551,22 +694,38 @@ class RolloutConfig(BaseModel):
         default_factory=HealthConfig, description="Engine health checks and restarts."
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        """The keys MOVED_KEYS lists, read at their new place for one release, with a warning
+        each (the recipe loader moves them first, naming the file; this catches the rest:
+        Python callers, recipe.yaml files of older runs)."""
+        if isinstance(data, dict) and any(k in data for k in MOVED_ROOTS):
+            data = copy.deepcopy(data)  # the caller's nested mappings stay as given
+            for old, new in move_keys(data):
+                warnings.warn(deprecation_message(old, new), DeprecatedKeyWarning, stacklevel=2)
+        return data
+
     @model_validator(mode="after")
     def _needs_ranker(self) -> "RolloutConfig":
         wants = [why for why, on in (
             ("rollout.policy=ranked_dispatch", self.policy == "ranked_dispatch"),
             ("rollout.tail_batching.proactive", self.policy == "tail_batching"
              and self.tail_batching.proactive),
-            ("rollout.adaptive_over_provision", self.adaptive_over_provision.enabled),
+            ("rollout.partial.adaptive", self.base_policy == "partial"
+             and self.partial.adaptive.enabled),
         ) if on]
         if wants and self.ranker.name is None:
             raise ValueError(f"{', '.join(wants)} needs a length ranker: set rollout.ranker.name "
                              "(history, learned, ...)")
-        base = self.ranked_dispatch.base if self.policy == "ranked_dispatch" else self.policy
-        if self.adaptive_over_provision.enabled and base != "partial":
-            raise ValueError("rollout.adaptive_over_provision sizes partial rollouts: it needs "
-                             "rollout.policy=partial (or ranked_dispatch with base partial), not "
-                             f"{self.policy}")
+        return self
+
+    @model_validator(mode="after")
+    def _episodes_route_by_prefix(self) -> "RolloutConfig":
+        """A multi-turn recipe that does not name rollout.router.policy routes cache_aware
+        (its description says why); a policy the recipe sets is kept."""
+        if self.episode.generator is not None and "policy" not in self.router.model_fields_set:
+            self.router = self.router.model_copy(update={"policy": "cache_aware"})
         return self
 
     @model_validator(mode="after")
@@ -581,6 +740,22 @@ class RolloutConfig(BaseModel):
     def samples_per_step(self) -> int:
         """Responses one training step trains on: batch_size x n_samples_per_prompt."""
         return self.batch_size * self.n_samples_per_prompt
+
+    @property
+    def base_policy(self) -> str:
+        """The policy that launches and ends the step: ranked_dispatch's base, else the policy."""
+        return self.ranked_dispatch.base if self.policy == "ranked_dispatch" else self.policy
+
+    def sections_read(self) -> set[str]:
+        """Which of POLICY_SECTIONS the selected policy reads (the others are ignored)."""
+        read = set()
+        if self.policy in ("tail_batching", "ranked_dispatch"):
+            read.add(self.policy)
+        if self.base_policy == "partial":
+            read.add("partial")
+        if self.policy == "ranked_dispatch" or "partial" in read and self.partial.adaptive.enabled:
+            read.add("engine_model")
+        return read
 
     def _at(self, path: str) -> Any:
         """The value at a dotted key path under this section (`tail_batching.deferred`)."""

@@ -2,12 +2,23 @@
 
 Errors name the key path and where its value came from (a file or the command line), e.g.
 
-    recipes/my.yaml: rollout.over_provison: unknown key (did you mean 'over_provision'?)
+    recipes/my.yaml: rollout.batch_sise: unknown key (did you mean 'batch_size'?)
+
+Keys that moved (rlkit.rollout.config.MOVED_KEYS) are read at their new place for one release:
+each source (a file, the command line) is moved on its own, before the merge, so a file that
+extends one written the old way overrides it with either name; one source setting both names
+to different values is an error naming both. Each old key written gives one
+DeprecatedKeyWarning naming its file, the old path and the new. After validation, a policy's
+section written while another policy is selected is reported (IgnoredKeyWarning) and ignored.
 """
 
 from __future__ import annotations
 
 import difflib
+import sys
+import warnings
+from dataclasses import dataclass
+from dataclasses import field as dc_field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -16,36 +27,123 @@ from pydantic import BaseModel, ValidationError
 
 from rlkit.buffers.errors import UserError
 from rlkit.config.schema import Recipe
+from rlkit.rollout.config import (
+    MOVED_KEYS, MOVED_ROOTS, POLICY_SECTIONS, DeprecatedKeyWarning, MovedKeyError,
+    deprecation_message, move_keys, moved_to,
+)
 
 CMDLINE = "command line"
+_PACKAGE = str(Path(__file__).resolve().parent)
 Origins = dict[tuple[str, ...], str]
+Path_ = tuple[str, ...]
 
 
 class RecipeError(UserError, ValueError):
     """A recipe that cannot be loaded; the message lists every problem with its key path."""
 
 
+class IgnoredKeyWarning(UserWarning):
+    """A recipe key the selected configuration does not read (another policy's section)."""
+
+
+@dataclass
+class Sources:
+    """A merged, not yet validated recipe and where each of its keys came from."""
+
+    raw: dict[str, Any] = dc_field(default_factory=dict)
+    origins: Origins = dc_field(default_factory=dict)  # key path -> the file (or command line) that set it last
+    # new key path -> (old key path, origin) for a value the recipe wrote under a moved key
+    aliases: dict[Path_, tuple[Path_, str]] = dc_field(default_factory=dict)
+    top: str | None = None  # the recipe file named (not a base it extends), as origins show it
+
+
 def load_recipe(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Recipe:
-    raw, origins = resolve_raw(path, overrides)
+    return load_with_sources(path, overrides)[0]
+
+
+def load_with_sources(path: str | Path | None = None,
+                      overrides: Sequence[str] = ()) -> tuple[Recipe, Sources]:
+    """The validated recipe, and what was written where (`rlkit config show` marks it)."""
+    src = resolve(path, overrides)
     try:
-        return Recipe.model_validate(raw)
+        recipe = Recipe.model_validate(src.raw)
     except ValidationError as e:
-        raise RecipeError(_format_errors(e, origins, path)) from None
+        raise RecipeError(_format_errors(e, src, path)) from None
+    _warn_ignored_sections(recipe, src)
+    return recipe, src
 
 
 def resolve_raw(path: str | Path | None, overrides: Sequence[str] = ()) -> tuple[dict, Origins]:
     """The merged, not yet validated recipe and, for each key path, where it was last set."""
-    raw: dict[str, Any] = {}
-    origins: Origins = {}
+    src = resolve(path, overrides)
+    return src.raw, src.origins
+
+
+def resolve(path: str | Path | None, overrides: Sequence[str] = ()) -> Sources:
+    """The merged, not yet validated recipe (moved keys at their new places) and its sources."""
+    src = Sources()
     if path is not None:
-        raw = _load_file(Path(path), origins, chain=())
+        src.top = _display(Path(path).resolve())
+        src.raw = _load_file(Path(path), src, chain=())
+    # on the command line: leaf -> (key as written, value, whether that key is an old one)
+    written: dict[Path_, tuple[str, Any, bool]] = {}
     for item in overrides:
-        _apply_override(raw, origins, item)
-    return raw, origins
+        _apply_override(src, item, written)
+    # an alias holds while its value is still the one the old key set
+    src.aliases = {new: (old, o) for new, (old, o) in src.aliases.items()
+                   if src.origins.get(new) == o}
+    return src
+
+
+# -- moved keys -----------------------------------------------------------------------------
+def _move(data: dict[str, Any], origin: str, src: Sources) -> list[tuple[Path_, Path_]]:
+    """Move one source's old `rollout.` keys to their new places (a warning each)."""
+    rollout = data.get("rollout")
+    if not isinstance(rollout, dict) or not any(k in rollout for k in MOVED_ROOTS):
+        return []
+    try:
+        moved = move_keys(rollout)
+    except MovedKeyError as e:
+        raise RecipeError(f"{origin}: {e}") from None
+    out = []
+    for old, new in moved:
+        _warn(f"{origin}: {deprecation_message(old, new)}", DeprecatedKeyWarning)
+        out.append((("rollout", *old.split(".")), ("rollout", *new.split("."))))
+    return out
+
+
+def _warn(message: str, category: type[Warning]) -> None:
+    """A warning attributed to the first caller outside this package (who loaded the recipe)."""
+    level, frame = 2, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        level, frame = level + 1, frame.f_back
+    warnings.warn(message, category, stacklevel=level)
+
+
+def _warn_ignored_sections(recipe: Recipe, src: Sources) -> None:
+    """A policy's section the selected policy does not read is ignored (a recipe may hold
+    several policies' knobs and select one on the command line), and said so when the recipe
+    file itself or the command line wrote it; one inherited from an extended base is the
+    base's business (grpo_tiny_tail_ci.yaml extends a partial recipe) and goes unsaid."""
+    rollout = recipe.rollout
+    read = rollout.sections_read()
+    policy = f"rollout.policy={rollout.policy}"
+    if rollout.policy == "ranked_dispatch":
+        policy += f" (base {rollout.ranked_dispatch.base})"
+    for section in POLICY_SECTIONS:
+        if section in read:
+            continue
+        written = [o for key, o in src.origins.items()
+                   if key[:2] == ("rollout", section) and o in (src.top, CMDLINE)]
+        if written:
+            what = ("it serves ranked_dispatch and partial.adaptive" if section == "engine_model"
+                    else f"it configures policy {section}")
+            _warn(f"{', '.join(dict.fromkeys(written))}: rollout.{section} is ignored: "
+                  f"{policy} does not read it ({what})", IgnoredKeyWarning)
 
 
 # -- files and extends ------------------------------------------------------------------------
-def _load_file(path: Path, origins: Origins, chain: tuple[Path, ...]) -> dict[str, Any]:
+def _load_file(path: Path, src: Sources, chain: tuple[Path, ...]) -> dict[str, Any]:
     path = path.resolve()
     shown = _display(path)
     if path in chain:
@@ -69,8 +167,11 @@ def _load_file(path: Path, origins: Origins, chain: tuple[Path, ...]) -> dict[st
             raise RecipeError(f"{shown}: extends: expected a file name or a list of file names")
         for base in bases:
             base_path = (path.parent / base).resolve()
-            _deep_merge(merged, _load_file(base_path, origins, (*chain, path)), origins, None, ())
-    _deep_merge(merged, data, origins, shown, ())
+            _deep_merge(merged, _load_file(base_path, src, (*chain, path)), src.origins, None, ())
+    moved = _move(data, shown, src)
+    _deep_merge(merged, data, src.origins, shown, ())
+    for old, new in moved:
+        src.aliases[new] = (old, shown)
     return merged
 
 
@@ -103,7 +204,7 @@ def _forget_below(origins: Origins, at: tuple[str, ...]) -> None:
 
 
 # -- overrides ------------------------------------------------------------------------------
-def _apply_override(raw: dict, origins: Origins, item: str) -> None:
+def _apply_override(src: Sources, item: str, written: dict[Path_, tuple[str, Any, bool]]) -> None:
     if "=" not in item:
         raise RecipeError(f"{CMDLINE}: override {item!r} is not of the form key.path=value")
     key, _, text = item.partition("=")
@@ -114,7 +215,34 @@ def _apply_override(raw: dict, origins: Origins, item: str) -> None:
         value = yaml.safe_load(text) if text.strip() else ""
     except yaml.YAMLError as e:
         raise RecipeError(f"{CMDLINE}: override {key}: value {text!r} is not valid YAML: {e}") from None
-    node = raw
+    sets = [(parts, value, None)]
+    if len(parts) > 1 and parts[0] == "rollout" and parts[1] in MOVED_ROOTS:  # an old key
+        one: dict[str, Any] = {}
+        node = one
+        for part in parts[1:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+        holder = {"rollout": one}
+        sets = [(new, _get(holder, new), old) for old, new in _move(holder, CMDLINE, src)]
+    for at, v, old in sets:
+        said = ".".join(old or at)
+        for leaf, leaf_value in _leaf_items(at, v):
+            before = written.get(leaf)  # one old and one new name, different values: which?
+            if before is not None and (before[2] != (old is not None)) and before[1] != leaf_value:
+                (new, new_value, _), (dep, dep_value, _) = sorted(
+                    [before, (said, leaf_value, old is not None)], key=lambda e: e[2])
+                raise RecipeError(
+                    f"{CMDLINE}: {dep} and {new} are both set, to different values "
+                    f"({dep_value!r} and {new_value!r}); {dep} is the deprecated name of "
+                    f"{'.'.join(leaf)}: keep only {new}")
+            written[leaf] = (said, leaf_value, old is not None)
+        _set(src, at, v, key)
+        if old is not None:
+            src.aliases[at] = (old, CMDLINE)
+
+
+def _set(src: Sources, parts: Path_, value: Any, key: str) -> None:
+    node = src.raw
     for i, part in enumerate(parts[:-1]):
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
@@ -126,17 +254,30 @@ def _apply_override(raw: dict, origins: Origins, item: str) -> None:
             raise RecipeError(f"{CMDLINE}: override {key}: {where} is a value, not a section{hint}")
         node = child
     node[parts[-1]] = value
-    _forget_below(origins, parts)
-    _mark(origins, parts, value, CMDLINE)
+    _forget_below(src.origins, parts)
+    _mark(src.origins, parts, value, CMDLINE)
+
+
+def _get(raw: dict, parts: Path_) -> Any:
+    node: Any = raw
+    for part in parts:
+        node = node[part]
+    return node
+
+
+def _leaf_items(at: Path_, value: Any) -> list[tuple[Path_, Any]]:
+    if isinstance(value, dict) and value:
+        return [leaf for k, v in value.items() for leaf in _leaf_items((*at, str(k)), v)]
+    return [(at, value)]
 
 
 # -- error messages -------------------------------------------------------------------------
-def _format_errors(err: ValidationError, origins: Origins, path: str | Path | None) -> str:
+def _format_errors(err: ValidationError, src: Sources, path: str | Path | None) -> str:
     default_origin = _display(Path(path).resolve()) if path is not None else "recipe defaults"
     lines = []
     for e in err.errors():
         loc = tuple(str(p) for p in e["loc"])
-        where = _origin_of(loc, origins) or default_origin
+        where = _origin_of(loc, src.origins) or default_origin
         dotted = ".".join(loc)
         if e["type"] == "extra_forbidden":
             msg = "unknown key" + _suggest(loc)
@@ -149,6 +290,8 @@ def _format_errors(err: ValidationError, origins: Origins, path: str | Path | No
             if ("input" in e and e["type"] not in ("missing",) and loc
                     and not isinstance(e["input"], (dict, list))):
                 msg += f" (got {e['input']!r})"
+        if loc in src.aliases:
+            msg += f" (written as {'.'.join(src.aliases[loc][0])})"
         lines.append(f"{where}: {dotted}: {msg}" if dotted else f"{where}: {msg}")
     return "invalid recipe:\n  " + "\n  ".join(lines)
 
@@ -174,7 +317,12 @@ def _suggest(loc: tuple[str, ...]) -> str:
         model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
     if model is None:
         return ""
-    close = difflib.get_close_matches(loc[-1], list(model.model_fields), n=1)
+    old = list(MOVED_ROOTS) if loc[:-1] == ("rollout",) else []
+    close = difflib.get_close_matches(loc[-1], [*model.model_fields, *old], n=1)
+    if close and close[0] in old:  # a misspelt old key: point at the new one
+        new = moved_to(close[0]) or " and ".join(
+            dict.fromkeys(v.split(".")[0] for k, v in MOVED_KEYS.items() if k.startswith(close[0] + ".")))
+        return f" (did you mean {close[0]!r}? it is now rollout.{new})"
     return f" (did you mean {close[0]!r}?)" if close else f"; known keys: {', '.join(model.model_fields)}"
 
 

@@ -31,7 +31,37 @@ def render_reference() -> str:
             _section(out, name, ann, field.description or "")
         else:
             out += [f"## `{name}`", "", _row_text(name, field), ""]
+    _moved(out)
     return "\n".join(out).rstrip() + "\n"
+
+
+def _moved(out: list[str]) -> None:
+    from rlkit.rollout.config import MOVED_KEYS
+
+    out += [
+        "## Moved keys",
+        "",
+        "Keys of the earlier layout (grouped by feature, not by policy), still read until the",
+        "next release: each is read at its new place with a warning naming both paths; a file",
+        "(or the command line) that sets both to different values is an error naming both.",
+        "`rlkit config show` marks a value written under an old key `alias of <old key>`.",
+        "",
+        "| old key | new key |",
+        "|---|---|",
+    ]
+    for old, new in MOVED_KEYS.items():
+        each = ".*" if _is_section(new) else ""  # a section moves key by key
+        out.append(f"| `rollout.{old}{each}` | `rollout.{new}{each}` |")
+    out.append("")
+
+
+def _is_section(path: str) -> bool:
+    from rlkit.rollout.config import RolloutConfig
+
+    model: Any = RolloutConfig
+    for part in path.split("."):
+        model = model.model_fields[part].annotation
+    return isinstance(model, type) and issubclass(model, BaseModel)
 
 
 def _section(out: list[str], path: str, model: type[BaseModel], description: str) -> None:

@@ -27,11 +27,15 @@ def test_defaults_validate():
 
 
 def test_unknown_key_names_path_file_and_suggests(tmp_path):
-    f = write(tmp_path / "r.yaml", "rollout:\n  over_provison: 2\n")
+    f = write(tmp_path / "r.yaml", "rollout:\n  batch_sise: 2\n")
     with pytest.raises(RecipeError) as e:
         load_recipe(f)
     msg = str(e.value)
-    assert "r.yaml: rollout.over_provison: unknown key (did you mean 'over_provision'?)" in msg
+    assert "r.yaml: rollout.batch_sise: unknown key (did you mean 'batch_size'?)" in msg
+    # a misspelt key that moved: the suggestion names its new place
+    with pytest.raises(RecipeError, match=r"rollout.over_provison: unknown key \(did you mean "
+                       r"'over_provision'\? it is now rollout.partial.over_provision\)"):
+        load_recipe(write(tmp_path / "r.yaml", "rollout:\n  over_provison: 2\n"))
 
 
 def test_wrong_type_and_out_of_range_name_the_key(tmp_path):
