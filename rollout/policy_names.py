@@ -46,8 +46,8 @@ POLICIES: dict[str, PolicyDecl] = {
         PolicyDecl(
             "partial", "APRIL: over-provision, abort at batch_size complete, resume the rest first",
             off_policy=OffPolicy("rollout.policy=partial resumes responses across policy versions"),
-            arg=("over_provision",),
-            options={"adaptive": {"adaptive_over_provision.enabled": True}, **RANKER_OPTIONS},
+            arg=("partial.over_provision",),
+            options={"adaptive": {"partial.adaptive.enabled": True}, **RANKER_OPTIONS},
         ),
         PolicyDecl(
             "tail_batching",
@@ -66,12 +66,13 @@ POLICIES: dict[str, PolicyDecl] = {
             "own engines) and admitted longest first",
             off_policy=OffPolicy("rollout.ranked_dispatch.base=partial resumes responses across "
                                  "policy versions", when={"ranked_dispatch.base": "partial"}),
-            arg=("over_provision",),
+            arg=("partial.over_provision",),
             options={"partial": {"ranked_dispatch.base": "partial"},
-                     "streamrl": {"dispatch.cost_model": "streamrl"},
-                     "sum": {"dispatch.cost_model": "streamrl", "dispatch.objective": "sum"},
+                     "streamrl": {"ranked_dispatch.cost_model": "streamrl"},
+                     "sum": {"ranked_dispatch.cost_model": "streamrl",
+                             "ranked_dispatch.objective": "sum"},
                      "adaptive": {"ranked_dispatch.base": "partial",
-                                  "adaptive_over_provision.enabled": True},
+                                  "partial.adaptive.enabled": True},
                      **RANKER_OPTIONS},
         ),
     )

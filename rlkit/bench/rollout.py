@@ -93,15 +93,18 @@ def run(args: argparse.Namespace) -> int:
 
 def policy_specs(args: argparse.Namespace) -> dict[str, Any]:
     """spec -> RolloutConfig for each --policy entry (partial's default from --over-provision)."""
-    from rlkit.rollout.config import DispatchConfig, RolloutConfig, TailBatchingConfig
+    from rlkit.rollout.config import (
+        EngineModelConfig, PartialConfig, RolloutConfig, TailBatchingConfig,
+    )
     from rlkit.rollout.policies import PolicySpecError
     from rlkit.rollout.policies.specs import policy_config
 
     profile = _profile_path(args.model)
-    base = RolloutConfig(over_provision=args.over_provision, batch_size=args.batch_size,
-                         n_samples_per_prompt=args.n,
-                         dispatch=DispatchConfig(profile=str(profile) if profile.is_file() else None,
-                                                 slots_per_engine=ENGINE_SLOTS),
+    base = RolloutConfig(partial=PartialConfig(over_provision=args.over_provision),
+                         batch_size=args.batch_size, n_samples_per_prompt=args.n,
+                         engine_model=EngineModelConfig(
+                             profile=str(profile) if profile.is_file() else None,
+                             slots_per_engine=ENGINE_SLOTS),
                          tail_batching=TailBatchingConfig(
                              adaptive=not getattr(args, "tail_fixed", False)))
     specs = [p.strip() for p in args.policy.split(",") if p.strip()]

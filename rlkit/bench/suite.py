@@ -76,12 +76,12 @@ def make_ranker(spec: str, trace: Any, base: Any = None) -> Any:
 
 
 def rollout_base(profile: str, cluster: Any) -> Any:
-    """The rollout config every spec starts from: dispatch plans with the cluster's profile
-    and batch limit (the engines' real batch)."""
-    from rlkit.rollout.config import DispatchConfig, RolloutConfig
+    """The rollout config every spec starts from: dispatch and adaptive sizing plan with the
+    cluster's profile and batch limit (the engines' real batch)."""
+    from rlkit.rollout.config import EngineModelConfig, RolloutConfig
 
-    return RolloutConfig(dispatch=DispatchConfig(profile=profile,
-                                                 slots_per_engine=cluster.batch_limit))
+    return RolloutConfig(engine_model=EngineModelConfig(profile=profile,
+                                                        slots_per_engine=cluster.batch_limit))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 @dataclass
 class PartialPolicy:
     over_provision: float = 2.0
-    # Adaptive over-provisioning (rollout.adaptive_over_provision): groups in flight between
+    # Adaptive over-provisioning (rollout.partial.adaptive): groups in flight between
     # min and max x target, as many as `sizer` says keep the engines busy (needs a ranker).
     sizer: InFlightSizer | None = None
     min_factor: float = 1.0

@@ -21,27 +21,28 @@ if TYPE_CHECKING:
 
 def engine_model(cfg: "RolloutConfig") -> "EngineModel":
     """The capacity and latency model dispatch and adaptive sizing plan with: slots per engine,
-    KV capacity, and the per-token latency of rollout.dispatch.profile (if set)."""
+    KV capacity, and the per-token latency of rollout.engine_model.profile (if set)."""
     from rlkit.rollout.dispatch import EngineModel
 
-    slots = cfg.dispatch.slots_per_engine or cfg.engine.max_running_requests
+    slots = cfg.engine_model.slots_per_engine or cfg.engine.max_running_requests
     kv, ptl = cfg.engine.max_total_tokens, None
-    if cfg.dispatch.profile is not None:
+    if cfg.engine_model.profile is not None:
         from rlkit.rollout.engines.profile import load_profile
 
-        profile = load_profile(cfg.dispatch.profile)
+        profile = load_profile(cfg.engine_model.profile)
         ptl = profile.ptl
         kv = kv or profile.kv_capacity_tokens
     return EngineModel(slots=slots, kv_tokens=kv, ptl=ptl)
 
 
 def _partial(cfg: "RolloutConfig") -> PartialPolicy:
-    a = cfg.adaptive_over_provision
+    p = cfg.partial
+    a = p.adaptive
     if not a.enabled:
-        return PartialPolicy(over_provision=cfg.over_provision)
+        return PartialPolicy(over_provision=p.over_provision)
     from rlkit.rollout.dispatch import InFlightSizer
 
-    return PartialPolicy(over_provision=cfg.over_provision,
+    return PartialPolicy(over_provision=p.over_provision,
                          sizer=InFlightSizer(engine_model(cfg), a.utilization),
                          min_factor=a.min, max_factor=a.max)
 
@@ -49,8 +50,8 @@ def _partial(cfg: "RolloutConfig") -> PartialPolicy:
 def _ranked(cfg: "RolloutConfig") -> RankedDispatchPolicy:
     from rlkit.rollout.dispatch import Dispatcher
 
-    partial = cfg.ranked_dispatch.base == "partial"
-    d = cfg.dispatch
+    d = cfg.ranked_dispatch
+    partial = d.base == "partial"
     # The fluid model predicts when everything finishes (a sync step); a partial step ends at
     # its target and parks the rest, so under partial it places and orders only.
     return RankedDispatchPolicy(

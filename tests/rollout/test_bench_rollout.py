@@ -19,7 +19,7 @@ def parse(*argv):
 
 def test_specs_and_trace_slots_are_checked_before_any_engine_starts(tmp_path):
     specs = bench.policy_specs(parse("--policy", "sync,partial@1.5,tail_batching+resume"))
-    assert specs["partial@1.5"].over_provision == 1.5
+    assert specs["partial@1.5"].partial.over_provision == 1.5
     assert specs["tail_batching+resume"].tail_batching.deferred == "resume"
     with pytest.raises(SystemExit, match="unknown policy 'magic'"):
         bench.policy_specs(parse("--policy", "sync,magic"))
