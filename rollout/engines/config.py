@@ -86,7 +86,12 @@ class RouterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     policy: Literal["round_robin", "random", "cache_aware", "power_of_two"] = Field(
-        "round_robin", description="Router load-balancing policy for /generate."
+        "round_robin",
+        description="Router load-balancing policy for /generate. Left unset in a multi-turn "
+        "recipe (rollout.episode.generator set), it becomes 'cache_aware': each turn resends "
+        "the episode so far, and the router sends it to the engine whose prefix tree matches "
+        "it best (the one that served the previous turn, where SGLang's radix cache holds the "
+        "prefix), as it does a parked sample's continuation. Set explicitly, it is kept as set.",
     )
     host: str = Field("127.0.0.1", description="Interface the router binds to.")
     port: int = Field(0, ge=0, le=65535, description="Router port; 0 picks a free port.")
