@@ -1,4 +1,6 @@
-"""`rlkit config show RECIPE [key.path=value ...]`: print the resolved, validated recipe."""
+"""`rlkit config show RECIPE [key.path=value ...]`: print the resolved, validated recipe, each
+key marked with where its value came from: `written: FILE` (or `command line`), `alias of OLD:
+FILE` (written under a moved key), `default` or `derived` (computed from other keys)."""
 
 from __future__ import annotations
 
@@ -22,11 +24,21 @@ def split_recipe_args(args: argparse.Namespace) -> tuple[str | None, list[str]]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_recipe_arguments(parser)
+    parser.add_argument("--no-defaults", action="store_true",
+                        help="leave out the keys at their default: what was written or derived")
+    parser.add_argument("--plain", action="store_true",
+                        help="the resolved recipe as plain YAML, without the marks")
 
 
 def run(args: argparse.Namespace) -> int:
-    from rlkit.config import dump_recipe, load_recipe
+    from rlkit.config import dump_recipe
+    from rlkit.config.loader import load_with_sources
+    from rlkit.config.provenance import annotated_dump
 
-    recipe, overrides = split_recipe_args(args)
-    print(dump_recipe(load_recipe(recipe, overrides)), end="")
+    recipe_path, overrides = split_recipe_args(args)
+    recipe, sources = load_with_sources(recipe_path, overrides)
+    if args.plain:
+        print(dump_recipe(recipe), end="")
+    else:
+        print(annotated_dump(recipe, sources, defaults=not args.no_defaults), end="")
     return 0
