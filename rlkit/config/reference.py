@@ -23,6 +23,9 @@ def render_reference() -> str:
         "A recipe may `extends: base.yaml` (or a list of files, merged in order, relative to the",
         "recipe); `key.path=value` arguments on the command line override both. Unknown keys,",
         "wrong types and out-of-range values are errors that name the key path and the file.",
+        "`rlkit config show RECIPE [key.path=value ...]` prints the resolved recipe, each key",
+        "marked `written: FILE`, `alias of OLD: FILE` (a moved key, below), `default` or",
+        "`derived` (computed from other keys); `--no-defaults` leaves out the defaults.",
         "",
     ]
     for name, field in Recipe.model_fields.items():
