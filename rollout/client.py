@@ -128,6 +128,7 @@ class EngineClient:
         self._workers: list[str] = [u.rstrip("/") for u in (self.worker_urls or [])]
         self._inflight: dict[str, _Inflight] = {}
         self._abort_alls = 0  # abort_all calls so far: a request waiting to retry checks it
+        self._prefix = [0, 0]  # (cached, prompt) tokens of the requests ended since the last read
         if self.router_url:
             self.router_url = self.router_url.rstrip("/")
 
@@ -410,6 +411,7 @@ class EngineClient:
             raise EngineError(f"/generate at {flight.url}: {e}") from None
         finish = chunk.finish
         if finish is not None:
+            self._count_prefix(payload["meta_info"])
             if finish.type == "abort":
                 if finish.status_code and finish.status_code >= 500 and not flight.aborted:
                     sample.interrupt()
@@ -422,6 +424,26 @@ class EngineClient:
                 sample.interrupt()
                 raise EngineError(f"unknown finish reason {finish.type!r} from {flight.url}")
         return received
+
+    def _count_prefix(self, meta: dict[str, Any]) -> None:
+        """A request's prompt tokens and, of those, the ones its engine found in its prefix
+        cache (SGLang's meta_info cached_tokens; rlkit's built-in engine has no prefix cache
+        and reports 0), read from its last answer or chunk."""
+        cached, prompt = meta.get("cached_tokens"), meta.get("prompt_tokens")
+        if isinstance(cached, int) and isinstance(prompt, int) and prompt > 0:
+            self._prefix[0] += min(cached, prompt)
+            self._prefix[1] += prompt
+
+    def prefix_cache_metrics(self) -> dict[str, float]:
+        """`rollout/prefix_hit_rate` (cached prompt tokens / prompt tokens) and its two counts
+        over the requests ended since the last call, which starts the next count; {} when none
+        reported them. Multi-turn episodes and resumed partials resend a prefix an engine has
+        seen: cache-aware routing (rollout.router.policy) is what lets them hit it."""
+        (cached, prompt), self._prefix = self._prefix, [0, 0]
+        if not prompt:
+            return {}
+        return {"rollout/prefix_hit_rate": cached / prompt, "rollout/prefix_cached_tokens": float(cached),
+                "rollout/prefix_prompt_tokens": float(prompt)}
 
     def _rescore(self, sample: Sample, scored: tuple[tuple[float | None, int], ...],
                  flight: _Inflight) -> None:
