@@ -38,7 +38,7 @@ def long_tail(sample):
 
 def run(tmp_path, mode, *extra, steps=6):
     _, trainer, service, rows = run_mode(
-        tmp_path, mode, "rollout.policy=partial", "rollout.over_provision=2.0",
+        tmp_path, mode, "rollout.policy=partial", "rollout.partial.over_provision=2.0",
         "rollout.max_staleness=20", "train.algorithm.off_policy_correction=tis", *extra,
         steps=steps, length=long_tail, trainer_cls=LagTrainer, prompts=60)
     return trainer, service, rows

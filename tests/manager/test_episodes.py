@@ -251,7 +251,7 @@ def test_partial_rollouts_park_episodes_mid_turn_and_on_tools_and_every_one_ends
     from rlkit.driver.rollout_service import RolloutService
 
     r = load_recipe(None, ["rollout.batch_size=3", "rollout.n_samples_per_prompt=2",
-                           "rollout.policy=partial", "rollout.over_provision=2.0",
+                           "rollout.policy=partial", "rollout.partial.over_provision=2.0",
                            "rollout.max_staleness=20", "rollout.sampling.max_new_tokens=400",
                            "train.algorithm.off_policy_correction=tis"])
     secrets = [1 + (37 * i) % 100 for i in range(60)]
