@@ -11,7 +11,7 @@ over the data-parallel replicas as the trainer balances them, the slowest one ti
 the weight sync. Generation sizes are measured on a grid (powers of two of an
 engine, or every `--gen-step` GPUs, plus the even split and the largest), then bisected around
 the best, at most `--max-sim` simulations (`--cache FILE` keeps them across calls). The split
-with the least step time of `--mode` wins (rlkit/sim/plan.py); with `--gen-budget` and
+with the least step time of `--mode` wins (rlkit/gpu_plan.py); with `--gen-budget` and
 `--train-budget`, the cross-datacenter rule. Prints the candidates, the choice and why, its
 ratio to the even split, and StreamRL's dynamic-adjustment test (delta vs delta').
 
@@ -127,7 +127,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rlkit.sim.plan import PlanError
+    from rlkit.gpu_plan import PlanError
 
     try:
         return _run(args)
@@ -182,7 +182,7 @@ def _run(args: argparse.Namespace) -> int:
 def _point(args: argparse.Namespace, cross: bool, memo: dict[str, dict[int, list[float]]]
            ) -> Point:
     from rlkit.bench.suite import make_policy
-    from rlkit.sim import plan as P
+    from rlkit import gpu_plan as P
     from rlkit.rollout.engines.profile import ProfileError, load_profile
     from rlkit.sim.train_time import ColocationModel, TrainTimeModel, attention_weight_of_profile
 
@@ -355,7 +355,7 @@ def _point_json(point: Point) -> dict[str, Any]:
 
 
 def _flips_json(key: str, points: list[tuple[Any, Any]]) -> list[dict[str, Any]]:
-    from rlkit.sim.plan import flips
+    from rlkit.gpu_plan import flips
 
     return [{"between": [a, b], "from": wa, "to": wb}
             for a, b, wa, wb in flips([(v, p.choice) for v, p in points])]
@@ -509,7 +509,7 @@ def format_point(point: Point) -> str:
 
 def format_choice(choice: Any, e: dict[str, Any]) -> str:
     """Colocated against the best disaggregated split of the same GPUs."""
-    from rlkit.sim.plan import mode_blocker
+    from rlkit.gpu_plan import mode_blocker
 
     d, c, mode = choice.disaggregated, choice.colocated, choice.mode
     win = choice.winner
@@ -558,7 +558,7 @@ def format_choice(choice: Any, e: dict[str, Any]) -> str:
 def format_sweep(key: str, points: list[tuple[Any, Point]], mode: str) -> str:
     """One row per swept value: the best split's step, the colocated one's, the winner; then
     where the winner flips."""
-    from rlkit.sim.plan import flips
+    from rlkit.gpu_plan import flips
 
     first = points[0][1]
     e = first.extra

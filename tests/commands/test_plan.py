@@ -1,4 +1,4 @@
-"""The resource split (rlkit/sim/plan.py, StreamRL Algorithm 1) and `rlkit plan`."""
+"""The resource split (rlkit/gpu_plan.py, StreamRL Algorithm 1) and `rlkit plan`."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rlkit import gpu_plan as P
 from rlkit.cli import main
-from rlkit.sim import plan as P
 from rlkit.rollout.engines.profile import load_profile
 from rlkit.sim.trace import TraceSpec, generate_trace
 
