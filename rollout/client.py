@@ -3,9 +3,9 @@
 It implements `rollout.engine_api.Engines` (generate / abort_all / loads / workers, and the
 fault calls probe / abort_worker / remove_worker / add_worker). Generation goes through the
 router, or straight to a worker when a dispatch policy picks one; aborts fan out to each worker
-itself, because the router forwards no control call (docs/engines.md). The control calls of a
-weight sync (pause, flush, weight updates, continue) have one client of their own, the weight
-sender's: rlkit.train.weight_sync.engine_control.
+itself, because the router forwards no control call (docs/engines.md). The calls around a
+weight update (pause, flush, weight updates, continue, sleep and wake) have one client of their
+own, rlkit.common.engine_http, used by the rollout side's EngineUpdates and the trainer's sender.
 
 Retries are per endpoint (`RetryPolicy`, `DEFAULT_RETRY_POLICIES`):
 - idempotent reads (the router's worker list, loads) and aborts retry on connection errors and

@@ -1,8 +1,8 @@
 """The import graph of rlkit's packages: no cycles between modules, and the dependency
-direction of docs/design.md: the libraries (`rlkit.buffers`, `rlkit.rollout`, `rlkit.train`)
-never import the rest of `rlkit`; `buffers` is a leaf; `rollout` and `train` are siblings; the
-measuring tools (`rlkit.sim`, `rlkit.bench`) and the built-in engine are imported by nothing in
-the runtime.
+direction of docs/design.md: the libraries (`rlkit.buffers`, `rlkit.common`, `rlkit.rollout`,
+`rlkit.train`) never import the rest of `rlkit`; `buffers` is a leaf; `common` imports only
+`buffers`; `rollout` and `train` are siblings; the measuring tools (`rlkit.sim`, `rlkit.bench`)
+and the built-in engine are imported by nothing in the runtime.
 
 Every import counts: one inside a function (a lazy import still ties the two modules together:
 each needs the other to work) and one under `if TYPE_CHECKING:` (a type-only cycle is still two
@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LIBRARIES = ("rlkit.buffers", "rlkit.rollout", "rlkit.train")
+LIBRARIES = ("rlkit.buffers", "rlkit.common", "rlkit.rollout", "rlkit.train")
 # Measuring tools: they import the runtime, the runtime never imports them; only other tools
 # and the command line do.
 TOOLS = ("rlkit.sim", "rlkit.bench")
@@ -127,6 +127,8 @@ def test_libraries_never_import_the_rest_of_rlkit_and_point_one_way():
         f"{m} -> {d}" for m, deps in graph.items() for d in deps
         if (library_of(m) != "rlkit" and library_of(d) == "rlkit")  # nothing of rlkit's spine
         or (library_of(m) == "rlkit.buffers" and library_of(d) != "rlkit.buffers")  # a leaf
+        # shared by both sides (the engine's HTTP API, the weight update handed between them)
+        or (library_of(m) == "rlkit.common" and library_of(d) not in ("rlkit.common", "rlkit.buffers"))
         or ({library_of(m), library_of(d)} == {"rlkit.rollout", "rlkit.train"})  # siblings
     )
     assert wrong == []
@@ -158,3 +160,16 @@ def test_every_source_folder_is_a_package_that_the_wheel_installs():
     missing = sorted(str(d.relative_to(ROOT)) for d in package_dirs()
                      if any(d.glob("*.py")) and not (d / "__init__.py").exists())
     assert missing == []
+
+
+def test_the_gpu_planner_imports_only_the_standard_library():
+    """rlkit.gpu_plan (`rlkit plan`'s search) is pure: its stage-time models are passed in, so it
+    imports no project module and no torch, Ray or HTTP library, not even lazily."""
+    import sys
+
+    tree = ast.parse(module_files()["rlkit.gpu_plan"].read_text())
+    roots = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    roots |= {n.module.split(".")[0] for n in ast.walk(tree)
+              if isinstance(n, ast.ImportFrom) and n.module and not n.level}
+    assert not any(isinstance(n, ast.ImportFrom) and n.level for n in ast.walk(tree))
+    assert roots <= set(sys.stdlib_module_names), sorted(roots - set(sys.stdlib_module_names))

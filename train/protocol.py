@@ -12,10 +12,11 @@ sample count for sequence_mean), so the update is the same as one `accumulate(wh
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Protocol, Sequence, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
+from rlkit.common.weight_update import WeightUpdate
 from rlkit.train.batch import TrainBatch
 
 Policy = Literal["current", "reference"]
@@ -38,15 +39,17 @@ class Trainer(Protocol):
         """Normalise, clip and apply the accumulated gradients; metrics under 'train/'."""
         ...
 
-    def sync_weights(
-        self,
-        engines: Sequence[str],
-        *,
-        version: int | None = None,
-        method: str | None = None,
-        folder: str | Path | None = None,
-    ):
-        """Pause, flush, update and continue every engine worker URL; bump `version`."""
+    def publish_weights(self, update: WeightUpdate) -> dict[str, float] | None:
+        """Publish the current weights into `update` (opened on the engines by the rollout
+        side, which owns them) and take its version. Metrics (rank 0 of a world)."""
+        ...
+
+    def free_device(self) -> dict[str, float]:
+        """Colocated, the end of training: gradients and optimizer state leave the device."""
+        ...
+
+    def take_device(self) -> dict[str, float]:
+        """Colocated, the turn to training: the whole state comes back onto the device."""
         ...
 
     def export_hf(self, path: str | Path) -> Path | None:

@@ -8,7 +8,9 @@ dp_rank = g // TP. The driver-side group
   replica as many, padded with empty ones) and sends every TP rank of a replica the same samples
   with that replica's micro-batches;
 - gathers per-sample results from TP rank 0 of each replica and restores the batch order;
-- calls `step`, `sync_weights`, `save`, `load`, `export_hf` on every rank (they are collective).
+- calls `step`, `publish_weights`, `save`, `load`, `export_hf` on every rank (they are collective);
+  `publisher()` hands the rollout side what it calls to have the weights published into an
+  update it opened (`RayPublisher`).
 
 Normalisation is global (see train/megatron/trainer.py), so how samples are split across DP
 replicas does not change the gradient.
@@ -24,6 +26,7 @@ from typing import Any, Sequence
 import torch
 
 from rlkit.buffers.control_token import CONTROL_TOKEN_ENV
+from rlkit.common.weight_update import PublisherFailed, WeightUpdate
 from rlkit.buffers.fault_switch import TRAINER_FAULT_ENV, FaultSwitch, FaultSwitchError
 from rlkit.train.batch import TrainBatch
 from rlkit.train.config import TrainConfig
@@ -142,14 +145,18 @@ class TrainWorker:
         return self.trainer.step()
 
     # -- a rollout batch fed group by group (every driver mode) ----------------------------
-    def begin_batch(self, version: int, rollout_samples: int) -> None:
+    def begin_batch(self, version: int, rollout_samples: int, colocated: bool = False) -> dict[str, float]:
+        """Colocated, the turn to training: the engines sleep already (the rollout side put
+        them to sleep before this call was made), so the state comes back onto the device."""
         from rlkit.train.stream import RolloutBatchStep
 
         if self.fault is not None:
             self.fault.at_batch(self.trainer.step_count)
+        moved = self.trainer.take_device() if colocated else {}
         self.batch = RolloutBatchStep.for_config(
             self.trainer, self.config, policy_version=version, rollout_samples=rollout_samples,
             dp_rank=self.trainer.rank.dp_rank, dp_size=self.config.parallelism.data)
+        return moved
 
     def add_groups(self, refs: list) -> None:
         """Groups as object references: fetched here from the rollout actor's store."""
@@ -157,17 +164,21 @@ class TrainWorker:
 
         self.batch.add_all(ray.get(refs))
 
-    def finish_batch(self) -> dict[str, float]:
+    def finish_batch(self, colocated: bool = False) -> dict[str, float]:
+        """The optimizer step; colocated, gradients and optimizer state then leave the device
+        (the engines wake into it at the weight update)."""
         batch, self.batch = self.batch, None
-        return batch.finish()
+        metrics = batch.finish()
+        return {**metrics, **self.trainer.free_device()} if colocated else metrics
 
-    def sync_weights(self, engines: list[str], version: int | None, method: str | None, folder: str | None,
-                     colocated: bool = False, fresh: Sequence[str] = ()):
-        return self.trainer.sync_weights(engines, version=version, method=method, folder=folder,
-                                         colocated=colocated, fresh=fresh)
+    def publish_weights(self, update: WeightUpdate) -> dict[str, float] | None:
+        return self.trainer.publish_weights(update)
 
-    def sleep_engines(self, engines: list[str], fresh: Sequence[str] = ()) -> dict[str, float] | None:
-        return self.trainer.sleep_engines(engines, fresh)
+    def free_device(self) -> dict[str, float]:
+        return self.trainer.free_device()
+
+    def take_device(self) -> dict[str, float]:
+        return self.trainer.take_device()
 
     def export_hf(self, path: str) -> str | None:
         out = self.trainer.export_hf(path)
@@ -296,29 +307,31 @@ class TrainerGroup:
         return self._all("step")[0]
 
     # -- a rollout batch fed group by group: calls return object references at once ---------
-    def begin_batch(self, version: int, rollout_samples: int) -> list[Any]:
-        return [w.begin_batch.remote(version, rollout_samples) for w in self.workers]
+    def begin_batch(self, version: int, rollout_samples: int, colocated: bool = False) -> list[Any]:
+        return [w.begin_batch.remote(version, rollout_samples, colocated) for w in self.workers]
 
     def add_groups(self, refs: list[Any]) -> list[Any]:
         """Every rank gets every group reference (each keeps its replica's samples); a rank
         runs its calls in the order they were made."""
         return [w.add_groups.remote(refs) for w in self.workers]
 
-    def finish_batch(self) -> list[Any]:
-        return [w.finish_batch.remote() for w in self.workers]
+    def finish_batch(self, colocated: bool = False) -> list[Any]:
+        return [w.finish_batch.remote(colocated) for w in self.workers]
 
-    def sync_weights(
-        self,
-        engines: Sequence[str],
-        *,
-        version: int | None = None,
-        method: str | None = None,
-        folder: str | Path | None = None,
-    ):
-        reports = self._all(
-            "sync_weights", list(engines), version, method, None if folder is None else str(folder)
-        )
-        return reports[0]
+    def publish_weights(self, update: WeightUpdate) -> dict[str, float] | None:
+        """Every rank publishes into `update` (collective); rank 0's metrics."""
+        return self._all("publish_weights", update)[0]
+
+    def free_device(self) -> dict[str, float]:
+        return self._all("free_device")[0]
+
+    def take_device(self) -> dict[str, float]:
+        return self._all("take_device")[0]
+
+    def publisher(self) -> "RayPublisher":
+        """What the rollout side calls to have the weights published into an update it opened
+        (it crosses Ray: the ranks' handles)."""
+        return RayPublisher(list(self.workers))
 
     def export_hf(self, path: str | Path) -> Path:
         return Path(self._all("export_hf", str(path))[0])
@@ -351,3 +364,31 @@ class TrainerGroup:
                 pass
             ray.kill(w)
         self.workers = []
+
+
+class RayPublisher:
+    """The trainer ranks as a WeightPublisher (rlkit.common.weight_update), for the rollout side:
+    every rank publishes (the call is collective). A rank that died fails the publish as
+    PublisherFailed naming it (an update sent again would not help); an engine that failed
+    fails it with the WeightSyncError of rank 0, which sends."""
+
+    def __init__(self, workers: list[Any]) -> None:
+        self.workers = workers
+
+    async def publish(self, update: WeightUpdate) -> dict[str, float]:
+        import asyncio
+
+        import ray
+
+        futures = [asyncio.wrap_future(w.publish_weights.remote(update).future()) for w in self.workers]
+        done, _ = await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
+        failed = [(rank, f.exception()) for rank, f in enumerate(futures)
+                  if f in done and f.exception() is not None]
+        if failed:
+            rank, error = next(((r, e) for r, e in failed if isinstance(e, ray.exceptions.RayActorError)),
+                               failed[0])
+            if isinstance(error, ray.exceptions.RayActorError):
+                raise PublisherFailed(f"trainer rank {rank} died while publishing weights "
+                                      f"v{update.version}: {str(error).splitlines()[0][:200]}", rank)
+            raise error
+        return futures[0].result() or {}

@@ -113,6 +113,7 @@ class RolloutActor:
         """Start the router in front of the engines and the rollout service over them; a lost
         engine is restarted by its EngineActor (`engine_actors`, in the order of the URLs)."""
         from rlkit.rollout.client import EngineClient
+        from rlkit.rollout.engine_updates import EngineUpdates
         from rlkit.rollout.router import Router
 
         assert self.source is not None, "prepare() first"
@@ -123,10 +124,15 @@ class RolloutActor:
             router_url, worker_urls=engine_urls, router_admin=self.router,
             max_resume_log_ratio=r.rollout.max_resume_log_ratio).connect()
         restarter = ActorRestarter(dict(zip(engine_urls, engine_actors))) if engine_actors else None
+        # The engines' state around weight updates is this actor's (docs/design.md: one owner);
+        # a disk update's folders go beside the logs, in the run's folder.
+        ws = r.train.weight_sync
+        updates = EngineUpdates(method=ws.method, pause_mode=ws.pause_mode, timeout_s=ws.timeout_s,
+                                folder=str(self.log_dir.parent / "weights"))
         self.service = RolloutService.from_config(r.rollout, self.source, self.client, self.score,
                                                   self.group_filter, self.ranker, restarter,
                                                   self.evaluator, hand=ray_handed,
-                                                  episodes=self.episodes)
+                                                  episodes=self.episodes, updates=updates)
 
     async def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """Any RolloutBox call on the service, by name (RemoteRolloutBox sends them all here)."""
@@ -136,13 +142,13 @@ class RolloutActor:
         out = getattr(self.service, name)(*args, **kwargs)
         return await out if inspect.isawaitable(out) else out
 
-    async def run_step_streamed(self, version: int, for_version: int,
-                                final: bool) -> AsyncIterator[Any]:
+    async def run_step_streamed(self, version: int, for_version: int, final: bool,
+                                take: int = 0) -> AsyncIterator[Any]:
         """One rollout step as a Ray streaming generator: the service's progress while it runs,
         pushed to the driver, then the RolloutResult (plain data only)."""
         assert self.service is not None, "start() first"
         async for item in self.service.run_step_streamed(version, for_version=for_version,
-                                                         final=final):
+                                                         final=final, take=take):
             if isinstance(item, RolloutResult):
                 item.report = None  # the driver needs the plain data only
             yield item

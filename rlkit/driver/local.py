@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from rlkit.driver.loop import LoopState, OnEval, OnStep, Run
 from rlkit.driver.rollout_box import Handed
@@ -14,24 +14,28 @@ from rlkit.driver.rollout_service import RolloutService
 from rlkit.train.stream import RolloutBatchStep
 
 if TYPE_CHECKING:
+    from rlkit.common.weight_update import WeightUpdate
     from rlkit.config.schema import Recipe
     from rlkit.train.config import TrainConfig
     from rlkit.train.protocol import Trainer
 
 
 class LocalTrainerBox:
-    """A Trainer (protocol) in this process; groups are trained as `add` hands them over."""
+    """A Trainer (protocol) in this process; groups are trained as `add` hands them over. It is
+    its own publisher: the rollout side calls `publish` inside the update it opened."""
 
     def __init__(self, trainer: "Trainer", cfg: "TrainConfig", rollout_samples: int, *,
-                 weights_folder: str | Path | None = None, colocated: bool = False) -> None:
+                 colocated: bool = False) -> None:
         self.trainer = trainer
         self.colocated = colocated
         self.cfg = cfg
         self.rollout_samples = rollout_samples
-        self.weights_folder = weights_folder
         self._batch: RolloutBatchStep | None = None
+        self._moved: dict[str, float] = {}
 
     def begin(self, version: int) -> None:
+        # colocated: the engines sleep already (Run.to_training), the state comes back
+        self._moved = self.trainer.take_device() if self.colocated else {}
         self._batch = RolloutBatchStep.for_config(
             self.trainer, self.cfg, policy_version=version, rollout_samples=self.rollout_samples)
 
@@ -42,20 +46,16 @@ class LocalTrainerBox:
     async def finish(self) -> dict[str, float]:
         assert self._batch is not None, "begin() first"
         batch, self._batch = self._batch, None
-        return await asyncio.to_thread(batch.finish)  # generation goes on meanwhile (async mode)
+        metrics = await asyncio.to_thread(batch.finish)  # generation goes on meanwhile (async mode)
+        if self.colocated:  # gradients and optimizer state leave the device before the wake
+            metrics = {**metrics, **self._moved, **self.trainer.free_device()}
+        return metrics
 
-    async def push_weights(self, version: int, urls: Sequence[str],
-                           fresh: Sequence[str] = ()) -> dict[str, float] | None:
-        """To `urls` (the engines serving now; none when every engine is lost). Colocated: the
-        turn to generation (the engines wake), and its metrics."""
-        extra = {"colocated": True, "fresh": list(fresh)} if self.colocated else {}
-        report = self.trainer.sync_weights(list(urls), version=version, method=self.cfg.weight_sync.method,
-                                           folder=self.weights_folder, **extra)
-        return report if self.colocated else None
+    def publisher(self) -> "LocalTrainerBox":
+        return self
 
-    async def sleep_engines(self, urls: Sequence[str], fresh: Sequence[str] = ()) -> dict[str, float]:
-        """Colocated: the engines sleep and the trainer takes its state back."""
-        return self.trainer.sleep_engines(list(urls), list(fresh)) or {}
+    async def publish(self, update: WeightUpdate) -> dict[str, float]:
+        return await asyncio.to_thread(self.trainer.publish_weights, update) or {}
 
     def save(self, path: str | Path) -> None:
         self.trainer.save(path)

@@ -17,16 +17,14 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from rlkit.driver.rollout_box import Handed, RolloutBox, RolloutResult, batch_metrics
 
 if TYPE_CHECKING:
+    from rlkit.common.weight_update import WeightPublisher
     from rlkit.config.schema import Recipe
     from rlkit.tracking import Tracker
-
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -36,26 +34,24 @@ class LoopState:
 
 
 class TrainerBox(Protocol):
+    """The driver's calls on the training side (LocalTrainerBox in process, RayTrainerBox over
+    the TrainerGroup's ranks, the simulator's TimedTrainerBox); TRAINER_CALLS lists them."""
+
     def begin(self, version: int) -> None: ...  # a rollout batch trained at `version` starts
 
     def add(self, handed: Handed) -> None: ...  # its groups, as they come (returns at once)
 
     async def finish(self) -> dict[str, float]: ...  # all in: optimizer step(s), metrics
 
-    async def push_weights(self, version: int, urls: Sequence[str],
-                           fresh: Sequence[str] = ()) -> dict[str, float] | None:
-        """The weights of `version` to these engines; colocated, the turn to generation: the
-        trainer frees its GPU memory and the sleeping engines wake with the new weights. `fresh`:
-        those of `urls` restarted since (awake, whatever they were before). Its metrics (the
-        step's row), or None."""
-        ...
-
-    async def sleep_engines(self, urls: Sequence[str], fresh: Sequence[str] = ()) -> dict[str, float]:
-        """Colocated only, the turn to training: these (idle) engines release their KV cache
-        and weights, and the trainer takes its state back onto the GPUs they shared. Metrics."""
+    def publisher(self) -> "WeightPublisher":
+        """What the rollout side calls to have the trainer's weights published into a weight
+        update it opened on its engines (the trainer never touches the engines' state)."""
         ...
 
     def save(self, path: str | Path) -> None: ...
+
+
+TRAINER_CALLS: frozenset[str] = frozenset(n for n in vars(TrainerBox) if not n.startswith("_"))
 
 
 OnStep = Callable[[LoopState, RolloutResult, Handed, dict[str, float]], None]
@@ -81,8 +77,6 @@ class Run:
     colocated: bool = False
     _turn: dict[str, float] = field(default_factory=dict)  # the step's colocation metrics
     _asleep: bool = False  # colocated, from the engines' sleep to the push that wakes them
-    # Restarted engines the trainer was told of (once: a later call may have put them to sleep)
-    _told_restarted: set[str] = field(default_factory=set)
     _last_end: float | None = None
     _eval: asyncio.Task | None = None
     _eval_skip: int | None = None  # a resumed run's checkpoint step: evaluated before the stop
@@ -136,66 +130,27 @@ class Run:
         return self.final_step and step == self.num_steps
 
     async def push_weights(self, version: int) -> None:
-        """The one weight sync of every mode (and of a resume): trainer -> engines (those
-        serving, and those restarted, which serve from now on), then the rollout box knows
-        the version its engines generate with. Colocated, it also wakes the engines."""
-        await self.rollout.hold_engines(True)  # paused by the sync: probes ask only for an answer
-        try:
-            t0 = self.now()
-            metrics, restarted = await self._on_engines_left(
-                lambda urls, fresh: self.trainer.push_weights(version, urls, fresh))
-            if self.colocated:
-                self._turn.update({**(metrics or {}), "colocate/wake_seconds": self.now() - t0})
-                self._asleep = False
-        finally:
-            await self.rollout.hold_engines(False)
-        await self.rollout.set_version(version)
-        if restarted:
-            await self.rollout.admit_engines(restarted)
-            self._told_restarted -= set(restarted)  # serving now: a later restart is news again
-
-    def _fresh(self, restarted: list[str]) -> list[str]:
-        """The restarted engines the trainer hears of for the first time: awake, whatever it
-        knew of their URL before. Told once, since the next call may put them to sleep."""
-        fresh = [u for u in restarted if u not in self._told_restarted]
-        self._told_restarted.update(fresh)
-        return fresh
+        """The one weight sync of every mode (and of a resume): the rollout side opens the
+        update on its engines (those serving, and those restarted, which serve from now on),
+        the trainer publishes `version` into it, the engines go on with it. One round trip from
+        here (the trainer's publish is the rollout side's call). Colocated, it wakes them."""
+        t0 = self.now()
+        metrics = await self.rollout.update_weights(version, self.trainer.publisher(),
+                                                    colocated=self.colocated)
+        self._turn.update(metrics)
+        if self.colocated:
+            self._turn["colocate/wake_seconds"] = self.now() - t0
+            self._asleep = False
 
     async def to_training(self) -> None:
-        """Colocated: the engines sleep (the step's rollout is over, so they are idle) and the
-        trainer wakes on their GPUs. They stay held until the weight push wakes them: a sleeping
-        engine queues generations, so probes ask only that it answers. Nothing otherwise."""
+        """Colocated: the engines sleep (the step's rollout is over, so they are idle); the
+        trainer takes its state back onto their GPUs when its batch begins. Nothing otherwise."""
         if not self.colocated:
             return
-        await self.rollout.hold_engines(True)
         self._asleep = True
         t0 = self.now()
-        metrics, _ = await self._on_engines_left(self.trainer.sleep_engines)
+        metrics = await self.rollout.sleep_engines()
         self._turn = {**metrics, "colocate/sleep_seconds": self.now() - t0}
-
-    async def _on_engines_left(self, call: Callable[[list[str], list[str]], Awaitable[T]]
-                               ) -> tuple[T, list[str]]:
-        """`call(urls, fresh)` on the engines serving and those restarted (waiting for weights),
-        and again on the engines left while engines are lost during it; `fresh`: the restarted
-        ones the trainer has not been told of. Returns its answer and the restarted engines."""
-        failure: Exception | None = None
-        targets: list[str] = []
-        while True:
-            serving, restarted = await self.rollout.engine_set()
-            if failure is not None and set([*serving, *restarted]) == set(targets):
-                raise failure  # the same engines failed again: not an engine lost
-            targets = [*serving, *restarted]
-            # Every engine lost: the trainer still records the version (a checkpoint written
-            # now must agree with the step's), and the next rollout step stops the run.
-            try:
-                return await call(targets, self._fresh(restarted)), restarted
-            except Exception as e:
-                # An engine that died during the call fails it (a sync leaves the engines left
-                # paused): probe every engine (rollout.health takes the dead one out, and
-                # restarts it), then call again on the set as it is now, as a generation request
-                # is relaunched. The health monitor may have taken it out already.
-                failure = e
-                await self.rollout.check_engines()
 
     async def restore_engines(self) -> None:
         """Engines restarted in the middle of a step (rollout.health) get the current weights
@@ -204,11 +159,8 @@ class Run:
         if self._weights.locked() or self._asleep:
             return
         async with self._weights:
-            _, restarted = await self.rollout.engine_set()
-            if restarted:
-                await self.trainer.push_weights(self.state.version, restarted, self._fresh(restarted))
-                await self.rollout.admit_engines(restarted)
-                self._told_restarted -= set(restarted)
+            await self.rollout.update_weights(self.state.version, self.trainer.publisher(),
+                                              restarted_only=True)
 
     async def end_step(self, result: RolloutResult, handed: Handed, **row: float) -> None:
         """Every mode's end of a step, once the trainer has all of its groups: what training

@@ -39,8 +39,8 @@ async def run_sync(run: Run) -> LoopState:
     await run.evaluate()  # the initial policy, when eval.before_first_step
     while s.step < run.num_steps:
         result = await run.rollout.start_step(s.version, for_version=s.version,
-                                              final=run.is_final(s.step + 1))
-        handed = await run.rollout.take(run.batch_size)
+                                              final=run.is_final(s.step + 1), take=run.batch_size)
+        handed = result.handed  # the batch comes with the result: no round trip of its own
         await run.to_training()  # colocated: the engines sleep, the trainer wakes on their GPUs
         run.trainer.begin(s.version)
         run.trainer.add(handed)
@@ -73,6 +73,8 @@ async def run_async(run: Run) -> LoopState:
             pending = run.rollout.start_step(s.version, for_version=s.version,
                                              final=run.is_final(s.step + 1))
         result = await pending
+        # Taken now, not at the step's end: a step that overlapped the last sync may end
+        # before it, and its groups are trained (and their lag counted) at the version after.
         handed = await run.rollout.take(run.batch_size)
         pending = None
         # Step k+1 generates with the current weights while step k trains, if its groups,

@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import re
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable
 
 from rlkit.buffers.errors import UserError
+from rlkit.common.weight_update import PublisherFailed
 from rlkit.config.schema import Recipe
 from rlkit.driver.rollout_box import BOX_CALLS, Handed, RolloutResult
 
@@ -28,12 +29,13 @@ class RemoteRolloutBox:
         self.on_progress = on_progress
         self.on_engines_back: Callable[[], Awaitable[None]] | None = None
 
-    def start_step(self, version: int, *, for_version: int, final: bool) -> asyncio.Future[RolloutResult]:
-        return asyncio.ensure_future(self._step(version, for_version, final))
+    def start_step(self, version: int, *, for_version: int, final: bool,
+                   take: int = 0) -> asyncio.Future[RolloutResult]:
+        return asyncio.ensure_future(self._step(version, for_version, final, take))
 
-    async def _step(self, version: int, for_version: int, final: bool) -> RolloutResult:
+    async def _step(self, version: int, for_version: int, final: bool, take: int) -> RolloutResult:
         stream = self.actor.run_step_streamed.options(num_returns="streaming").remote(
-            version, for_version, final)
+            version, for_version, final, take)
         async for ref in stream:
             item = await ref
             if isinstance(item, RolloutResult):
@@ -80,44 +82,37 @@ class RayTrainerBox:
     died leaves the others blocked in a collective. A dead rank ends the run as TrainerDied, and
     the other ranks are killed with it (they cannot finish a collective step without it)."""
 
-    def __init__(self, group: Any, recipe: Recipe, engine_urls: list[str], run_dir: Path) -> None:
+    def __init__(self, group: Any, recipe: Recipe) -> None:
         self.group = group
-        self.recipe = recipe
-        self.engine_urls = engine_urls
-        self.folder = run_dir / "weights"
         self.samples = recipe.rollout.samples_per_step
         self.colocated = recipe.cluster.placement == "colocated"
         self._calls: list[Any] = []
+        self._moved: list[Any] = []  # colocated: the ranks' begin_batch, the state back on the GPU
 
     def begin(self, version: int) -> None:
-        self._calls = self.group.begin_batch(version, self.samples)
+        self._calls = self._moved = self.group.begin_batch(version, self.samples, self.colocated)
 
     def add(self, handed: Handed) -> None:
-        self._calls += self.group.add_groups(handed.refs)
+        self._calls = [*self._calls, *self.group.add_groups(handed.refs)]
 
     async def finish(self) -> dict[str, float]:
         calls, self._calls = self._calls, []
         await self._wait(calls, "training")  # an error in any earlier call surfaces here
-        return (await self._wait(self.group.finish_batch(), "the optimizer step"))[0]
+        moved = (await self._wait(self._moved, "taking the GPUs back"))[0] if self._moved else {}
+        metrics = (await self._wait(self.group.finish_batch(self.colocated), "the optimizer step"))[0]
+        return {**(moved or {}), **metrics}
 
-    async def push_weights(self, version: int, urls: list[str] | None = None,
-                           fresh: Sequence[str] = ()) -> dict[str, float] | None:
-        """To `urls` (the engines serving now, and restarted ones); by default the first set.
-        Colocated, the turn to generation (the engines wake); its metrics from rank 0."""
-        urls = list(urls if urls is not None else self.engine_urls)
-        folder = str(self.folder)
-        method = self.recipe.train.weight_sync.method
-        # TrainerGroup.sync_weights's calls, one per rank, so a dead rank is seen at once
-        answers = await self._wait([w.sync_weights.remote(urls, version, method, folder,
-                                                          self.colocated, list(fresh))
-                                    for w in self.group.workers], "the weight sync")
-        return answers[0] if self.colocated else None
+    def publisher(self) -> Any:
+        """The ranks' publisher (train.ray_group.RayPublisher), handed to the rollout actor."""
+        return self.group.publisher()
 
-    async def sleep_engines(self, urls: list[str], fresh: Sequence[str] = ()) -> dict[str, float]:
-        """Colocated, the turn to training: the engines sleep, every rank loads its state."""
-        answers = await self._wait([w.sleep_engines.remote(list(urls), list(fresh))
-                                    for w in self.group.workers], "putting the engines to sleep")
-        return answers[0] or {}
+    def died(self, error: BaseException) -> TrainerDied | None:
+        """A failed weight update whose cause is a trainer rank that died (PublisherFailed, as
+        the rollout actor passes it on): TrainerDied naming it, the other ranks killed."""
+        cause = getattr(error, "cause", None) or error
+        if not isinstance(cause, PublisherFailed):
+            return None
+        return self._died(cause, "the weight sync", rank=cause.rank)
 
     def save(self, path: str | Path) -> None:
         import ray
@@ -141,15 +136,15 @@ class RayTrainerBox:
             raise failed[0]
         return [f.result() for f in futures]
 
-    def _died(self, e: Exception, what: str) -> TrainerDied:
+    def _died(self, e: Exception, what: str, rank: int | None = None) -> TrainerDied:
         import ray
 
         actor_id = getattr(e, "actor_id", None)
         who = "a trainer rank"
-        for rank, w in enumerate(self.group.workers):
-            if actor_id and w._actor_id.hex() == actor_id:
-                pid = (self.group.ranks[rank] or {}).get("pid") if rank < len(self.group.ranks) else None
-                who = f"trainer rank {rank}" + (f" (pid {pid})" if pid else "")
+        for r, w in enumerate(self.group.workers):
+            if r == rank or (actor_id and w._actor_id.hex() == actor_id):
+                pid = (self.group.ranks[r] or {}).get("pid") if r < len(self.group.ranks) else None
+                who = f"trainer rank {r}" + (f" (pid {pid})" if pid else "")
         for w in self.group.workers:  # the others cannot finish a collective without it
             try:
                 ray.kill(w)

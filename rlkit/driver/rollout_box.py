@@ -24,6 +24,7 @@ from rlkit.rollout.step_report import trained_lag_metrics
 
 if TYPE_CHECKING:
     from rlkit.buffers import Group
+    from rlkit.common.weight_update import WeightPublisher
     from rlkit.rollout.step_report import StepReport
 
 
@@ -49,12 +50,15 @@ class RolloutResult:
     buffer: dict[str, Any] = field(default_factory=dict)
     header: dict[str, Any] = field(default_factory=dict)  # the timeline's step line
     report: "StepReport | None" = field(default=None, repr=False)  # in process only
+    handed: Handed | None = None  # the groups taken at the step's end (start_step's `take`)
 
 
 class RolloutBox(Protocol):
-    def start_step(self, version: int, *, for_version: int, final: bool) -> asyncio.Future[RolloutResult]:
+    def start_step(self, version: int, *, for_version: int, final: bool,
+                   take: int = 0) -> asyncio.Future[RolloutResult]:
         """Start a rollout step (engines at `version`, groups to be trained at consumer version
-        `for_version`); returns its handle at once."""
+        `for_version`); returns its handle at once. `take`: that many ready groups come with
+        its result (`RolloutResult.handed`), as `take(n)` would give them."""
         ...
 
     async def next_ready(self) -> Handed: ...  # one group, as soon as one is ready
@@ -63,23 +67,20 @@ class RolloutBox(Protocol):
 
     async def admits(self, for_version: int) -> bool: ...  # the buffer's admission bound
 
-    async def set_version(self, version: int) -> None: ...  # weights now on the engines
-
     async def evaluate(self, version: int) -> dict[str, float]:
         """The recipe's held-out evaluation at `version` (its metrics row; {} without one)."""
         ...
 
-    async def engine_set(self) -> tuple[list[str], list[str]]:
-        """The engines serving, and those restarted that wait for the current weights."""
+    async def update_weights(self, version: int, publisher: "WeightPublisher", *,
+                             colocated: bool = False, restarted_only: bool = False) -> dict[str, float]:
+        """The weight update: the box opens it on its engines, `publisher` (the trainer)
+        publishes `version` into it, the box closes it and generates with `version` from then
+        on (RolloutService.update_weights). Metrics."""
         ...
 
-    async def admit_engines(self, urls: list[str]) -> None: ...  # they hold the weights now
+    async def sleep_engines(self) -> dict[str, float]: ...  # colocated: the turn to training
 
     async def give_back_untrained(self) -> int: ...  # handed since the last sync: back to ready
-
-    async def check_engines(self) -> int: ...  # probe every engine now: how many were lost
-
-    async def hold_engines(self, held: bool) -> None: ...  # paused for a sync: probe liveness only
 
     def save(self, path: str) -> None: ...  # the buffer (between steps: it blocks)
 

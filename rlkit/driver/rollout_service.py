@@ -10,13 +10,16 @@ trainer (`hand`: the groups themselves in process, Ray object references in the 
 from __future__ import annotations
 
 import asyncio
+import inspect
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from rlkit.buffers import Group, PromptSource, RolloutBuffer, load_buffer, save_buffer
+from rlkit.common.weight_update import PublisherFailed, WeightPublisher
 from rlkit.driver.rollout_box import Handed, RolloutResult, handed_of, lag_record
 from rlkit.rollout.config import RolloutConfig
 from rlkit.rollout.engine_api import Engines
+from rlkit.rollout.engine_updates import StatelessEngines, UpdateControl
 from rlkit.rollout.episodes import EpisodeRunner
 from rlkit.rollout.eval import Evaluator, eval_metrics
 from rlkit.rollout.filters import GroupFilter
@@ -27,19 +30,26 @@ from rlkit.rollout.rankers import LengthRanker
 from rlkit.rollout.rewards import REWARD_FAILURE_KINDS, RewardScheduler, ScoreFn
 from rlkit.rollout.step_report import StepReport
 
+T = TypeVar("T")
+
 
 class RolloutService:
     """The buffer and the manager over it, with what the driver's modes call (RolloutBox)."""
 
     def __init__(self, buffer: RolloutBuffer, manager: RolloutManager, batch_size: int,
                  evaluator: Evaluator | None = None,
-                 hand: Callable[[list[Group]], Handed] = handed_of) -> None:
+                 hand: Callable[[list[Group]], Handed] = handed_of,
+                 updates: "UpdateControl | None" = None) -> None:
         self.buffer = buffer
         self.manager = manager
         self.engines = manager.engines
         self.batch_size = batch_size
         self.evaluator = evaluator
         self.hand = hand
+        # The engines' state around weight updates (rollout/engine_updates.py): HTTP control in
+        # a run; engines with no state to hold (fakes, simulated) otherwise.
+        self.updates: UpdateControl = updates if updates is not None else StatelessEngines()
+        self._told_restarted: set[str] = set()  # restarted engines whose sleep was forgotten
         self._current: asyncio.Task | None = None
         self._untrained: list[Group] = []  # handed to the trainer since the last weight sync
         # Set when there is news for the driver while a step runs (an engine lost, restarted or
@@ -61,12 +71,14 @@ class RolloutService:
         evaluator: Evaluator | None = None,
         hand: Callable[[list[Group]], Handed] = handed_of,
         episodes: EpisodeRunner | None = None,
+        updates: "UpdateControl | None" = None,
     ) -> "RolloutService":
         """`restarter`: how a lost engine is started again (none: the run goes on without it).
-        A restarted engine serves once the driver has pushed it the weights (`admit_engines`).
+        A restarted engine serves once it has the weights (`update_weights`).
         `evaluator`: the recipe's held-out evaluation, over the same engines. `hand`: how ready
         groups go to the trainer (in process: the groups themselves). `episodes`: multi-turn
-        rollouts (rlkit.plugins.load_episode_runner; None: one request per sample)."""
+        rollouts (rlkit.plugins.load_episode_runner; None: one request per sample). `updates`:
+        the engines' control around weight updates (EngineUpdates; None: engines with no state)."""
         buffer = RolloutBuffer(
             source,
             n_samples_per_prompt=cfg.n_samples_per_prompt,
@@ -80,18 +92,21 @@ class RolloutService:
                                  group_filter=group_filter, ranker=ranker, health=health,
                                  relaunches_per_sample=cfg.health.relaunches_per_sample,
                                  episodes=episodes, max_resume_log_ratio=cfg.max_resume_log_ratio)
-        return cls(buffer, manager, cfg.batch_size, evaluator, hand)
+        return cls(buffer, manager, cfg.batch_size, evaluator, hand, updates)
 
-    def start_step(self, version: int, *, for_version: int,
-                   final: bool) -> asyncio.Future[RolloutResult]:
-        return asyncio.ensure_future(self.run_step(version, for_version=for_version, final=final))
+    def start_step(self, version: int, *, for_version: int, final: bool,
+                   take: int = 0) -> asyncio.Future[RolloutResult]:
+        return asyncio.ensure_future(self.run_step(version, for_version=for_version, final=final,
+                                                   take=take))
 
     async def run_step(self, version: int, *, for_version: int | None = None,
-                       final: bool = False) -> RolloutResult:
+                       final: bool = False, take: int = 0) -> RolloutResult:
         """One rollout step with the engines at `version`, for groups the trainer takes at
         consumer version `for_version` (default: `version`; one more in async mode, which the
         buffer admits only within max_staleness); afterwards `batch_size` groups are ready.
-        `final`: the run's last step (tail batching drains its long queue)."""
+        `final`: the run's last step (tail batching drains its long queue). `take`: that many
+        ready groups are taken at its end and handed over with the result (`take(n)` without
+        a round trip of its own)."""
         self.buffer.begin_production(version if for_version is None else for_version)
         failures_before = self.manager.rewards.failures.copy()
         self._current = asyncio.ensure_future(
@@ -115,14 +130,16 @@ class RolloutService:
                     "end": report.started + report.seconds, "workers": self.engines.workers(),
                     "source": "real"},
             report=report,
+            handed=await self.take(take) if take else None,
         )
 
     async def run_step_streamed(self, version: int, *, for_version: int, final: bool,
-                                heartbeat_s: float = 0.5) -> AsyncIterator[Any]:
+                                take: int = 0, heartbeat_s: float = 0.5) -> AsyncIterator[Any]:
         """`run_step`, pushing news while it runs: a progress snapshot (`progress()`) when the
         engine set changes and at least every `heartbeat_s` (the console's progress line), then
         the RolloutResult as the last item. What the rollout actor streams to the driver."""
-        step = asyncio.ensure_future(self.run_step(version, for_version=for_version, final=final))
+        step = asyncio.ensure_future(self.run_step(version, for_version=for_version, final=final,
+                                                   take=take))
         try:
             while not step.done():
                 self._news.clear()
@@ -151,28 +168,95 @@ class RolloutService:
             return None
         return {**step.progress(), "awaiting_weights": self.engines_now()[1]}
 
-    async def engine_set(self) -> tuple[list[str], list[str]]:
-        return self.engines_now()
-
     def engines_now(self) -> tuple[list[str], list[str]]:
         """The engines serving, and those restarted that wait for the current weights."""
         health = self.manager.health
         return self.engines.workers(), list(health.awaiting_weights) if health else []
 
-    async def check_engines(self) -> int:
-        """Probe every engine now (as often as a hang takes to be declared); engines lost."""
-        return await self.manager.health.sweep() if self.manager.health is not None else 0
-
-    async def hold_engines(self, held: bool) -> None:
-        """The driver pauses the engines (a weight sync) or releases them: rollout.health
-        probes only that they answer meanwhile."""
+    def _hold(self, held: bool) -> None:
+        """Paused for a weight update (or asleep): rollout.health probes only that they answer."""
         if self.manager.health is not None:
             self.manager.health.hold(held)
 
-    async def admit_engines(self, urls: list[str]) -> None:
-        """Restarted engines hold the current weights now: they serve again."""
-        if self.manager.health is not None and urls:
-            await self.manager.health.admit(urls)
+    def _fresh(self, restarted: list[str]) -> None:
+        """Restarted engines come back awake, whatever was known of their URL before: their
+        sleep is forgotten once (a later call may put them to sleep again)."""
+        fresh = [u for u in restarted if u not in self._told_restarted]
+        self.updates.forget(fresh)
+        self._told_restarted.update(fresh)
+
+    async def update_weights(self, version: int, publisher: WeightPublisher, *,
+                             colocated: bool = False, restarted_only: bool = False) -> dict[str, float]:
+        """The one weight update of every mode (and of a resume), on the engines serving and
+        those restarted (which serve from now on): open the update, have `publisher` (the
+        trainer) publish `version` into it, close it; the buffer and the manager then know the
+        engines' version. With every engine lost the trainer still takes the version (a
+        checkpoint written now must agree with the step's), and the next rollout step stops
+        the run. `restarted_only`: only the engines restarted since (mid-step, at the trainer's
+        current version). `colocated`: the turn to generation (the sleeping engines wake).
+        Metrics: the trainer's, and how long the engines were paused."""
+
+        async def push(targets: list[str]) -> dict[str, float]:
+            t0 = asyncio.get_running_loop().time()
+            update = await _call(self.updates.open, targets, version, colocated=colocated)
+            try:
+                metrics = await publisher.publish(update)
+            except BaseException:
+                await _call(self.updates.fail, update)  # the engines stay paused
+                raise
+            await _call(self.updates.close, update)
+            return {**(metrics or {}), "sync/paused_seconds": asyncio.get_running_loop().time() - t0}
+
+        if restarted_only and not self.engines_now()[1]:
+            return {}
+        self._hold(True)
+        try:
+            metrics, restarted = await self._on_engines_left(push, restarted_only)
+        finally:
+            self._hold(False)
+        if not restarted_only:
+            await self.set_version(version)
+        if restarted and self.manager.health is not None:
+            await self.manager.health.admit(restarted)
+        self._told_restarted -= set(restarted)  # serving now: a later restart is news again
+        return metrics
+
+    async def sleep_engines(self) -> dict[str, float]:
+        """Colocated, the turn to training: the engines (idle: the step's rollout is over)
+        release their KV cache and weights. They stay held until the update that wakes them:
+        a sleeping engine queues generations, so probes ask only that it answers. Metrics."""
+        self._hold(True)
+        metrics, _ = await self._on_engines_left(lambda targets: _call(self.updates.release, targets))
+        return metrics
+
+    async def _on_engines_left(self, call: Callable[[list[str]], Awaitable[T]],
+                               restarted_only: bool = False) -> tuple[T, list[str]]:
+        """`call(targets)` on the engines serving and those restarted (waiting for weights), and
+        again on the engines left while engines are lost during it: an engine that dies fails
+        the call, every engine is probed (rollout.health takes the dead one out, and restarts
+        it), and the call is made again on the set as it is now, as a generation request is
+        relaunched. The same engines failing again is not an engine lost: that error is raised;
+        so is the trainer's own (PublisherFailed). Its answer and the restarted engines."""
+        failure: Exception | None = None
+        targets: list[str] = []
+        while True:
+            serving, restarted = self.engines_now()
+            now = [*([] if restarted_only else serving), *restarted]
+            if failure is not None and set(now) == set(targets):
+                raise failure
+            targets = now
+            self._fresh(restarted)
+            try:
+                return await call(targets), restarted
+            except PublisherFailed:
+                raise
+            except Exception as e:  # noqa: BLE001 - raised above if the engines are all there
+                failure = e
+                await self.check_engines()
+
+    async def check_engines(self) -> int:
+        """Probe every engine now (as often as a hang takes to be declared); engines lost."""
+        return await self.manager.health.sweep() if self.manager.health is not None else 0
 
     async def take(self, n: int) -> Handed:
         """The ready groups for one training step (the oldest first)."""
@@ -239,3 +323,11 @@ class RolloutService:
             self._current.cancel()
             await asyncio.gather(self._current, return_exceptions=True)
         await self.manager.close()
+
+
+async def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """An UpdateControl call: awaited when it is a coroutine (simulated engines, in virtual
+    time), else in a thread (the HTTP control blocks)."""
+    if inspect.iscoroutinefunction(fn):
+        return await fn(*args, **kwargs)
+    return await asyncio.to_thread(fn, *args, **kwargs)

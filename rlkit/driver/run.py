@@ -56,7 +56,7 @@ def train(recipe: Recipe) -> LoopState:
             tracker.progress(state.step + 1, p["completed"], p["target"], p["tokens"], p["seconds"])
 
         box = RemoteRolloutBox(cluster.rollout_actor, on_progress=on_progress if recipe.tracking.progress else None)
-        trainer = RayTrainerBox(cluster.trainer, recipe, cluster.engine_urls, run_dir)
+        trainer = RayTrainerBox(cluster.trainer, recipe)
         if ckpt is not None:
             cluster.trainer.load(ckpt.trainer_dir)
             if ckpt.buffer_file.is_file():
@@ -70,11 +70,13 @@ def train(recipe: Recipe) -> LoopState:
         async def main() -> LoopState:
             # Fresh engines hold the initial weights: give them the checkpoint's. Colocated, the
             # push also frees the trainer's GPU memory for the first rollout.
-            if ckpt is not None or run.colocated:
-                await run.push_weights(state.version)
             try:
+                if ckpt is not None or run.colocated:
+                    await run.push_weights(state.version)
                 return await MODES[recipe.mode](run)
             except Exception as e:
+                if (died := trainer.died(e)) is not None:  # a rank died while publishing weights
+                    raise died from None
                 down = find_user_error(e)  # Ray wraps the rollout actor's error
                 if not isinstance(down, EnginesDown):
                     raise

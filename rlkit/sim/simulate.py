@@ -13,9 +13,10 @@ given policy; then runs `mode`'s loop for `steps` steps and measures each (rlkit
 Placement (`placement`, as the recipe's cluster.placement): "disaggregated" (engines and trainer
 on GPUs of their own) or "colocated" (sync mode only): the engines share the trainer's GPUs, so
 the loop is built as `Run(..., colocated=True)` and each step also pays the turns of a
-`ColocationModel` (rlkit/sim/train_time.py) in virtual time: the trainer box's `sleep_engines`
-(engines release their memory, the trainer onloads its state) before training, and its
-`push_weights` is the wake (trainer offloads, engines resume, weights updated in memory). A
+`ColocationModel` (rlkit/sim/train_time.py) in virtual time: the engines' sleep
+(`SimEngineUpdates.release`: engines release their memory, the trainer onloads its state)
+before training, and the trainer's publish is the wake (trainer offloads, engines resume,
+weights updated in memory). A
 colocated step is then rollout + sleep + train + wake; the step's row has
 colocate/sleep_seconds and colocate/wake_seconds (Run's) and the model's parts
 (`SimulatedStep.turn`).
@@ -38,16 +39,19 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from rlkit.buffers.buffer import RolloutBuffer
 from rlkit.buffers.group import Group
+from rlkit.common.weight_update import WeightUpdate
 from rlkit.driver.loop import LoopState, Run
 from rlkit.driver.modes import MODES
 from rlkit.driver.rollout_box import Handed, RolloutResult, batch_lags
 from rlkit.driver.rollout_service import RolloutService
 from rlkit.rollout.config import HealthConfig, SamplingConfig
+from rlkit.rollout.engine_updates import StatelessEngines
 from rlkit.rollout.filters import GroupFilter
 from rlkit.rollout.manager import RolloutManager, RolloutPolicy
 from rlkit.rollout.health import EngineMonitor
@@ -112,23 +116,20 @@ class TimedTrainerBox:
             self.on_batch(self._version, self._groups)
         return {}
 
-    async def push_weights(self, version: int, urls: Sequence[str] = (),
-                           fresh: Sequence[str] = ()) -> dict[str, float] | None:
+    def publisher(self) -> "TimedTrainerBox":
+        return self
+
+    async def publish(self, update: WeightUpdate) -> dict[str, float]:
+        """Publishing takes the sync's time; colocated, the update that wakes sleeping engines
+        is the turn to generation (trainer offloads, engines resume, weights in memory)."""
         c = self.colocation
-        if c is not None and set(urls) - set(fresh):  # the turn to generation: engines wake
+        if c is not None and update.waking:
             return await _take(c.wake())
         if c is not None:  # only restarted engines (awake): an update, no turn
             await asyncio.sleep(c.update_s())
         elif self.model is not None:
             await asyncio.sleep(self.model.sync_s())
-        return None
-
-    async def sleep_engines(self, urls: Sequence[str],
-                            fresh: Sequence[str] = ()) -> dict[str, float]:
-        if self.colocation is None:
-            raise RuntimeError("sleep_engines is the colocated placement's turn; this trainer "
-                               "was built without a ColocationModel")
-        return await _take(self.colocation.sleep())
+        return {}
 
     def save(self, path: Any) -> None:
         raise NotImplementedError("a simulated run keeps no checkpoint")
@@ -140,6 +141,38 @@ async def _take(parts: dict[str, float]) -> dict[str, float]:
     return parts
 
 
+@dataclass
+class SimEngineUpdates:
+    """The simulated engines around a weight update, in virtual time: when it closes, requests
+    still running (async mode's mid-step sync) decode the rest of their tokens with the new
+    weights, stamped with its version; colocated, their sleep costs the ColocationModel's turn
+    to training (engines release, trainer onloads)."""
+
+    engines: SimEngines
+    colocation: ColocationModel | None = None
+    state: StatelessEngines = field(default_factory=StatelessEngines)
+
+    def open(self, urls: Sequence[str], version: int, *, colocated: bool = False) -> WeightUpdate:
+        return self.state.open(urls, version, colocated=colocated)
+
+    def close(self, update: WeightUpdate) -> None:
+        self.state.close(update)
+        self.engines.set_weights_version(update.version)
+
+    def fail(self, update: WeightUpdate) -> None:
+        pass
+
+    async def release(self, urls: Sequence[str]) -> dict[str, float]:
+        if self.colocation is None:
+            raise RuntimeError("engines sleep in the colocated placement's turn; this simulation "
+                               "was built without a ColocationModel")
+        self.state.release(urls)
+        return await _take(self.colocation.sleep())
+
+    def forget(self, urls: Sequence[str]) -> None:
+        self.state.forget(urls)
+
+
 class MeasuredRolloutBox:
     """The in-process rollout box (the RolloutService), noting the engines' counters around
     each rollout step; every other call is the service's own."""
@@ -149,22 +182,18 @@ class MeasuredRolloutBox:
         self.engines = engines
         self.measured: deque[tuple[Any, Any, float, float, list]] = deque()
 
-    def start_step(self, version: int, *, for_version: int, final: bool) -> asyncio.Future:
+    def start_step(self, version: int, *, for_version: int, final: bool,
+                   take: int = 0) -> asyncio.Future:
         async def measured() -> RolloutResult:
             loop = asyncio.get_running_loop()
             before, t0 = self.engines.stats(), loop.time()
-            result = await self.service.run_step(version, for_version=for_version, final=final)
+            result = await self.service.run_step(version, for_version=for_version, final=final,
+                                                 take=take)
             self.measured.append((before, self.engines.stats(), t0, loop.time(),
                                   self.engines.drain_segments()))
             return result
 
         return asyncio.ensure_future(measured())
-
-    async def set_version(self, version: int) -> None:
-        """The weights reached the engines: requests still running (async mode's mid-step
-        sync) decode the rest of their tokens with them, stamped with `version`."""
-        self.engines.set_weights_version(version)
-        await self.service.set_version(version)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.service, name)
@@ -248,7 +277,8 @@ async def simulate(
     manager = RolloutManager(buffer, replay, policy, sampling,
                              RewardScheduler(trace_reward(trace, seed)), group_filter=group_filter,
                              ranker=ranker, **watch)
-    box = MeasuredRolloutBox(RolloutService(buffer, manager, batch), engines)
+    service = RolloutService(buffer, manager, batch, updates=SimEngineUpdates(engines, colocation))
+    box = MeasuredRolloutBox(service, engines)
     results: list[SimulatedStep] = []
     reports: list[Any] = []  # the manager's StepReports, kept only when engines are watched
 

@@ -6,7 +6,7 @@ test venv: `sglang_available()` must stay false here), and checked in a subproce
 classes (types and values, as FastAPI validates them), auth decisions and the /server_info
 builder, /generate's contract gate and response schema, the server's argument parser, its
 tensor deserializer. What rlkit sends is recorded from rlkit itself (EngineClient,
-HttpEngineControl, the in-memory weight push, sglang_server_argv through token_exec's
+HttpEngine, the in-memory weight push, sglang_server_argv through token_exec's
 substitution) talking to a recording fake worker; what SGLang's code builds comes back and is
 read by rlkit's own parsers. docs/engines.md lists what this keeps. In CI (CI=true) a wheel the
 registry cannot give is a failure: a skip there would pass with no check at all.
@@ -103,7 +103,7 @@ async def _record_rlkit_calls(staged) -> list[list]:
     from rlkit.buffers.sample import Sample
     from rlkit.rollout.client import EngineClient
     from rlkit.rollout.config import SamplingConfig
-    from rlkit.train.weight_sync.engine_control import HttpEngineControl
+    from rlkit.common.engine_http import HttpEngine
     from tests.rollout.fake_worker import FakeWorker, answer_json, answer_sse
 
     worker = await FakeWorker().start()
@@ -129,7 +129,7 @@ async def _record_rlkit_calls(staged) -> list[list]:
         await client.abort_all()
         await client.loads()
 
-        ctl = HttpEngineControl(worker.url, timeout_s=30)
+        ctl = HttpEngine(worker.url, timeout_s=30)
         for call in (ctl.tp_size, ctl.gpu_ids, lambda: ctl.pause("abort"), lambda: ctl.pause("retract"),
                      lambda: ctl.pause("in_place"), ctl.flush_cache, ctl.continue_generation,
                      lambda: ctl.update_from_disk("/m", 3), lambda: ctl.update_from_disk("/m", 3, flush_cache=False),
@@ -255,4 +255,4 @@ def test_rlkit_speaks_sglangs_own_schema_routes_auth_and_flags(sglang_site, tmp_
     assert fixture["weight_version"] == meta["weight_version"]
     chunk = parse_output({"meta_info": {**fixture, **meta}})
     assert chunk.versions_by_token(0, 9) == [3, 3, 3, 3, 4, 4, 4, 5, 5]
-    assert samples["server_info"]["tp_size"] == 1  # the field HttpEngineControl.tp_size reads
+    assert samples["server_info"]["tp_size"] == 1  # the field HttpEngine.tp_size reads

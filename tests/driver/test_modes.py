@@ -45,11 +45,11 @@ class RecordingTrainer:
                                  for b in done for s in b.samples))
         return {"train/loss": 0.1 * self.step_count}
 
-    def sync_weights(self, engines, *, version=None, method=None, folder=None):
-        self.synced.append((tuple(engines), version, method))
-        self.version = version
+    def publish_weights(self, update):
+        self.synced.append((update.engines, update.version, update.method))
+        self.version = update.version
         if self.engines is not None:  # the engines now generate with these weights
-            self.engines.weight_version = version
+            self.engines.weight_version = update.version
 
     def save(self, path):
         (path / "trainer.json").write_text(json.dumps({"version": self.version}))
@@ -308,97 +308,98 @@ def test_async_needs_an_off_policy_correction_only_past_bound_zero(tmp_path):
     assert load_recipe(None, []).train.weight_sync.pause_mode == "abort"
 
 
-def test_a_weight_sync_with_every_engine_lost_still_moves_the_trainer_s_version():
+class Publisher:
+    """The trainer as the rollout side's WeightPublisher: records each update; `fail(update)`
+    may raise (an engine that died during the publish)."""
+
+    def __init__(self, fail=None):
+        self.updates, self.fail = [], fail
+
+    async def publish(self, update):
+        self.updates.append(update)
+        if self.fail is not None:
+            self.fail(update)
+        return {"sync/bytes": 1.0}
+
+
+class Health:
+    """rollout.health as the service sees it around an update: held, probed, admitting."""
+
+    def __init__(self, service, serving):
+        self.serving, self.awaiting_weights, self.held, self.admitted, self.sweeps = serving, [], [], [], 0
+        service.manager.health = self
+        service.engines_now = lambda: (list(self.serving), list(self.awaiting_weights))
+
+    def hold(self, held):
+        self.held.append(held)
+
+    async def admit(self, urls):
+        self.admitted += urls
+        self.awaiting_weights = [u for u in self.awaiting_weights if u not in urls]
+
+    async def sweep(self):
+        self.sweeps += 1
+        lost = int("b" in self.serving)
+        self.serving = ["a"]
+        return lost
+
+
+def service_of(tmp_path):
+    return make_box(recipe(tmp_path, 1)).s
+
+
+def test_a_weight_sync_with_every_engine_lost_still_moves_the_trainer_s_version(tmp_path):
     """With no engine serving, the sync still tells the trainer its weights' version: the
     checkpoint written at that step (an outage stops the run there) would otherwise pair the
     step's state with the previous version's number and be refused on resume."""
-    from rlkit.driver.loop import Run
-
-    class NoEngines:
-        version = None
-
-        async def engine_set(self):
-            return [], []
-
-        async def set_version(self, version):
-            self.version = version
-
-        async def hold_engines(self, held):
-            pass
-
-    class Trainer:
-        pushed = []
-
-        async def push_weights(self, version, urls, fresh=()):
-            self.pushed.append((version, list(urls)))
-
-    rollout, trainer = NoEngines(), Trainer()
-    asyncio.run(Run(rollout, trainer, 1, 1, on_step=None).push_weights(3))
-    assert trainer.pushed == [(3, [])] and rollout.version == 3
+    service = service_of(tmp_path)
+    Health(service, [])
+    publisher = Publisher()
+    asyncio.run(service.update_weights(3, publisher))
+    assert [(u.version, u.engines) for u in publisher.updates] == [(3, ())]
+    assert service.buffer.version == 3
 
 
 @pytest.mark.parametrize("taken_out_by", ["the sweep", "the monitor"])
-def test_a_weight_sync_that_meets_a_dead_engine_goes_on_with_the_engines_left(taken_out_by):
+def test_a_weight_sync_that_meets_a_dead_engine_goes_on_with_the_engines_left(tmp_path, taken_out_by):
     """An engine killed during a weight sync fails it. Whoever takes the dead engine out of
     service (the sweep the failure asks for, or the health monitor just before it: the race
     that ended 1 run in 11 with WeightSyncError), the sync goes on with the engines left and
     the restarted engine is admitted once it holds the weights. The same engines failing again
-    is not an engine lost: that error is raised."""
-    from rlkit.driver.loop import Run
+    is not an engine lost: that error is raised; nor is the trainer's own death retried."""
+    from rlkit.common.weight_update import PublisherFailed
 
-    class Engines:
-        def __init__(self):
-            self.serving, self.restarted, self.version, self.sweeps = ["a", "b"], [], None, 0
-            self.admitted, self.held = [], []
+    service = service_of(tmp_path)
+    health = Health(service, ["a", "b"])
 
-        async def engine_set(self):
-            return list(self.serving), list(self.restarted)
+    def b_dies(update):
+        if "b" in update.engines:  # b died during this sync
+            if taken_out_by == "the monitor":
+                health.serving = ["a"]
+            health.awaiting_weights = ["b2"]  # rollout.health restarts it
+            raise RuntimeError("update_weights_from_disk failed on 1 engine(s): b")
 
-        async def check_engines(self):
-            self.sweeps += 1
-            lost = int("b" in self.serving)
-            self.serving = ["a"]
-            return lost
+    publisher = Publisher(b_dies)
+    metrics = asyncio.run(service.update_weights(4, publisher))
+    assert [list(u.engines) for u in publisher.updates] == [["a", "b"], ["a", "b2"]]
+    assert health.sweeps == 1 and service.buffer.version == 4 and health.admitted == ["b2"]
+    assert health.held == [True, False]  # probes ask only for an answer during the sync
+    assert metrics["sync/bytes"] == 1.0 and metrics["sync/paused_seconds"] >= 0
 
-        async def set_version(self, version):
-            self.version = version
+    def own_error(update):
+        raise RuntimeError("the trainer's own error")
 
-        async def admit_engines(self, urls):
-            self.admitted += urls
+    def rank_died(update):
+        raise PublisherFailed("trainer rank 1 died", 1)
 
-        async def hold_engines(self, held):
-            self.held.append(held)
-
-    class Trainer:
-        def __init__(self, engines):
-            self.engines, self.pushed = engines, []
-
-        async def push_weights(self, version, urls, fresh=()):
-            self.pushed.append(list(urls))
-            if "b" in urls:  # b died during this sync
-                if taken_out_by == "the monitor":
-                    self.engines.serving = ["a"]
-                self.engines.restarted = ["b2"]  # rollout.health restarts it
-                raise RuntimeError("begin_weight_update failed on 1 engine(s): b")
-
-    engines = Engines()
-    trainer = Trainer(engines)
-    asyncio.run(Run(engines, trainer, 1, 1, on_step=None).push_weights(4))
-    assert trainer.pushed == [["a", "b"], ["a", "b2"]] and engines.sweeps == 1
-    assert engines.version == 4 and engines.admitted == ["b2"]
-    assert engines.held == [True, False]  # probes ask only for an answer during the sync
-
-    class Broken(Trainer):
-        async def push_weights(self, version, urls, fresh=()):
-            self.pushed.append(list(urls))
-            raise RuntimeError("the trainer's own error")
-
-    engines = Engines()
-    engines.serving = ["a"]
-    broken = Broken(engines)
-    with pytest.raises(RuntimeError, match="own error"):
-        asyncio.run(Run(engines, broken, 1, 1, on_step=None).push_weights(4))
-    assert broken.pushed == [["a"]] and engines.version is None and engines.held == [True, False]
+    for fail, sweeps in ((own_error, 1), (rank_died, 0)):
+        service = service_of(tmp_path)
+        health = Health(service, ["a"])
+        broken = Publisher(fail)
+        with pytest.raises(RuntimeError, match="own error|rank 1 died"):
+            asyncio.run(service.update_weights(4, broken))
+        assert len(broken.updates) == 1 and health.sweeps == sweeps
+        assert service.buffer.version == 0 and health.held == [True, False]
 
 
 class ColocatedTrainer(RecordingTrainer):
@@ -412,14 +413,33 @@ class ColocatedTrainer(RecordingTrainer):
         self.log.append("train")
         return super().step()
 
-    def sync_weights(self, engines, *, version=None, method=None, folder=None, colocated=False, fresh=()):
-        assert colocated and method == "tensor"
+    def publish_weights(self, update):
+        assert update.colocated
         self.log.append("wake")
-        super().sync_weights(engines, version=version, method=method, folder=folder)
+        super().publish_weights(update)
         return {"colocate/trainer_offloaded_bytes": 1.0}
 
-    def sleep_engines(self, engines, fresh=()):
+    def take_device(self):
+        self.log.append("onload")
+        return {}
+
+    def free_device(self):
+        return {}
+
+
+class SleepLog:
+    """The rollout side's engine control, recording the sleeps (StatelessEngines otherwise)."""
+
+    def __init__(self, log):
+        from rlkit.rollout.engine_updates import StatelessEngines
+
+        self.log, self.state = log, StatelessEngines()
+        self.open, self.close, self.fail, self.forget = (self.state.open, self.state.close,
+                                                        self.state.fail, self.state.forget)
+
+    def release(self, urls):
         self.log.append("sleep")
+        self.state.release(urls)
         return {"colocate/engine_freed_bytes": 2.0}
 
 
@@ -444,13 +464,14 @@ def test_colocated_engines_sleep_for_every_training_and_nothing_generates_while_
         return await generate(*args, **kwargs)
 
     box.s.engines.generate = logged
+    box.s.updates = SleepLog(log)
     trainer = ColocatedTrainer(log)
     tracker = Tracker(TrackingConfig(wandb="disabled", progress=False), tmp_path, "t", {})
     state = drive(r, box, trainer, tracker, tmp_path)
     tracker.close()
     assert (state.step, state.version) == (3, 3)
     turns = [e for i, e in enumerate(log) if e != "generate" or log[i - 1] != "generate"]
-    assert turns == ["wake"] + ["generate", "sleep", "train", "wake"] * 3
+    assert turns == ["wake"] + ["generate", "sleep", "onload", "train", "wake"] * 3
     assert [v for _, v, _ in trainer.synced] == [0, 1, 2, 3]
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all(row["buffer/balanced"] for row in rows)
@@ -468,59 +489,40 @@ def test_colocated_refuses_modes_that_generate_while_training(mode):
                            "train.algorithm.off_policy_correction=tis"])
 
 
-def test_engines_put_to_sleep_while_one_dies_go_on_asleep_without_it():
+def test_engines_put_to_sleep_while_one_dies_go_on_asleep_without_it(tmp_path):
     """Colocated: an engine that dies as it is told to sleep fails the call; the engines left
-    are put to sleep (the one already asleep is left as it is by the sender), the restarted
-    one is included, and the probes stay held (asleep engines queue generations) until the
-    push wakes them."""
-    from rlkit.driver.loop import Run
+    are put to sleep (the one already asleep is left as it is), the restarted one is included,
+    and the probes stay held (asleep engines queue generations) until the update wakes them."""
+    from rlkit.rollout.engine_updates import EngineUpdates
 
-    class Engines:
-        def __init__(self):
-            self.serving, self.restarted, self.held, self.sweeps = ["a", "b"], [], [], 0
+    class Engine:
+        def __init__(self, url):
+            self.url = url
 
-        async def engine_set(self):
-            return list(self.serving), list(self.restarted)
+        def release_memory(self, tags=None):
+            slept.append(self.url)
+            if self.url == "b":
+                health.awaiting_weights = ["b2"]
+                raise RuntimeError("connection refused")
+            return {"freed_bytes": {"weights": 5}}
 
-        async def check_engines(self):
-            self.sweeps += 1
-            self.serving = ["a"]
-            return 1
+        def pause(self, mode): calls.append(("pause", self.url))
+        def flush_cache(self): calls.append(("flush", self.url))
+        def resume_memory(self, tags=None): calls.append(("resume", self.url, tuple(tags))); return {}
+        def continue_generation(self): calls.append(("continue", self.url))
 
-        async def hold_engines(self, held):
-            self.held.append(held)
+    slept, calls = [], []
+    service = service_of(tmp_path)
+    health = Health(service, ["a", "b"])
+    service.updates = EngineUpdates(method="disk", control=Engine)
+    metrics = asyncio.run(service.sleep_engines())
+    assert slept == ["a", "b", "b2"] and health.sweeps == 1  # a, asleep already, is left asleep
+    assert health.held == [True]  # released by the update that wakes them
+    assert metrics["colocate/engines_slept"] == 1.0 and metrics["colocate/engine_freed_bytes"] == 5.0
 
-    class Trainer:
-        def __init__(self, engines):
-            self.engines, self.slept = engines, []
-
-        async def sleep_engines(self, urls, fresh=()):
-            self.slept.append((list(urls), list(fresh)))
-            if "b" in urls:
-                self.engines.restarted = ["b2"]
-                raise RuntimeError("release_memory_occupation failed on 1 engine(s): b")
-            return {"colocate/engine_freed_bytes": 5.0}
-
-    engines = Engines()
-    trainer = Trainer(engines)
-    run = Run(engines, trainer, 1, 1, on_step=None, colocated=True)
-    asyncio.run(run.to_training())
-    assert trainer.slept == [(["a", "b"], []), (["a", "b2"], ["b2"])] and engines.sweeps == 1
-    assert engines.held == [True]  # released by the push that wakes them
-    assert run._turn["colocate/engine_freed_bytes"] == 5.0 and "colocate/sleep_seconds" in run._turn
-
-    # The wake: b2 was put to sleep above, so it is no longer fresh (the sender knows it asleep)
-    pushed = []
-
-    async def push_weights(version, urls, fresh=()):
-        pushed.append((list(urls), list(fresh)))
-
-    async def nothing(*args):
-        return None
-
-    trainer.push_weights = push_weights
-    engines.set_version = engines.admit_engines = nothing
-    asyncio.run(run.push_weights(1))
-    assert pushed == [(["a", "b2"], [])] and engines.held == [True, True, False]
-    asyncio.run(Run(engines, trainer, 1, 1, on_step=None).to_training())  # not colocated: nothing
-    assert len(trainer.slept) == 2
+    # The wake: b2 was put to sleep above, so it wakes in stages like a; nothing pauses
+    publisher = Publisher()
+    asyncio.run(service.update_weights(1, publisher, colocated=True))
+    assert publisher.updates[0].waking == {"a", "b2"} and publisher.updates[0].no_flush == {"a", "b2"}
+    assert [c[0] for c in calls] == ["resume"] * 4  # weights, then KV cache, for each
+    assert health.held == [True, True, False] and health.admitted == ["b2"]

@@ -14,8 +14,8 @@ from tests.driver.test_modes import make_box, recipe
 
 
 def test_the_service_implements_every_call_of_the_protocol_as_declared():
-    assert BOX_CALLS == {"next_ready", "take", "admits", "set_version", "evaluate", "engine_set",
-                         "admit_engines", "give_back_untrained", "check_engines", "hold_engines", "save", "load"}
+    assert BOX_CALLS == {"next_ready", "take", "admits", "evaluate", "update_weights",
+                         "sleep_engines", "give_back_untrained", "save", "load"}
     for name in [*BOX_CALLS, "start_step"]:
         declared = getattr(RolloutBox, name)
         mine = getattr(RolloutService, name)
@@ -42,8 +42,8 @@ def test_the_proxy_forwards_the_protocols_calls_by_name_and_nothing_else():
     actor = RecordingActor()
     box = RemoteRolloutBox(actor)
     assert asyncio.run(box.admits(3)) == 1
-    assert asyncio.run(box.admit_engines(["http://e"])) == 2
-    assert actor.calls == [("admits", (3,)), ("admit_engines", (["http://e"],))]
+    assert asyncio.run(box.sleep_engines()) == 2
+    assert actor.calls == [("admits", (3,)), ("sleep_engines", ())]
     with pytest.raises(AttributeError):
         box.run_step  # noqa: B018 - not a box call: the step goes through start_step's stream
 

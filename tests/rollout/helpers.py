@@ -37,15 +37,15 @@ def teacher_forced_logprobs(model, prompt: Sequence[int], response: Sequence[int
 
 class EngineControls:
     """Every engine's control API through the one control client (the weight sender's,
-    rlkit.train.weight_sync.engine_control), fanned out and awaitable: for tests that drive
+    rlkit.common.engine_http), fanned out and awaitable: for tests that drive
     engines by hand (pause, flush, weight updates, continue) as a weight sync does, plus the two
     reads a test checks them by (/health, the weight version)."""
 
     def __init__(self, urls: Sequence[str], timeout_s: float = 120.0) -> None:
-        from rlkit.train.weight_sync.engine_control import HttpEngineControl
+        from rlkit.common.engine_http import HttpEngine
 
         self.urls = [u.rstrip("/") for u in urls]
-        self.engines = [HttpEngineControl(u, timeout_s=timeout_s) for u in self.urls]
+        self.engines = [HttpEngine(u, timeout_s=timeout_s) for u in self.urls]
 
     async def _each(self, call) -> None:
         import asyncio

@@ -14,7 +14,7 @@ from rlkit.rollout.config import SamplingConfig
 from rlkit.rollout.engine_api import EngineError, Engines
 from rlkit.rollout.engines.process import free_port
 from tests.rollout.fake_worker import FakeWorker, answer_json, answer_sse, tokens_chunk
-from rlkit.train.weight_sync.engine_control import EngineControlError
+from rlkit.common.engine_http import EngineControlError
 from tests.rollout.helpers import EngineControls, fixture_json, fixture_text
 
 SAMPLING = SamplingConfig(max_new_tokens=64)
@@ -223,7 +223,7 @@ async def test_a_refused_request_raises_with_the_engines_message(worker):
 
 
 async def test_control_calls_reach_every_worker_through_the_one_control_client():
-    """The weight sync's control calls go through train.weight_sync.engine_control (the one
+    """The weight sync's control calls go through rlkit.common.engine_http (the one
     control client) to each worker itself; the EngineClient speaks generation only."""
     a, b = await FakeWorker().start(), await FakeWorker().start()
     ctl = EngineControls([a.url, b.url], timeout_s=10)

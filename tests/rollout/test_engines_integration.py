@@ -1,7 +1,7 @@
 """The real sglang-router in front of two built-in engine servers on the tiny model, over
 loopback: generation, abort with partial tokens, resume, weight updates, pause, bad requests,
 a killed worker. Generation goes through the EngineClient, control calls through the one
-control client (the weight sender's HttpEngineControl, as EngineControls). One fleet per module
+control client (the weight sender's HttpEngine, as EngineControls). One fleet per module
 keeps CI time down."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from rlkit.rollout.engines.config import EngineConfig, RouterConfig
 from rlkit.rollout.engines.fleet import EngineFleet
 from rlkit.rollout.engines.process import free_port
 from rlkit.rollout.engines.builtin.weight_receiver import create_group, destroy_group
-from rlkit.train.weight_sync.engine_control import EngineControlError
+from rlkit.common.engine_http import EngineControlError
 from tests.rollout.helpers import LOGPROB_TOLERANCE, EngineControls, teacher_forced_logprobs
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -364,20 +364,26 @@ async def test_a_killed_worker_is_reported_and_the_router_retries_elsewhere(tiny
 
 
 async def test_the_trainers_weight_sender_drives_these_engines(fleet, tiny_model, tmp_path):
-    """Contract test with the other side: train/weight_sync's WeightSender (what the trainer
-    runs) updates the built-in engines over the distributed and the disk path."""
+    """Contract test with the other side: the rollout side's EngineUpdates opens each update
+    and train/weight_sync's WeightSender (what the trainer runs) publishes into it, over the
+    distributed and the disk path, on the built-in engines."""
+    from rlkit.rollout.engine_updates import EngineUpdates
+
     sender_mod = pytest.importorskip("rlkit.train.weight_sync.sender")
-    sender = sender_mod.WeightSender(bucket_mb=1, pause_mode="retract", timeout_s=120)
+    sender = sender_mod.WeightSender(bucket_mb=1, timeout_s=120)
+    by_broadcast = EngineUpdates(method="distributed", pause_mode="retract", timeout_s=120)
+    by_disk = EngineUpdates(method="disk", pause_mode="retract", timeout_s=120)
     try:
         async with fleet.client() as c:
             before = await _greedy(c)
             torch.manual_seed(3)
             new = [(n, t + 0.05 * torch.randn_like(t)) for n, t in tiny_model.state_dict().items()
                    if n != "lm_head.weight"]
-            report = await asyncio.to_thread(sender.sync_distributed, fleet.worker_urls, new, 11)
+            report = await asyncio.to_thread(by_broadcast.run, fleet.worker_urls, 11,
+                                             lambda u: sender.sync_distributed(u, new))
             after = await _greedy(c)
-            await asyncio.to_thread(sender.sync_from_disk, fleet.worker_urls, tmp_path / "w12", 12,
-                                    write=lambda p: tiny_model.save_pretrained(p))
+            await asyncio.to_thread(by_disk.run, fleet.worker_urls, 12, lambda u: sender.sync_from_disk(
+                u, tmp_path / "w12", write=lambda p: tiny_model.save_pretrained(p)))
             restored = await _greedy(c)
     finally:
         await asyncio.to_thread(sender.close)

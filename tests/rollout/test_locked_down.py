@@ -150,15 +150,15 @@ async def test_engine_client_sends_the_token_from_the_environment(server, monkey
 
 
 def test_weight_sync_control_sends_the_token(server, monkeypatch):
-    from rlkit.train.weight_sync.engine_control import EngineControlError, HttpEngineControl
+    from rlkit.common.engine_http import EngineControlError, HttpEngine
 
-    HttpEngineControl(server.url, timeout_s=30, control_token=TOKEN).flush_cache()
+    HttpEngine(server.url, timeout_s=30, control_token=TOKEN).flush_cache()
     monkeypatch.setenv(CONTROL_TOKEN_ENV, TOKEN)
-    HttpEngineControl(server.url, timeout_s=30).pause("abort")  # default: the environment
-    HttpEngineControl(server.url, timeout_s=30).continue_generation()
+    HttpEngine(server.url, timeout_s=30).pause("abort")  # default: the environment
+    HttpEngine(server.url, timeout_s=30).continue_generation()
     monkeypatch.delenv(CONTROL_TOKEN_ENV)
     with pytest.raises(EngineControlError, match="HTTP 401"):
-        HttpEngineControl(server.url, timeout_s=30).flush_cache()
+        HttpEngine(server.url, timeout_s=30).flush_cache()
 
 
 def test_an_engine_beyond_loopback_without_a_token_refuses_to_start(tiny_model_dir):

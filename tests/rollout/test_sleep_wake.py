@@ -1,6 +1,6 @@
 """Sleep and wake of the built-in engine: SGLang's /release_memory_occupation and
 /resume_memory_occupation on a real engine process (the tiny model), driven through the one
-control client (HttpEngineControl), plus the decoder's host-backup mode in process.
+control client (HttpEngine), plus the decoder's host-backup mode in process.
 
 What is checked (docs/engines.md, "Sleep and wake"): a release frees exactly the parameter bytes
 and the KV cache's bytes and /server_info shows it; requests that arrive while asleep are queued
@@ -24,7 +24,7 @@ import pytest
 
 from rlkit.rollout.engines.config import EngineConfig
 from rlkit.rollout.engines.process import start_hf_server
-from rlkit.train.weight_sync.engine_control import EngineControlError, HttpEngineControl
+from rlkit.common.engine_http import EngineControlError, HttpEngine
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -45,8 +45,8 @@ def engine(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture
-def ctl(engine) -> HttpEngineControl:
-    return HttpEngineControl(engine.url, timeout_s=120)
+def ctl(engine) -> HttpEngine:
+    return HttpEngine(engine.url, timeout_s=120)
 
 
 def param_bytes(model) -> int:

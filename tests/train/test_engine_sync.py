@@ -10,6 +10,8 @@ import urllib.request
 import pytest
 import torch
 
+from rlkit.rollout.engine_updates import EngineUpdates
+
 from tests.train.helpers import random_batch
 from rlkit.train.batch import TrainBatch, TrainSample
 from rlkit.train.config import TrainConfig
@@ -87,8 +89,9 @@ def test_sync_from_a_tp1_trainer_by_broadcast_by_disk_and_in_memory(engine, tiny
             tokens, lp, _ = engine_generate(engine)
             stale = float((trainer_logprobs(trainer, tokens) - lp).abs().max())
             assert stale > 1e-2, "training should have moved the weights away from the engine's"
-            report = trainer.sync_weights([engine], method=method, folder=tmp_path / "weights")
-            assert report.version == int(expected_version) == trainer.version
+            updates = EngineUpdates(method=method, folder=str(tmp_path / "weights"))
+            metrics = updates.run([engine], int(expected_version), trainer.publish_weights)
+            assert metrics["sync/bytes"] > 0 and int(expected_version) == trainer.version
             tokens, lp, version = engine_generate(engine)
             assert version == expected_version
             assert float((trainer_logprobs(trainer, tokens) - lp).abs().max()) < SYNC_ATOL, method
@@ -106,8 +109,8 @@ def test_sync_from_a_tp2_ray_group(engine, tiny_demo_dir, ray_cluster):
     )
     try:
         train_a_little(group, seed=50)
-        report = group.sync_weights([engine], method="distributed", version=10)
-        assert report.version == 10 and report.engines == 1 and group.version == 10
+        metrics = EngineUpdates(method="distributed").run([engine], 10, group.publish_weights)
+        assert metrics["sync/bytes"] > 0 and group.version == 10
         tokens, lp, version = engine_generate(engine)
         assert version == "10"
         assert float((trainer_logprobs(group, tokens) - lp).abs().max()) < SYNC_ATOL

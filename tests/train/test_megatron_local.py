@@ -178,7 +178,9 @@ def test_export_writes_a_folder_transformers_loads(tiny_qwen2_dir, tmp_path):
 
 
 @pytest.mark.parametrize("method", ["distributed", "disk"])
-def test_sync_weights_sends_the_trained_weights_with_a_new_version(tiny_qwen2_dir, tmp_path, method):
+def test_publish_weights_sends_the_trained_weights_with_a_new_version(tiny_qwen2_dir, tmp_path, method):
+    from rlkit.common.weight_update import WeightUpdate
+    from rlkit.rollout.engine_updates import EngineUpdates
     from rlkit.train.weight_sync.loopback import LoopbackEngines
     from rlkit.train.weight_sync.sender import WeightSender
 
@@ -187,23 +189,26 @@ def test_sync_weights_sends_the_trained_weights_with_a_new_version(tiny_qwen2_di
     trainer.step()
     expected = dict(trainer.iter_hf_weights())
     with LoopbackEngines(1) as engines:
-        trainer.attach_sender(WeightSender(bucket_mb=1, control_factory=engines.control))
+        trainer.attach_sender(WeightSender(bucket_mb=1, engine_factory=engines.control))
+        updates = EngineUpdates(method=method, folder=str(tmp_path), control=engines.control)
         try:
-            report = trainer.sync_weights(engines.urls, method=method, folder=tmp_path)
-            report2 = trainer.sync_weights(engines.urls, method=method, folder=tmp_path)
+            report = updates.run(engines.urls, 1, trainer.publish_weights)
+            report2 = updates.run(engines.urls, 2, trainer.publish_weights)
         finally:
             trainer.close()
         got, log = engines.received(engines.urls[0])
-    assert (report.version, report2.version, trainer.version) == (1, 2, 2)
+    assert trainer.version == 2
     assert sorted(got) == sorted(expected)
     assert all(torch.equal(got[k], v) for k, v in expected.items())
-    assert report.bytes >= sum(t.numel() * 4 for t in expected.values())
-    assert [c[0] for c in log][:3] == (["init_group", "pause", "flush"] if method == "distributed" else ["pause", "flush", "disk"])
+    assert report["sync/bytes"] >= sum(t.numel() * 4 for t in expected.values()) and report2["sync/bytes"] > 0
+    # the rollout side opens (pause, flush, a session for a broadcast); the trainer publishes
+    assert [c[0] for c in log][:4] == (["pause", "flush", "begin", "init_group"] if method == "distributed"
+                                       else ["pause", "flush", "disk", "continue"])
     with pytest.raises(ValueError, match="is older"):
-        trainer.sync_weights(["http://x"], version=1)
+        trainer.publish_weights(WeightUpdate(1, ("http://x",), method))
     # every engine lost (rollout.health): nothing is sent, but the weights are version 3 and a
     # checkpoint written now must say so (it said 2 while the run's state said 3)
-    assert trainer.sync_weights([], method=method, folder=tmp_path) is None
+    assert "sync/bytes" not in trainer.publish_weights(WeightUpdate(3, (), method, str(tmp_path)))
     assert trainer.version == 3
 
 

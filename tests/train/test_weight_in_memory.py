@@ -302,6 +302,7 @@ class EngineStandIn:
 @pytest.mark.timeout(600)
 def test_in_memory_update_gives_the_same_engine_weights_as_the_broadcast():
     from tests.train.helpers import make_hf_model
+    from rlkit.common.weight_update import WeightUpdate
     from rlkit.train.weight_sync.sender import WeightSender
 
     new = make_hf_model("qwen2", tie=True, seed=5)
@@ -314,10 +315,10 @@ def test_in_memory_update_gives_the_same_engine_weights_as_the_broadcast():
     engine = EngineStandIn(parent)
     try:
         initial = engine.ask("state")
-        sender = WeightSender(bucket_mb=1, control_factory=lambda url: engine)
+        sender = WeightSender(bucket_mb=1, engine_factory=lambda url: engine)
         sender.bucket_bytes = bucket_bytes
         try:
-            report = sender.sync_distributed([engine.url], iter(sent), version=1)
+            report = sender.sync_distributed(WeightUpdate(1, (engine.url,), "distributed"), iter(sent))
         finally:
             sender.close()
         by_broadcast = engine.ask("state")

@@ -1,4 +1,6 @@
-"""The trainer side of weight sync: call order, versions, buckets, disk folders, and the gloo
+"""A weight update, both halves: the rollout side's hold on the engines (rollout/
+engine_updates.py: pause, flush, sessions, sleep and wake) and the trainer's publish into it
+(train/weight_sync/sender.py): call order, versions, buckets, disk folders, and the gloo
 broadcast to a peer process that joins the group the way an engine does."""
 
 from __future__ import annotations
@@ -10,7 +12,23 @@ import subprocess
 import pytest
 import torch
 
+from rlkit.common.engine_http import CONTROL_CALLS
+from rlkit.rollout.engine_updates import EngineUpdates
 from rlkit.train.weight_sync.sender import WeightSender, WeightSyncError, bucketize
+
+
+def both(factory, method="disk", pause_mode="abort", **sender_kwargs):
+    """The rollout side's EngineUpdates and the trainer's WeightSender over the same engines."""
+    return (EngineUpdates(method=method, pause_mode=pause_mode, control=factory),
+            WeightSender(engine_factory=factory, **sender_kwargs))
+
+
+def disk(updates, sender, urls, folder, version, write=lambda p: p.mkdir(), **kwargs):
+    return updates.run(urls, version, lambda u: sender.sync_from_disk(u, folder, write=write, **kwargs))
+
+
+def distributed(updates, sender, urls, weights, version):
+    return updates.run(urls, version, lambda u: sender.sync_distributed(u, weights))
 
 
 class RecordingEngine:
@@ -50,31 +68,43 @@ def test_bucketize_respects_the_byte_budget():
 
 def test_disk_sync_order_version_and_folder(tmp_path):
     log: list = []
-    sender = WeightSender(pause_mode="abort", control_factory=lambda u: RecordingEngine(u, log))
+    updates, sender = both(lambda u: RecordingEngine(u, log))
 
     def write(p: Path):
         p.mkdir(parents=True)
         (p / "model.safetensors").write_bytes(b"x" * 1000)
 
-    r1 = sender.sync_from_disk(["http://a", "http://b"], tmp_path / "v000001", 1, write=write)
+    r1 = disk(updates, sender, ["http://a", "http://b"], tmp_path / "v000001", 1, write=write)
     steps = [(u, c[0]) for u, *c in log if u == "http://a"]
     assert [s for _, s in steps] == ["pause", "flush", "disk", "continue"]
     assert ("http://a", "pause", "abort") in log
     assert ("http://b", "disk", str((tmp_path / "v000001").resolve()), 1) in log
     assert (r1.version, r1.engines, r1.bytes) == (1, 2, 1000)
-    sender.sync_from_disk(["http://a"], tmp_path / "v000002", 2, write=write)
+    disk(updates, sender, ["http://a"], tmp_path / "v000002", 2, write=write)
     assert not (tmp_path / "v000001").exists()  # the previous version's folder is removed
     assert (tmp_path / "v000002" / "model.safetensors").exists()
 
 
 def test_a_failed_update_leaves_engines_paused_and_names_the_engine(tmp_path):
     log: list = []
-    sender = WeightSender(
-        control_factory=lambda u: RecordingEngine(u, log, fail_on="disk" if u == "http://b" else None)
-    )
+    updates, sender = both(lambda u: RecordingEngine(u, log, fail_on="disk" if u == "http://b" else None))
     with pytest.raises(WeightSyncError, match=r"update_weights_from_disk failed on 1 engine\(s\): http://b"):
-        sender.sync_from_disk(["http://a", "http://b"], tmp_path / "v1", 1, write=lambda p: p.mkdir())
+        disk(updates, sender, ["http://a", "http://b"], tmp_path / "v1", 1)
     assert not any(c[1] == "continue" for c in log)
+
+
+def test_the_trainer_never_changes_an_engine_s_state(tmp_path):
+    """One owner for the engines: every control call (pause, flush, continue, sessions, sleep,
+    wake) comes from the rollout side; the trainer's publish makes only weight calls."""
+    log: list = []
+    updates, sender = both(lambda u: RecordingEngine(u, log))
+    update = updates.open(["http://a"], 1)
+    del log[:]
+    sender.sync_from_disk(update, tmp_path / "v1", write=lambda p: p.mkdir())
+    assert log and not [c for c in log if c[1] in ("pause", "flush", "continue", "begin", "end",
+                                                    "release", "resume")]
+    assert set(CONTROL_CALLS) == {"pause", "flush_cache", "continue_generation", "begin_update",
+                                  "end_update", "release_memory", "resume_memory"}
 
 
 @pytest.mark.integration
@@ -85,10 +115,10 @@ def test_distributed_broadcast_reaches_every_engine_in_buckets():
     weights = {f"w{i}": torch.randn(300, 500, generator=g) for i in range(5)}  # 600 kB each
     weights["b"] = torch.randn(7, generator=g).to(torch.bfloat16)
     with LoopbackEngines(2) as engines:
-        sender = WeightSender(bucket_mb=1, control_factory=engines.control)
+        updates, sender = both(engines.control, method="distributed", bucket_mb=1)
         try:
-            r1 = sender.sync_distributed(engines.urls, weights.items(), version=3)
-            r2 = sender.sync_distributed(engines.urls, weights.items(), version=4)  # reuses the group
+            r1 = distributed(updates, sender, engines.urls, weights.items(), 3)
+            r2 = distributed(updates, sender, engines.urls, weights.items(), 4)  # reuses the group
         finally:
             sender.close()
         for url in engines.urls:
@@ -99,24 +129,28 @@ def test_distributed_broadcast_reaches_every_engine_in_buckets():
         assert r1.bytes == sum(t.numel() * t.element_size() for t in weights.values())
         assert r2.seconds_stage == 0.0  # group formed once
         _, log = engines.received(engines.urls[1])
-        assert log[0][0] == "init_group" and log[0][3:] == (2, 3, log[0][5], "gloo")  # rank 2 of 3
+        assert log[3][0] == "init_group" and log[3][3:] == (2, 3, log[3][5], "gloo")  # rank 2 of 3
         calls = [c[0] for c in log]
         assert calls.count("init_group") == 1 and calls.count("pause") == 2
-        assert calls[1:4] == ["pause", "flush", "begin"] and calls[-3:] == ["end", "continue", "destroy"]
+        # the rollout side opens (pause, flush, begin), then the trainer forms its group
+        assert calls[:4] == ["pause", "flush", "begin", "init_group"]
+        assert calls[-3:] == ["end", "continue", "destroy"]
         assert ("bucket", 1, 3) in log and ("bucket", 2, 4) in log  # every bucket carries its version
 
 
 def test_an_unreachable_engine_fails_the_group_at_once_naming_it():
     import time
 
-    from rlkit.train.weight_sync.engine_control import HttpEngineControl
+    from rlkit.common.engine_http import HttpEngine
+    from rlkit.common.weight_update import WeightUpdate
     from rlkit.train.weight_sync.sender import WeightSender
 
-    sender = WeightSender(timeout_s=120, control_factory=lambda u: HttpEngineControl(u, timeout_s=5))
+    sender = WeightSender(timeout_s=120, engine_factory=lambda u: HttpEngine(u, timeout_s=5))
     t0 = time.perf_counter()
     # the first call of forming a group reads each engine's TP size
     with pytest.raises(WeightSyncError, match=r"server_info \(tp_size\) failed on 1 engine\(s\): http://127.0.0.1:9: .*refused"):
-        sender.sync_distributed(["http://127.0.0.1:9/"], [("w", torch.zeros(3))], version=1)
+        sender.sync_distributed(WeightUpdate(1, ("http://127.0.0.1:9/",), "distributed"),
+                                [("w", torch.zeros(3))])
     assert time.perf_counter() - t0 < 20  # not the 120 s rendezvous timeout
     sender.close()
 
@@ -155,8 +189,9 @@ def test_every_pause_mode_completes_a_sync_under_sglangs_cache_rule(tmp_path, mo
     """in_place keeps the paused requests' KV, so it must neither flush nor ask the update to:
     a flush would be refused (400) and the sync would always fail."""
     log: list = []
-    sender = WeightSender(pause_mode=mode, control_factory=lambda u: SGLangCacheRules(u, log))
-    sender.sync_from_disk(["http://a"], tmp_path / "v1", 1, write=lambda p: p.mkdir())
+    engines: dict = {}  # one per URL: both sides talk to the same engine
+    updates, sender = both(lambda u: engines.setdefault(u, SGLangCacheRules(u, log)), pause_mode=mode)
+    disk(updates, sender, ["http://a"], tmp_path / "v1", 1)
     steps = [c[0] for _, *c in log]
     if mode == "in_place":
         assert steps == ["pause", "disk", "continue"] and log[1][-1] == "no flush"
@@ -182,9 +217,9 @@ def test_distributed_group_with_tensor_parallel_engines_in_place():
 
     weights = {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(5, dtype=torch.bfloat16)}
     with LoopbackEngines(2, tp_sizes=[2, 1]) as engines:
-        sender = WeightSender(bucket_mb=1, pause_mode="in_place", control_factory=engines.control)
+        updates, sender = both(engines.control, method="distributed", pause_mode="in_place", bucket_mb=1)
         try:
-            sender.sync_distributed(engines.urls, weights.items(), version=1)
+            distributed(updates, sender, engines.urls, weights.items(), 1)
         finally:
             sender.close()
         for url, ranks in zip(engines.urls, (2, 1)):
@@ -192,18 +227,17 @@ def test_distributed_group_with_tensor_parallel_engines_in_place():
                 got, log = engines.received(url, tp_rank=r)
                 assert all(torch.equal(got[k], v) for k, v in weights.items())
                 assert "flush" not in [c[0] for c in log]
-        _, first = engines.received(engines.urls[0])
-        _, second = engines.received(engines.urls[1])
-        assert first[0][3:5] == (1, 4) and second[0][3:5] == (3, 4)  # (rank_offset, world_size)
+        joins = [next(c for c in engines.received(u)[1] if c[0] == "init_group") for u in engines.urls]
+        assert joins[0][3:5] == (1, 4) and joins[1][3:5] == (3, 4)  # (rank_offset, world_size)
 
 
 def test_the_fakes_are_engine_controls():
-    """The Protocol is the one list of control calls: every stand-in implements all of it."""
-    from rlkit.train.weight_sync.engine_control import EngineControl, HttpEngineControl
+    """The Protocols are the one list of calls of each side: every stand-in implements both."""
+    from rlkit.common.engine_http import CONTROL_CALLS, WEIGHT_CALLS, HttpEngine
     from rlkit.train.weight_sync.loopback import LoopbackControl
 
-    calls = {n for n in vars(EngineControl) if not n.startswith("_")} - {"url"}
-    for cls in (HttpEngineControl, LoopbackControl, RecordingEngine, SGLangCacheRules):
+    calls = set(CONTROL_CALLS) | set(WEIGHT_CALLS)
+    for cls in (HttpEngine, LoopbackControl, RecordingEngine, SGLangCacheRules):
         assert calls <= set(dir(cls)), (cls.__name__, sorted(calls - set(dir(cls))))
 
 
@@ -230,18 +264,18 @@ def test_a_sync_that_fails_closes_the_update_sessions_it_opened():
                     raise RuntimeError("connection reset")
                 self.inner.begin_update()
 
-        sender = WeightSender(bucket_mb=1, control_factory=Dying)
+        updates, sender = both(Dying, method="distributed", bucket_mb=1)
         try:
             with pytest.raises(WeightSyncError, match="begin_weight_update failed on 1 engine"):
-                sender.sync_distributed(engines.urls, weights.items(), version=1)
+                distributed(updates, sender, engines.urls, weights.items(), 1)
             _, log = engines.received(engines.urls[0])
             assert [c[0] for c in log][-3:] == ["flush", "begin", "end"]  # closed, not continued
-            sender.sync_distributed(engines.urls[:1], weights.items(), version=1)  # the one left
+            distributed(updates, sender, engines.urls[:1], weights.items(), 1)  # the one left
         finally:
             sender.close()
         got, log = engines.received(engines.urls[0])
-        calls = [c[0] for c in log]  # the old group left, a new one formed with the engine left
-        assert torch.equal(got["w"], weights["w"]) and calls.count("init_group") == 2
+        calls = [c[0] for c in log]  # the group formed with the engine left
+        assert torch.equal(got["w"], weights["w"]) and calls.count("init_group") == 1
         assert calls[-3:] == ["end", "continue", "destroy"]  # (the last: sender.close)
 
 
@@ -283,18 +317,17 @@ def test_a_sleeping_engine_wakes_in_stages_weights_update_then_kv(tmp_path):
     restarted since) is paused and continued as usual in the same update."""
     log: list = []
     engines = {u: SGLangMemoryRules(u, log) for u in ("http://a", "http://b")}
-    sender = WeightSender(control_factory=lambda u: engines[u])
-    report = sender.release(["http://a"])
-    assert report["colocate/engine_freed_bytes"] == 110 and sender.sleeping == {"http://a": "asleep"}
-    assert sender.release(["http://a"])["colocate/engines_slept"] == 0  # asleep already
+    updates, sender = both(lambda u: engines[u])
+    report = updates.release(["http://a"])
+    assert report["colocate/engine_freed_bytes"] == 110 and updates.sleeping == {"http://a": "asleep"}
+    assert updates.release(["http://a"])["colocate/engines_slept"] == 0  # asleep already
     sent = []
-    sender.sync_from_disk(["http://a", "http://b"], tmp_path / "v1", 1, write=lambda p: p.mkdir(),
-                          after_send=lambda: sent.append(len(log)))
+    disk(updates, sender, ["http://a", "http://b"], tmp_path / "v1", 1, after_send=lambda: sent.append(len(log)))
     a = [c[0] if c[0] != "resume" else ("resume", c[1]) for u, *c in log if u == "http://a"]
     assert a == ["release", ("resume", ("weights",)), "disk", ("resume", ("kv_cache", "cuda_graph"))]
     assert [c[0] for u, *c in log if u == "http://b"] == ["pause", "flush", "disk", "continue"]
     assert log[sent[0] - 1][1] == "disk" and log[sent[0]][1] in ("resume", "continue")  # after the update
-    assert sender.sleeping == {} and engines["http://a"].released == set()
+    assert updates.sleeping == {} and engines["http://a"].released == set()
 
 
 def test_a_wake_that_fails_half_way_resumes_only_what_is_still_released(tmp_path):
@@ -303,16 +336,16 @@ def test_a_wake_that_fails_half_way_resumes_only_what_is_still_released(tmp_path
     log: list = []
     engines = {"http://a": SGLangMemoryRules("http://a", log),
                "http://b": SGLangMemoryRules("http://b", log, dies_on="disk")}
-    sender = WeightSender(control_factory=lambda u: engines[u])
-    sender.release(list(engines))
+    updates, sender = both(lambda u: engines[u])
+    updates.release(list(engines))
     with pytest.raises(WeightSyncError, match="http://b"):
-        sender.sync_from_disk(list(engines), tmp_path / "v1", 1, write=lambda p: p.mkdir())
-    assert sender.sleeping == {"http://a": "weights", "http://b": "weights"}
-    sender.forget(["http://b"])  # the dead one: its restart comes back awake
+        disk(updates, sender, list(engines), tmp_path / "v1", 1)
+    assert updates.sleeping == {"http://a": "weights", "http://b": "weights"}
+    updates.forget(["http://b"])  # the dead one: its restart comes back awake
     del log[:]
-    sender.sync_from_disk(["http://a"], tmp_path / "v1", 1, write=lambda p: p.mkdir())
+    disk(updates, sender, ["http://a"], tmp_path / "v1", 1)
     assert [(c[0], *c[1:2]) for _, *c in log if c[0] == "resume"] == [("resume", ("kv_cache", "cuda_graph"))]
-    assert sender.sleeping == {}
+    assert updates.sleeping == {}
 
 
 def test_an_nccl_group_that_would_put_two_ranks_on_one_gpu_is_named_before_it_is_formed():
@@ -323,7 +356,7 @@ def test_an_nccl_group_that_would_put_two_ranks_on_one_gpu_is_named_before_it_is
     log: list = []
     engines = {"a": RecordingEngine("a", log, gpus=("GPU-1",)), "b": RecordingEngine("b", log, gpus=("GPU-1",)),
                "c": RecordingEngine("c", log, gpus=("GPU-0",)), "d": RecordingEngine("d", log)}
-    sender = WeightSender(control_factory=lambda u: engines[u])
+    sender = WeightSender(engine_factory=lambda u: engines[u])
     check = sender.nccl_conflict(["a", "d"], "GPU-0")
     assert check.clash is None and check.unchecked == ("d",)
     check = sender.nccl_conflict(["a", "b", "c", "d"], "GPU-0")
@@ -345,7 +378,7 @@ def test_the_trainer_says_once_which_engines_it_cannot_check_for_a_shared_gpu(mo
     log: list = []
     engines = {"hf": RecordingEngine("hf", log, gpus=("GPU-1",)), "sg": RecordingEngine("sg", log),
                "on-mine": RecordingEngine("on-mine", log, gpus=("GPU-0",))}
-    sender = WeightSender(control_factory=lambda u: engines[u])
+    sender = WeightSender(engine_factory=lambda u: engines[u])
     rank = SimpleNamespace(device=torch.device("cuda", 0), _nccl_check={}, _nccl_unchecked=set(),
                            _warned_nccl=False)
     with pytest.warns(UserWarning, match=r"cannot check that sg share no GPU.*method: disk"):

@@ -22,12 +22,14 @@ runs as many passes, and makes the same collective calls, as the busiest.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import torch
 
+from rlkit.common.weight_update import WeightUpdate
 from rlkit.train.algorithms.losses import PolicyLossInput, policy_loss
 from rlkit.train.algorithms.mismatch import empty as mismatch_empty, metrics as mismatch_metrics
 from rlkit.train.batch import TrainBatch, TrainSample
@@ -487,111 +489,69 @@ class MegatronTrainer:
                 return None
             return save_hf_folder(path, weights, self.hf_config, side_files_from=self.model_path)
 
-    def sync_weights(
-        self,
-        engines: Sequence[str],
-        *,
-        version: int | None = None,
-        method: str | None = None,
-        folder: str | Path | None = None,
-        colocated: bool = False,
-        fresh: Sequence[str] = (),
-    ):
-        """Push the current weights to `engines` (URLs of engine workers, not the router) and set
-        the policy version (default: current + 1; the current version itself re-publishes the
-        same weights, e.g. to fresh engines after a resume). With no engine (every one lost, see
-        rollout.health) only the version moves: the weights are that version's all the same, and
-        a checkpoint must say so. Collective: call it on every rank.
+    def publish_weights(self, update: WeightUpdate) -> dict[str, float] | None:
+        """Publish the current weights into `update` (opened by the rollout side, which owns
+        the engines: rollout/engine_updates.py) and take its version. With no engine (every one
+        lost, see rollout.health) only the version moves: the weights are that version's all
+        the same, and a checkpoint must say so. Collective: call it on every rank (the TP ranks
+        of replica 0 take part in the all-gathers; global rank 0 sends).
 
-        `colocated`: the turn to generation. Every rank frees its gradients and optimizer state
-        on the device, the sleeping engines wake with the new weights (the sender's staged wake),
-        and the parameters leave the device once sent. `fresh`: engines restarted since the
-        sender last saw them (awake).
-        Returns the SyncReport on the rank that sent (global rank 0), None elsewhere; colocated,
-        a metrics dict on rank 0 (the report's figures and the memory moved)."""
+        `update.colocated`: the turn to generation: the parameters leave the device once sent
+        (gradients and optimizer state left it at the end of training, `free_device`), before
+        the engines take their KV cache back. Metrics on rank 0 (the sync's figures and the
+        memory moved), None elsewhere."""
         ws = self.config.weight_sync
-        method = method or ws.method
-        if method == "auto":  # a TrainConfig outside a recipe: as disaggregated
-            method = "distributed"
-        version = self.version + 1 if version is None else int(version)
-        if version < self.version:
-            raise ValueError(f"sync_weights: version {version} is older than {self.version}")
-        if method not in ("disk", "distributed", "tensor"):
-            raise ValueError(f"sync_weights: unknown method {method!r}")
-        if method == "disk" and folder is None and not ws.disk_dir:
-            raise ValueError("sync_weights(method='disk') needs a folder or train.weight_sync.disk_dir")
+        if update.version < self.version:
+            raise ValueError(f"publish_weights: version {update.version} is older than {self.version}")
         moved: dict[str, float] = {}
-        if colocated:
+        after_send = None
+        if update.colocated:
             self._moved(moved, "offload", self.offload.offload(("grads", "optimizer")))
             self._moved(moved, "onload", self.offload.onload(("params",)))  # sent from the device
-        after_send = ((lambda: self._moved(moved, "offload", self.offload.offload(("params",))))
-                      if colocated else None)
+            after_send = lambda: self._moved(moved, "offload", self.offload.offload(("params",)))  # noqa: E731
         report = None
-        if not engines:
-            self.version = version
-            if after_send is not None:
-                after_send()
-            return moved if colocated and self.rank.rank == 0 else None
-        weights = self._sender_hf_weights()
-        if weights is None:
-            if after_send is not None:  # this rank's part (the TP all-gathers) is done
-                after_send()
-        else:
+        weights = self._sender_hf_weights() if update.engines else None
+        if weights is not None:
             sender = self._weight_sender()
-            sender.forget(fresh)
-            if method == "distributed" and self.device.type == "cuda" and (folder or ws.disk_dir):
-                method = self._nccl_safe(sender, engines)
-            if method == "disk":
-                root = Path(folder if folder is not None else ws.disk_dir)
-                report = sender.sync_from_disk(
-                    engines,
-                    root / f"v{version:06d}",
-                    version,
-                    write=lambda p: save_hf_folder(
-                        p, weights, self.hf_config, side_files_from=self.model_path
-                    ),
-                    after_send=after_send,
-                )
-            elif method == "tensor":
-                report = sender.sync_in_memory(engines, weights, version, after_send=after_send)
-            else:
-                report = sender.sync_distributed(engines, weights, version, after_send=after_send)
-        self.version = version
-        if not colocated:
-            return report
-        if report is None:
+            method = update.method
+            if method == "distributed" and self.device.type == "cuda" and (update.folder or ws.disk_dir):
+                method = self._nccl_safe(sender, update.engines)
+            if method == "disk" and update.folder is None and ws.disk_dir:
+                update = dataclasses.replace(update, folder=str(ws.disk_dir))
+            report = sender.publish(
+                update, weights, method=method, after_send=after_send,
+                write=lambda p, w: save_hf_folder(p, w, self.hf_config, side_files_from=self.model_path))
+        elif after_send is not None:  # this rank's part (the TP all-gathers) is done, or no engine
+            after_send()
+        self.version = update.version
+        if self.rank.rank != 0:
             return None
-        used = _device_used(self.device)  # the engines awake again: what generation has
-        return {**moved, "sync/bytes": float(report.bytes), "sync/paused_seconds": report.seconds_paused,
-                **({"colocate/device_used_generating_bytes": used} if used is not None else {})}
+        out = dict(moved)
+        if report is not None:
+            out.update({"sync/bytes": float(report.bytes), "sync/send_seconds": report.seconds_paused,
+                        "sync/stage_seconds": report.seconds_stage})
+        if update.colocated and (used := _device_used(self.device)) is not None:
+            out["colocate/device_used_generating_bytes"] = used  # the engines awake again
+        return out
 
-    def sleep_engines(self, engines: Sequence[str], fresh: Sequence[str] = ()) -> dict[str, float] | None:
-        """Colocated, the turn to training (collective): the sending rank puts the engines to
-        sleep (they release KV cache and weights), then every rank takes its parameters,
-        gradients and optimizer state back onto the device. Metrics on rank 0, None elsewhere."""
-        import torch.distributed as dist
+    def free_device(self) -> dict[str, float]:
+        """Colocated, the end of training: gradients and optimizer state leave the device (the
+        parameters stay, to be sent), so the engines can take their weights' memory back."""
+        moved: dict[str, float] = {}
+        self._moved(moved, "offload", self.offload.offload(("grads", "optimizer")))
+        return moved
 
+    def take_device(self) -> dict[str, float]:
+        """Colocated, the turn to training (the engines sleep: rollout/engine_updates.py): the
+        parameters, gradients and optimizer state come back onto the device. Metrics."""
         report: dict[str, float] = {}
-        failure: Exception | None = None
-        if self.rank.rank == 0 and engines:
-            sender = self._weight_sender()
-            sender.forget(fresh)
-            try:
-                report.update(sender.release(engines))
-            except Exception as e:  # noqa: BLE001 - raised after the ranks agree (below)
-                failure = e
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            # The other ranks must not load onto GPUs whose engines are still awake.
-            dist.barrier()
-        if failure is not None:
-            raise failure
         asleep = _device_used(self.device)
         self._moved(report, "onload", self.offload.onload(("params", "grads", "optimizer")))
         training = _device_used(self.device)
         if asleep is not None:  # device-wide, the engines' share included
             report.update({"colocate/device_used_asleep_bytes": asleep,
                            "colocate/device_used_training_bytes": training})
-        return report if self.rank.rank == 0 else None
+        return report
 
     @staticmethod
     def _moved(into: dict[str, float], direction: str, report: dict[str, float]) -> None:
@@ -651,12 +611,7 @@ class MegatronTrainer:
 
         if self._sender is None:
             ws = self.config.weight_sync
-            self._sender = WeightSender(
-                bucket_mb=ws.bucket_mb, timeout_s=ws.timeout_s,
-                # a TrainConfig outside a recipe (tests, benches) leaves 'auto': nothing
-                # is in flight there, as in sync mode
-                pause_mode="abort" if ws.pause_mode == "auto" else ws.pause_mode,
-            )
+            self._sender = WeightSender(bucket_mb=ws.bucket_mb, timeout_s=ws.timeout_s)
         return self._sender
 
     @property

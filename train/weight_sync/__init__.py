@@ -1,12 +1,13 @@
-"""Push trainer weights to inference engines: pause -> flush -> update -> continue, versioned."""
+"""The trainer's half of a weight update: publish weights into an update the rollout side
+opened (rollout/engine_updates.py), by disk, in-memory handles or a broadcast group, versioned."""
 
-from rlkit.train.weight_sync.engine_control import EngineControl, EngineControlError, HttpEngineControl
-from rlkit.train.weight_sync.sender import SyncReport, WeightSender, WeightSyncError
+from rlkit.common.engine_http import EngineControlError, EngineWeights, HttpEngine, WeightSyncError
+from rlkit.train.weight_sync.sender import SyncReport, WeightSender
 
 __all__ = [
-    "EngineControl",
     "EngineControlError",
-    "HttpEngineControl",
+    "EngineWeights",
+    "HttpEngine",
     "SyncReport",
     "WeightSender",
     "WeightSyncError",

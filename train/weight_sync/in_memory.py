@@ -214,8 +214,8 @@ def push_in_memory(
 ) -> InMemoryStats:
     """Send `buckets` of (HF name, tensor) to every target (the sender's `bucketize(tensors,
     bucket_bytes)`), one bucket at a time: stage, post to every engine, `wait(futures, step)`
-    (raises naming the engines that failed), release. The pause/flush/continue around it are
-    the caller's."""
+    (raises naming the engines that failed), release. The update around it is the rollout
+    side's (rollout/engine_updates.py)."""
     push = InMemoryPush(targets, version, flush_cache=flush_cache)
     stats = InMemoryStats()
     try:

@@ -1,37 +1,24 @@
-"""WeightSender: the trainer side of a weight update (docs/facts.md; as slime does it).
+"""WeightSender: the trainer's half of a weight update: it publishes the current weights into
+an update the rollout side opened (rlkit.common.weight_update; rollout/engine_updates.py pauses,
+flushes, wakes and continues the engines: the trainer never changes an engine's state). With the
+version of the update, so engines stamp it on every token generated afterwards.
 
-Sequence for every method: [stage weights] -> pause(mode) -> flush_cache -> update -> continue,
-with the new policy version sent along, so engines stamp it on every token generated afterwards.
-Under `pause_mode: in_place` there is no flush: the paused requests keep their KV cache, and
-SGLang (and the built-in engine) refuse a flush while any does (400; sglang
-srt/managers/scheduler.py `flush_cache` needs the scheduler idle), so the updates are sent with
-`flush_cache: false` too. The cache computed by the old weights is kept: that is in_place's
-trade (no recomputation), and each token still carries the version that produced it.
-
-- disk: the HF weights are written as a safetensors folder (before pausing, so engines keep
-  generating meanwhile), then each engine loads it with /update_weights_from_disk.
+- disk: the HF weights are written as a safetensors folder, then each engine loads it with
+  /update_weights_from_disk (flushing its cache unless the update says not to: an engine woken
+  from sleep has none, and under pause_mode in_place the paused requests keep theirs).
 - tensor (in memory): for engines on the trainer rank's own device, or its node's CPU: per bucket
   one /update_weights_from_tensor carrying handles to the trainer's CUDA memory or to a shared-
   memory copy (train/weight_sync/in_memory.py); the engine maps the same memory.
 - distributed: a process group trainer(rank 0) + every TP rank of every engine is formed once per
   set of engines (/init_weights_update_group, joined concurrently by the trainer). SGLang joins
   TP rank r of an engine as `rank_offset + r`, so engine i gets rank_offset 1 + the TP sizes of
-  engines 0..i-1 (each engine's TP size read from its /server_info) and the world is 1 + them all. Each update is
-  /begin_weight_update, then per bucket one /update_weights_from_distributed per engine (names,
-  dtypes, shapes) while the trainer broadcasts the bucket's tensors one by one from rank 0, then
-  /end_weight_update. gloo on CPU, NCCL when the tensors are on a GPU.
+  engines 0..i-1 (each engine's TP size read from its /server_info) and the world is 1 + them
+  all. Per bucket one /update_weights_from_distributed per engine (names, dtypes, shapes) while
+  the trainer broadcasts the bucket's tensors one by one from rank 0. gloo on CPU, NCCL when the
+  tensors are on a GPU.
 
-Colocated (sleep and wake): `release(engines)` puts idle engines to sleep (SGLang's
-/release_memory_occupation, every tag: KV cache, weights, CUDA graphs). An update that meets a
-sleeping engine wakes it in stages instead of pausing it, as verl does, so the GPU never holds
-both the old and the new allocation: resume its weights' memory, send the update (no flush:
-its KV cache is gone), `after_send()` (the trainer frees its own copy), then resume the KV
-cache and CUDA graphs. The sender remembers how far each engine has woken, so an update sent
-again after a failure (to the engines left) does not resume what is already back: SGLang fails
-a resume of memory that is not released.
-
-If an update fails half-way the engines are left paused (continuing would serve a mix of two
-weight versions) and WeightSyncError says which engine failed at which step.
+A publish that fails raises WeightSyncError naming the engine and the step; the rollout side
+then leaves the engines paused and sends the update again to the engines left.
 """
 
 from __future__ import annotations
@@ -50,15 +37,12 @@ import torch
 import torch.distributed as dist
 
 from rlkit.buffers.control_token import is_loopback
-from rlkit.train.weight_sync.engine_control import EngineControl, EngineControlError, HttpEngineControl
+from rlkit.common.engine_http import EngineControlError, EngineWeights, HttpEngine, WeightSyncError, fan_out, wait_all
+from rlkit.common.weight_update import WeightUpdate
 from rlkit.train.weight_sync.group import join_weight_group, leave_weight_group
 from rlkit.train.weight_sync.topology import Place, TopologyError, plan_weight_sync, rank_offsets
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
-
-
-class WeightSyncError(RuntimeError):
-    """A weight update did not complete; the message names the engine and the step."""
 
 
 @dataclass
@@ -70,7 +54,7 @@ class SyncReport:
     bytes: int = 0
     buckets: int = 0
     seconds_total: float = 0.0
-    seconds_paused: float = 0.0  # from pause to continue: what generation loses
+    seconds_paused: float = 0.0  # sending into the open update (the engines wait, paused)
     seconds_stage: float = 0.0  # writing files (disk) or forming the group (distributed, first time)
     extra: dict = field(default_factory=dict)
 
@@ -125,79 +109,72 @@ class NcclCheck:
 
 
 class WeightSender:
-    """Pushes weights to a set of engines. One per trainer process (it holds the group)."""
+    """Publishes weights into open updates. One per trainer process (it holds the group)."""
 
     def __init__(
         self,
         *,
         bucket_mb: int = 256,
-        pause_mode: str = "abort",
         timeout_s: float = 600.0,
         master_address: str | None = None,
-        control_factory: Callable[[str], EngineControl] | None = None,
+        engine_factory: Callable[[str], EngineWeights] | None = None,
     ) -> None:
         self.bucket_bytes = bucket_mb * 1024 * 1024
-        self.pause_mode = pause_mode
         self.timeout_s = timeout_s
         # where the group's store listens; None: toward the engines (address_toward)
         self.master_address = master_address
-        self._control_factory = control_factory or (lambda url: HttpEngineControl(url, timeout_s))
+        self._engine_factory = engine_factory or (lambda url: HttpEngine(url, timeout_s))
         self._group: dist.ProcessGroup | None = None
         self._group_name = ""
         self._group_engines: tuple[str, ...] = ()
         self._group_backend = ""
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="weight-sync")
-        # Engines put to sleep by `release`, by URL: "asleep" (every tag released) or "weights"
-        # (weights resumed by an update that then failed; KV cache still released).
-        self.sleeping: dict[str, str] = {}
-
-    @property
-    def flushes(self) -> bool:
-        """Whether an update flushes the engines' cache: always, except under in_place (above)."""
-        return self.pause_mode != "in_place"
 
     # -- helpers -------------------------------------------------------------------------------
-    def _controls(self, engines: Sequence[str]) -> list[EngineControl]:
+    def _engines(self, engines: Sequence[str]) -> list[EngineWeights]:
         if not engines:
             raise WeightSyncError("no engines to update")
-        return [self._control_factory(u) for u in engines]
+        return [self._engine_factory(u) for u in engines]
 
-    def _on_all(self, controls: Sequence[EngineControl], step: str, call: Callable[[EngineControl], Any]) -> list:
+    def _on_all(self, engines: Sequence[EngineWeights], step: str, call: Callable[[EngineWeights], Any]) -> list:
         """`call` on every engine at once; their answers, in order."""
-        return self._wait([(c, self._pool.submit(call, c)) for c in controls], step)
+        return fan_out(self._pool, engines, step, call, self.timeout_s)
 
-    def _wait(self, futures: Sequence[tuple[EngineControl, Future]], step: str,
-              done: Callable[[EngineControl, Any], None] | None = None) -> list:
-        """Wait for every engine's call; raise naming each engine that failed. `done(control,
-        answer)` is called for each that succeeded, also when others failed."""
-        errors, answers = [], []
-        for c, f in futures:
-            try:
-                answers.append(f.result(timeout=self.timeout_s))
-            except Exception as e:  # noqa: BLE001 - reported with the engine and step
-                errors.append(f"{c.url}: {e}")
-            else:
-                if done is not None:
-                    done(c, answers[-1])
-        if errors:
-            raise WeightSyncError(f"{step} failed on {len(errors)} engine(s): " + "; ".join(errors))
-        return answers
+    def _wait(self, futures: Sequence[tuple[EngineWeights, Future]], step: str, done=None) -> list:
+        return wait_all(futures, step, self.timeout_s, done)
+
+    def publish(self, update: WeightUpdate, weights: NamedTensors, *,
+                write: Callable[[Path, NamedTensors], None] | None = None,
+                method: str | None = None, after_send: Callable[[], None] | None = None) -> SyncReport:
+        """`weights` into the open `update`, by `method` (default the update's; the trainer
+        may fall back to disk). Disk writes `write(folder, weights)` under the update's folder.
+        `after_send`: called once the engines hold the new weights (colocated: the trainer
+        frees its copy before the engines take their KV cache back)."""
+        method = method or update.method
+        if method == "disk":
+            if write is None or update.folder is None:
+                raise WeightSyncError("a disk update needs a folder and a writer")
+            return self.sync_from_disk(update, Path(update.folder) / f"v{update.version:06d}",
+                                       write=lambda p: write(p, weights), after_send=after_send)
+        if method == "tensor":
+            return self.sync_in_memory(update, weights, after_send=after_send)
+        if method == "distributed":
+            return self.sync_distributed(update, weights, after_send=after_send)
+        raise WeightSyncError(f"unknown weight sync method {method!r}")
 
     # -- disk ----------------------------------------------------------------------------------
     def sync_from_disk(
         self,
-        engines: Sequence[str],
+        update: WeightUpdate,
         folder: str | Path,
-        version: int,
         *,
         write: Callable[[Path], None],
         keep_previous: bool = False,
         after_send: Callable[[], None] | None = None,
     ) -> SyncReport:
-        """`write(path)` writes the HF folder; engines then load it. The previous folder written
-        by this sender is deleted after a successful update unless `keep_previous`.
-        `after_send`: called once the engines hold the new weights (module docstring)."""
-        controls = self._controls(engines)
+        """`write(path)` writes the HF folder; the update's engines then load it. The previous
+        folder written by this sender is deleted after a successful update unless `keep_previous`."""
+        engines = self._engines(update.engines)
         t0 = time.perf_counter()
         path = Path(folder)
         if path.exists():
@@ -205,16 +182,13 @@ class WeightSender:
         write(path)
         nbytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
         t_staged = time.perf_counter()
-        self._open(controls)
-        t_paused = time.perf_counter()
         self._on_all(
-            controls, "update_weights_from_disk",
-            lambda c: c.update_from_disk(str(path.resolve()), version,
-                                         flush_cache=self.flushes and c.url not in self.sleeping),
+            engines, "update_weights_from_disk",
+            lambda e: e.update_from_disk(str(path.resolve()), update.version,
+                                         flush_cache=update.flushes(e.url)),
         )
         if after_send is not None:
             after_send()
-        self._close(controls)
         t_end = time.perf_counter()
         previous = getattr(self, "_last_disk_folder", None)
         if previous is not None and previous != path and not keep_previous and previous.exists():
@@ -222,11 +196,11 @@ class WeightSender:
         self._last_disk_folder = path
         return SyncReport(
             method="disk",
-            version=version,
-            engines=len(controls),
+            version=update.version,
+            engines=len(engines),
             bytes=nbytes,
             seconds_total=t_end - t0,
-            seconds_paused=t_end - t_paused,
+            seconds_paused=t_end - t_staged,
             seconds_stage=t_staged - t0,
         )
 
@@ -239,7 +213,7 @@ class WeightSender:
         self.disconnect()
         from rlkit.train.megatron.parallel import free_port
 
-        controls = self._controls(engines)
+        controls = self._engines(engines)
         t0 = time.perf_counter()
         master = self.master_address or address_toward(engines)
         port = free_port(master)
@@ -300,7 +274,7 @@ class WeightSender:
         counts within the CUDA_VISIBLE_DEVICES it was started with, which it does not report).
         An engine that reports none cannot be checked: it is counted apart, on a GPU of its
         own, and named in `unchecked`. The rule is train/weight_sync/topology.py's."""
-        controls = self._controls(engines)
+        controls = self._engines(engines)
         ids = self._on_all(controls, "server_info (gpu_uuids)", lambda c: c.gpu_ids())
         sizes = self._on_all(controls, "server_info (tp_size)", lambda c: c.tp_size())
         here = "node"  # UUIDs are unique across nodes: one name for every node will do
@@ -314,7 +288,7 @@ class WeightSender:
     def disconnect(self) -> None:
         if self._group is None:
             return
-        controls = [self._control_factory(u) for u in self._group_engines]
+        controls = [self._engine_factory(u) for u in self._group_engines]
         try:
             self._on_all(controls, "destroy_weights_update_group", lambda c: c.destroy_group(self._group_name))
         except WeightSyncError:
@@ -323,17 +297,17 @@ class WeightSender:
             leave_weight_group(self._group)
             self._group, self._group_name, self._group_engines = None, "", ()
 
-    def sync_distributed(self, engines: Sequence[str], tensors: NamedTensors, version: int,
+    def sync_distributed(self, update: WeightUpdate, tensors: NamedTensors,
                          after_send: Callable[[], None] | None = None) -> SyncReport:
-        """Broadcast `tensors` (HF names, full tensors) to the engines in buckets."""
-        def form_group(controls: list[EngineControl], first: torch.Tensor) -> float:
-            return self.connect(engines, "nccl" if first.is_cuda else "gloo")
+        """Broadcast `tensors` (HF names, full tensors) to the update's engines in buckets."""
+        def form_group(engines: list[EngineWeights], first: torch.Tensor) -> float:
+            return self.connect(update.engines, "nccl" if first.is_cuda else "gloo")
 
-        return self._push("distributed", engines, tensors, version, form_group,
-                          lambda controls, buckets, report: self._broadcast(controls, buckets, version, report),
+        return self._push("distributed", update, tensors, form_group,
+                          lambda engines, buckets, report: self._broadcast(engines, buckets, update.version, report),
                           after_send)
 
-    def sync_in_memory(self, engines: Sequence[str], tensors: NamedTensors, version: int,
+    def sync_in_memory(self, update: WeightUpdate, tensors: NamedTensors,
                        after_send: Callable[[], None] | None = None) -> SyncReport:
         """Weights in memory to engines on this process's device (CUDA IPC) or node's CPU
         (shared memory), bucket by bucket; an engine elsewhere refuses the handles, naming
@@ -343,119 +317,46 @@ class WeightSender:
 
         plans: list[EnginePlan] = []
 
-        def plan(controls: list[EngineControl], first: torch.Tensor) -> float:
+        def plan(engines: list[EngineWeights], first: torch.Tensor) -> float:
             t0 = time.perf_counter()
             memory = "cuda_ipc" if first.is_cuda else "shared_memory"
-            sizes = self._on_all(controls, "server_info (tp_size)", lambda c: c.tp_size())
+            sizes = self._on_all(engines, "server_info (tp_size)", lambda e: e.tp_size())
             plans.extend(EnginePlan(i, "tensor", n, memory=memory) for i, n in enumerate(sizes))
             return time.perf_counter() - t0
 
-        def send(controls: list[EngineControl], buckets, report: SyncReport) -> None:
-            stats = push_in_memory(list(zip(controls, plans)), buckets, version,
+        def send(engines: list[EngineWeights], buckets, report: SyncReport) -> None:
+            stats = push_in_memory(list(zip(engines, plans)), buckets, update.version,
                                    submit=self._pool.submit, wait=self._wait)
             report.buckets, report.tensors, report.bytes = stats.buckets, stats.tensors, stats.bytes
             report.extra["memory"] = plans[0].memory
 
-        return self._push("tensor", engines, tensors, version, plan, send, after_send)
+        return self._push("tensor", update, tensors, plan, send, after_send)
 
-    def _push(self, method: str, engines: Sequence[str], tensors: NamedTensors, version: int,
-              stage: Callable[[list[EngineControl], torch.Tensor], float],
-              send: Callable[[list[EngineControl], Iterator[list[tuple[str, torch.Tensor]]], SyncReport], None],
+    def _push(self, method: str, update: WeightUpdate, tensors: NamedTensors,
+              stage: Callable[[list[EngineWeights], torch.Tensor], float],
+              send: Callable[[list[EngineWeights], Iterator[list[tuple[str, torch.Tensor]]], SyncReport], None],
               after_send: Callable[[], None] | None = None,
               ) -> SyncReport:
         """The broadcast and in-memory paths: `stage` (given the first tensor: form the group,
-        or read the TP sizes; its seconds), pause and flush (or wake), then `send` the buckets
-        inside an update session, `after_send()`, continue (or resume the KV cache)."""
-        controls = self._controls(engines)
+        or read the TP sizes; its seconds), then `send` the buckets, `after_send()`."""
+        engines = self._engines(update.engines)
         it = iter(tensors)
         first = next(it, None)
         if first is None:
             raise WeightSyncError("no tensors to send")
         t0 = time.perf_counter()
-        report = SyncReport(method=method, version=version, engines=len(controls))
-        report.seconds_stage = stage(controls, first[1])
-        self._open(controls)
-        t_paused = time.perf_counter()
-        buckets = bucketize(itertools.chain([first], it), self.bucket_bytes)
-        self._in_session(controls, lambda: send(controls, buckets, report))
+        report = SyncReport(method=method, version=update.version, engines=len(engines))
+        report.seconds_stage = stage(engines, first[1])
+        t_sent = time.perf_counter()
+        send(engines, bucketize(itertools.chain([first], it), self.bucket_bytes), report)
         if after_send is not None:
             after_send()
-        self._close(controls)
         t_end = time.perf_counter()
         report.seconds_total = t_end - t0
-        report.seconds_paused = t_end - t_paused
+        report.seconds_paused = t_end - t_sent
         return report
 
-    # -- around an update: pause or wake, continue or finish waking -----------------------
-    def _open(self, controls: Sequence[EngineControl]) -> None:
-        """Before an update: the awake engines pause (and flush, unless in_place); the sleeping
-        ones take their weights' memory back, nothing else (their KV cache comes back after)."""
-        awake = [c for c in controls if c.url not in self.sleeping]
-        if awake:
-            self._on_all(awake, "pause_generation", lambda c: c.pause(self.pause_mode))
-            if self.flushes:
-                self._on_all(awake, "flush_cache", lambda c: c.flush_cache())
-        asleep = [c for c in controls if self.sleeping.get(c.url) == "asleep"]
-        if asleep:
-            self._wait([(c, self._pool.submit(c.resume_memory, ["weights"])) for c in asleep],
-                       "resume_memory_occupation (weights)",
-                       done=lambda c, _: self.sleeping.__setitem__(c.url, "weights"))
-
-    def _close(self, controls: Sequence[EngineControl]) -> None:
-        """After an update: the woken engines take their KV cache (and CUDA graphs) back; the
-        others continue."""
-        woken = [c for c in controls if c.url in self.sleeping]
-        if woken:
-            self._wait([(c, self._pool.submit(c.resume_memory, ["kv_cache", "cuda_graph"]))
-                        for c in woken], "resume_memory_occupation (kv_cache, cuda_graph)",
-                       done=lambda c, _: self.sleeping.pop(c.url, None))
-        awake = [c for c in controls if c not in woken]
-        if awake:
-            self._on_all(awake, "continue_generation", lambda c: c.continue_generation())
-
-    # -- sleep ------------------------------------------------------------------------------
-    def release(self, engines: Sequence[str]) -> dict[str, float]:
-        """Colocated: put these idle engines to sleep, releasing every tag (KV cache, weights,
-        CUDA graphs); the next update wakes them. An engine already asleep is left as it is.
-        Those that succeed are recorded asleep even when another fails (WeightSyncError
-        naming it). Returns the bytes the engines report freed (the built-in engine reports
-        them; SGLang answers with no body: 0) and the seconds taken."""
-        t0 = time.perf_counter()
-        todo = [c for c in self._controls(engines) if c.url not in self.sleeping]
-        freed = 0
-
-        def asleep(c: EngineControl, answer: dict) -> None:
-            nonlocal freed
-            self.sleeping[c.url] = "asleep"
-            freed += sum(int(v) for v in (answer.get("freed_bytes") or {}).values())
-
-        self._wait([(c, self._pool.submit(c.release_memory, None)) for c in todo],
-                   "release_memory_occupation", done=asleep)
-        return {"colocate/engine_freed_bytes": float(freed), "colocate/engines_slept": float(len(todo)),
-                "colocate/engine_release_seconds": time.perf_counter() - t0}
-
-    def forget(self, engines: Sequence[str]) -> None:
-        """These engines are gone (a restarted one comes back awake): forget their sleep."""
-        for url in engines:
-            self.sleeping.pop(url, None)
-
-    def _in_session(self, controls: Sequence[EngineControl], send: Callable[[], None]) -> None:
-        """begin_weight_update, `send()`, end_weight_update on every engine. On failure the
-        update session is closed wherever one opened (the engines stay paused): the sync sent
-        again to the engines left (Run.push_weights) must be able to begin."""
-        try:
-            self._on_all(controls, "begin_weight_update", lambda c: c.begin_update())
-            send()
-        except WeightSyncError:
-            for c in controls:
-                try:
-                    c.end_update()
-                except Exception:  # noqa: BLE001 - a dead engine cannot be told; others may refuse
-                    pass
-            raise
-        self._on_all(controls, "end_weight_update", lambda c: c.end_update())
-
-    def _broadcast(self, controls: Sequence[EngineControl],
+    def _broadcast(self, controls: Sequence[EngineWeights],
                    buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int,
                    report: SyncReport) -> None:
         """Per bucket: announce it to every engine, and broadcast its tensors from rank 0."""

@@ -1,11 +1,18 @@
-"""rlkit's one client of SGLang's control API: the calls a weight update needs (pause, flush,
-weight updates, continue) and sleep/wake (release and resume memory occupation), over SGLang's
-HTTP protocol. (Generation and its aborts are the EngineClient's, rollout/client.py.)
+"""rlkit's one client of an engine server's HTTP API beyond generation (SGLang's, which the
+built-in engine also serves), and the two views the sides of a run have of it:
+
+    EngineControl  the rollout side's (rollout/weight_update.py): pause, flush, continue,
+                   begin/end of a weight update, sleep and wake (release/resume memory). The
+                   rollout side owns the engines: only it changes their state.
+    EngineWeights  the trainer's (train/weight_sync/sender.py): what it needs to publish weights
+                   into an update the rollout side opened: the TP size and GPUs (/server_info),
+                   the weight-update group, and the updates themselves (disk, tensor, broadcast).
 
 Sent to each engine worker itself: the sglang-router forwards none of them (docs/facts.md). stdlib
-HTTP only, so `train` depends on no rollout code; one call per method, no retries (a weight
-update that half-applied must not be retried blindly). Every body states the flags whose SGLang
-defaults would surprise: `mode` for pause, `abort_all_requests` and `flush_cache` for updates.
+HTTP only; one call per method, no retries (a weight update that half-applied must not be retried
+blindly). Every body states the flags whose SGLang defaults would surprise: `mode` for pause,
+`abort_all_requests` and `flush_cache` for updates. (Generation and its aborts are the
+EngineClient's, rollout/client.py.)
 """
 
 from __future__ import annotations
@@ -13,7 +20,8 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from typing import Any, Protocol, Sequence
+from concurrent.futures import Executor, Future
+from typing import Any, Callable, Protocol, Sequence
 
 from rlkit.buffers.control_token import auth_headers, control_token_from_env
 
@@ -22,36 +30,78 @@ class EngineControlError(RuntimeError):
     """An engine refused or failed a control call."""
 
 
+class WeightSyncError(RuntimeError):
+    """A weight update did not complete; the message names the engine and the step."""
+
+
 class EngineControl(Protocol):
-    """One engine worker, as the weight sender sees it."""
+    """One engine worker, as its owner (the rollout side) sees it: its state around updates."""
+
+    url: str
+
+    def pause(self, mode: str) -> None: ...
+    def flush_cache(self) -> None: ...
+    def continue_generation(self) -> None: ...
+    def begin_update(self) -> None: ...
+    def end_update(self) -> None: ...
+    def release_memory(self, tags: Sequence[str] | None = None) -> dict[str, Any]: ...
+    def resume_memory(self, tags: Sequence[str] | None = None) -> dict[str, Any]: ...
+
+
+class EngineWeights(Protocol):
+    """One engine worker, as the trainer sees it: where it publishes weights into an open update."""
 
     url: str
 
     def tp_size(self) -> int: ...
     def gpu_ids(self) -> list[str]: ...
-    def pause(self, mode: str) -> None: ...
-    def flush_cache(self) -> None: ...
-    def continue_generation(self) -> None: ...
     def update_from_disk(self, model_path: str, version: int, *, flush_cache: bool = True) -> None: ...
     def init_group(
         self, master_address: str, master_port: int, rank_offset: int, world_size: int,
         group_name: str, backend: str,
     ) -> None: ...
-    def begin_update(self) -> None: ...
     def update_from_distributed(
         self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
         group_name: str, version: int,
     ) -> None: ...
-    def end_update(self) -> None: ...
     def update_from_tensor(self, body: dict[str, Any]) -> None: ...
     def destroy_group(self, group_name: str) -> None: ...
-    def release_memory(self, tags: Sequence[str] | None = None) -> dict[str, Any]: ...
-    def resume_memory(self, tags: Sequence[str] | None = None) -> dict[str, Any]: ...
 
 
-class HttpEngineControl:
-    """`control_token`: the run's control token (rollout.auth), sent as `Authorization: Bearer`
-    on every call; default $RLKIT_CONTROL_TOKEN."""
+# The calls each side may make: a test checks that the trainer never reaches the first list.
+CONTROL_CALLS = tuple(n for n in vars(EngineControl) if not n.startswith("_") and n != "url")
+WEIGHT_CALLS = tuple(n for n in vars(EngineWeights) if not n.startswith("_") and n != "url")
+
+
+def fan_out(pool: Executor, engines: Sequence[Any], step: str, call: Callable[[Any], Any],
+            timeout_s: float, done: Callable[[Any, Any], None] | None = None) -> list:
+    """`call(engine)` on every engine at once; their answers, in order. Raises WeightSyncError
+    naming each engine that failed at `step`; `done(engine, answer)` runs for each that
+    succeeded, also when others failed (what is known of every engine stays true)."""
+    return wait_all([(e, pool.submit(call, e)) for e in engines], step, timeout_s, done)
+
+
+def wait_all(futures: Sequence[tuple[Any, Future]], step: str, timeout_s: float,
+             done: Callable[[Any, Any], None] | None = None) -> list:
+    """Wait for every engine's call (fan_out's second half, for calls submitted one by one)."""
+    errors, answers = [], []
+    for e, f in futures:
+        try:
+            answers.append(f.result(timeout=timeout_s))
+        except Exception as err:  # noqa: BLE001 - reported with the engine and step
+            errors.append(f"{e.url}: {err}")
+        else:
+            if done is not None:
+                done(e, answers[-1])
+    if errors:
+        raise WeightSyncError(f"{step} failed on {len(errors)} engine(s): " + "; ".join(errors))
+    return answers
+
+
+class HttpEngine:
+    """Both views (EngineControl, EngineWeights) over HTTP. `control_token`: the run's control
+    token (rollout.auth), sent as `Authorization: Bearer` on every call; default
+    $RLKIT_CONTROL_TOKEN."""
 
     def __init__(self, url: str, timeout_s: float = 600.0, control_token: str | None = None) -> None:
         self.url = url.rstrip("/")

@@ -1,0 +1,51 @@
+"""A weight update as the two sides of a run hand it to each other: the rollout side, which owns
+the engines, opens it (rollout/engine_updates.py) and hands it to the trainer, which publishes
+its weights into it (train/weight_sync/sender.py) and never touches the engines' state.
+Plain data: it crosses Ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+Method = Literal["disk", "distributed", "tensor"]
+SESSION_METHODS = ("distributed", "tensor")  # those sent inside /begin_weight_update ... /end
+
+
+@dataclass(frozen=True)
+class WeightUpdate:
+    """An open weight update, handed to the trainer to publish into (plain data: it crosses
+    Ray). `no_flush`: engines whose update must not flush their cache (asleep: it is gone; or
+    every engine under pause_mode in_place). `folder`: where a disk update writes (the trainer
+    may fall back to disk when NCCL cannot take its engines)."""
+
+    version: int
+    engines: tuple[str, ...]
+    method: Method
+    folder: str | None = None
+    no_flush: frozenset[str] = frozenset()
+    colocated: bool = False  # the turn to generation: the trainer frees its device after sending
+    waking: frozenset[str] = frozenset()  # engines this update wakes from sleep (colocated)
+
+    def flushes(self, url: str) -> bool:
+        return url not in self.no_flush
+
+
+class WeightPublisher(Protocol):
+    """The trainer, as the rollout side sees it during an update: it publishes its current
+    weights, as `update.version`, into the update; metrics (the sync's, the memory moved)."""
+
+    async def publish(self, update: WeightUpdate) -> dict[str, float]: ...
+
+
+class PublisherFailed(RuntimeError):
+    """The trainer (not an engine) failed while publishing: sending the update again to the
+    engines left would not help, so the update stops here. `rank`: the trainer rank, if known."""
+
+    def __init__(self, message: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+    def __reduce__(self):  # keeps `rank` across Ray
+        return (type(self), (str(self), self.rank))
