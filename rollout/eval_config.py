@@ -1,5 +1,5 @@
 """The recipe's `eval` section: which held-out datasets to evaluate, when, and how to sample
-them (rollout.eval.Evaluator runs one evaluation; docs/evaluation.md).
+them (rollout.evaluator.Evaluator runs one evaluation; docs/evaluation.md).
 
 A dataset's loader options are those of the recipe's `data` section (both derive from
 rollout.config.PromptDataConfig). Greedy decoding: rlkit's SamplingConfig requires temperature > 0, so
@@ -56,9 +56,9 @@ class EvalPass:
 
 
 class EvalConfig(BaseModel):
-    """Periodic evaluation on held-out datasets (rollout.eval). Each evaluation runs, for every
-    dataset, a greedy pass (when `greedy`) and a sampled pass (when `n_samples` > 0), both at
-    the policy version current when it starts; metrics eval/<dataset>/<greedy|sampled>/...
+    """Periodic evaluation on held-out datasets (rollout.evaluator). Each evaluation runs, for
+    every dataset, a greedy pass (when `greedy`) and a sampled pass (when `n_samples` > 0), both
+    at the policy version current when it starts; metrics eval/<dataset>/<greedy|sampled>/...
     Eval samples never enter the training buffer."""
 
     model_config = ConfigDict(extra="forbid")

@@ -13,7 +13,7 @@ default recipe's loader options and the default `eval` section (a greedy pass). 
 overrides either recipe (`--set eval.n_samples=8 --set eval.k=4` adds a sampled pass with
 pass@4).
 
-The same evaluation as the training run's (rollout.eval.Evaluator), so its numbers compare
+The same evaluation as the training run's (rollout.evaluator.Evaluator), so its numbers compare
 with RUN/eval.jsonl. `plan(args)` resolves the arguments without starting anything.
 """
 
@@ -221,7 +221,7 @@ def evaluate_model(model_path: str, p: Plan) -> list[Any]:
 
     from transformers import AutoTokenizer
 
-    from rlkit.evaluation import make_evaluator
+    from rlkit.evaluator_factory import make_evaluator
     from rlkit.rollout.engines.fleet import EngineFleet
 
     r = p.recipe
@@ -259,7 +259,7 @@ def result_row(r: Any) -> dict[str, Any]:
 
 def build_report(model: str, version: int, results: Sequence[Any]) -> dict[str, Any]:
     from rlkit.tracking import json_safe
-    from rlkit.rollout.eval import eval_metrics
+    from rlkit.rollout.evaluator import eval_metrics
 
     return {
         "model": model,

@@ -9,7 +9,7 @@ from rlkit.buffers.sample import Sample
 from rlkit.plugins import checked_plugin
 from rlkit.rewards import RewardInput, RewardNotFound, call_reward, make_runner
 from rlkit.rollout.config import RewardConfig
-from rlkit.rollout.rewards import ScoreFn
+from rlkit.rollout.reward_scheduler import ScoreFn
 
 Decode = Callable[[Sequence[int]], str]
 

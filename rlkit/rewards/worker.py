@@ -44,7 +44,8 @@ _HEADER = struct.Struct(">I")
 
 class RewardCallError(RuntimeError):
     """A sync reward raised in its worker process (or raised SystemExit in a thread).
-    `reward_error` is 'TypeName: message' of what it raised (rollout.rewards.describe_error)."""
+    `reward_error` is 'TypeName: message' of what it raised
+    (rollout.reward_scheduler.describe_error)."""
 
     def __init__(self, reward_error: str) -> None:
         super().__init__(reward_error)

@@ -10,7 +10,7 @@ import pytest
 from rlkit.cli import main
 from rlkit.commands import eval as ev
 from rlkit.config import RecipeError, load_recipe
-from rlkit.rollout.eval import EvalResult
+from rlkit.rollout.evaluator import EvalResult
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -20,7 +20,7 @@ from rlkit.rewards import RewardNotFound, call_reward
 from rlkit.rewards.scoring import make_score_fn
 from rlkit.rewards.worker import ProcessRewardRunner, ThreadRewardRunner
 from rlkit.rollout.config import RewardConfig, RolloutConfig
-from rlkit.rollout.rewards import RewardScheduler, check_reward_value
+from rlkit.rollout.reward_scheduler import RewardScheduler, check_reward_value
 from tests.manager.fakes import FakeEngines
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -163,7 +163,7 @@ EXIT_SCRIPT = textwrap.dedent("""
     from rlkit.buffers import Group, PromptRecord
     from rlkit.rewards.scoring import make_score_fn
     from rlkit.rollout.config import RewardConfig
-    from rlkit.rollout.rewards import RewardScheduler
+    from rlkit.rollout.reward_scheduler import RewardScheduler
 
     async def main(isolation):
         cfg = RewardConfig(name="tests.rewards.misbehaving:by_label", timeout_s=1.0,
