@@ -38,8 +38,10 @@ T = TypeVar("T")
 
 class UpdateControl(Protocol):
     """What RolloutService asks of its engines around updates (EngineUpdates over HTTP,
-    StatelessEngines for fakes, the simulator's in virtual time). Each call may be blocking or
-    a coroutine function."""
+    StatelessEngines for fakes, the simulator's in virtual time). A call may be a coroutine
+    function; `blocks` True: the calls wait on the network (run in a thread)."""
+
+    blocks: bool
 
     def open(self, urls: Sequence[str], version: int, *, colocated: bool = False) -> WeightUpdate: ...
     def close(self, update: WeightUpdate) -> None: ...
@@ -51,6 +53,8 @@ class UpdateControl(Protocol):
 @dataclass
 class EngineUpdates:
     """The engines' state around updates, by URL: which sleep, which opened a session."""
+
+    blocks = True  # stdlib HTTP: RolloutService runs each call in a thread
 
     method: Method
     pause_mode: str = "abort"
@@ -165,6 +169,8 @@ class EngineUpdates:
 class StatelessEngines:
     """EngineUpdates for engines that hold no state around an update (test fakes, simulated
     engines: their version moves with RolloutService.set_version): nothing is called."""
+
+    blocks = False
 
     method: Method = "disk"
     folder: str | None = None

@@ -327,7 +327,10 @@ class RolloutService:
 
 async def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """An UpdateControl call: awaited when it is a coroutine (simulated engines, in virtual
-    time), else in a thread (the HTTP control blocks)."""
+    time), in a thread when its control `blocks` (HTTP), else made at once (a thread would let
+    the simulator's virtual clock jump while it waits)."""
     if inspect.iscoroutinefunction(fn):
         return await fn(*args, **kwargs)
-    return await asyncio.to_thread(fn, *args, **kwargs)
+    if getattr(getattr(fn, "__self__", None), "blocks", False):
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    return fn(*args, **kwargs)

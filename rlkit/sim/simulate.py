@@ -151,6 +151,7 @@ class SimEngineUpdates:
     engines: SimEngines
     colocation: ColocationModel | None = None
     state: StatelessEngines = field(default_factory=StatelessEngines)
+    blocks = False  # in virtual time: nothing may wait in a thread
 
     def open(self, urls: Sequence[str], version: int, *, colocated: bool = False) -> WeightUpdate:
         return self.state.open(urls, version, colocated=colocated)

@@ -528,7 +528,8 @@ class MegatronTrainer:
             return None
         out = dict(moved)
         if report is not None:
-            out.update({"sync/bytes": float(report.bytes), "sync/send_seconds": report.seconds_paused,
+            out.update({"sync/bytes": float(report.bytes), "sync/buckets": float(report.buckets),
+                        "sync/send_seconds": report.seconds_paused,
                         "sync/stage_seconds": report.seconds_stage})
         if update.colocated and (used := _device_used(self.device)) is not None:
             out["colocate/device_used_generating_bytes"] = used  # the engines awake again
