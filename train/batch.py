@@ -122,6 +122,12 @@ class TrainBatch:
 _TRAINABLE = (SampleStatus.DONE, SampleStatus.TRUNCATED)
 
 
+def trained_samples(group: Group) -> list:
+    """The samples of `group` that `build_batch` makes into TrainSamples, in its order: those
+    with a trainable status and a response (the data-parallel hand-off plans with these)."""
+    return [s for s in group.samples if s.status in _TRAINABLE and s.response_ids]
+
+
 def build_batch(
     groups: Iterable[Group],
     *,

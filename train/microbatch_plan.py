@@ -93,6 +93,34 @@ def least_loaded(loads: Sequence[float]) -> int:
     return min(range(len(loads)), key=lambda r: (loads[r], r))
 
 
+class ReplicaAssigner:
+    """Samples of one rollout batch to data-parallel replicas as they arrive: each to the least
+    loaded replica (by `sample_cost`) of its global batch (`part_size` samples each; 0: one).
+    Pure and deterministic, so the rollout side's hand-off (rlkit/driver/handoff.py) and every
+    trainer rank (train/stream.py) place the same samples alike from their lengths alone."""
+
+    def __init__(self, dp_size: int, attention_weight: float = 0.0, part_size: int = 0) -> None:
+        self.dp_size, self.attention_weight, self.part_size = dp_size, attention_weight, part_size
+        self.seen = 0  # samples placed so far (every replica), in arrival order
+        self.loads: list[list[float]] = []  # per global batch: every replica's cost
+        self.lengths: list[list[list[int]]] = []  # per global batch: each replica's lengths
+
+    def assign(self, lengths: Sequence[int]) -> list[tuple[int, int]]:
+        """(global batch, replica) of each of these samples, placed in this order."""
+        out = []
+        for n in lengths:
+            part = self.seen // self.part_size if self.part_size else 0
+            self.seen += 1
+            while len(self.loads) <= part:
+                self.loads.append([0.0] * self.dp_size)
+                self.lengths.append([[] for _ in range(self.dp_size)])
+            replica = least_loaded(self.loads[part])
+            self.loads[part][replica] += sample_cost(n, self.attention_weight)
+            self.lengths[part][replica].append(n)
+            out.append((part, replica))
+        return out
+
+
 def balance_replicas(costs: Sequence[float], dp_size: int) -> list[list[int]]:
     """Sample indices per replica (each in increasing order), by LPT (rule 1)."""
     if dp_size < 1:

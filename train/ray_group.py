@@ -159,7 +159,8 @@ class TrainWorker:
         return moved
 
     def add_groups(self, refs: list) -> None:
-        """Groups as object references: fetched here from the rollout actor's store."""
+        """Groups (or this replica's shares of them) as object references: fetched here from
+        the rollout actor's store."""
         import ray
 
         self.batch.add_all(ray.get(refs))
@@ -311,9 +312,14 @@ class TrainerGroup:
         return [w.begin_batch.remote(version, rollout_samples, colocated) for w in self.workers]
 
     def add_groups(self, refs: list[Any]) -> list[Any]:
-        """Every rank gets every group reference (each keeps its replica's samples); a rank
-        runs its calls in the order they were made."""
-        return [w.add_groups.remote(refs) for w in self.workers]
+        """Each rank gets its replica's share of every group (rlkit/driver/handoff.py: per group
+        a list of references, one per replica; the TP ranks of a replica fetch the same one), or
+        every group (a plain reference: each rank keeps its replica's samples). A rank runs its
+        calls in the order they were made."""
+        def mine(rank: int) -> list[Any]:
+            return [r[rank // self.tp] if isinstance(r, list) else r for r in refs]
+
+        return [w.add_groups.remote(mine(rank)) for rank, w in enumerate(self.workers)]
 
     def finish_batch(self, colocated: bool = False) -> list[Any]:
         return [w.finish_batch.remote(colocated) for w in self.workers]

@@ -17,9 +17,11 @@ synchronous one whatever the arrival order and grouping (tests/train/test_megatr
 
 Data parallel: each rank keeps the samples of its replica (each sample, as it arrives, to the
 least-loaded replica of its global batch by compute cost, tokens plus attention's square term:
-train/microbatch_plan.py's rule in arrival order, the same choice on every rank since every rank
-sees the same arrival order); TP ranks of a replica make the same calls, as their collectives
-need. Micro-batches of the first global batch close as samples arrive (by count, or by token
+train/microbatch_plan.py's ReplicaAssigner in arrival order, the same choice on every rank since
+every rank sees the same arrival order); TP ranks of a replica make the same calls, as their
+collectives need. In a run each replica receives only its share of a group (`ReplicaShare`,
+made at hand-off by rlkit/driver/handoff.py with the same rule): its own samples, the others'
+rewards (a group's advantages need them all) and every trained sample's length. Micro-batches of the first global batch close as samples arrive (by count, or by token
 budget: a micro-batch closes when the next sample does not fit); later global batches are
 planned as a whole at `finish`. Every rank knows every replica's lengths, so at `finish` each
 pads its replica with empty micro-batches to the busiest one's count, as the synchronous plan
@@ -28,14 +30,27 @@ does.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable
 
 from rlkit.buffers.group import Group
 from rlkit.train.batch import TrainBatch, build_batch_from_config
 from rlkit.train.microbatch_plan import (
-    least_loaded, micro_batches, pad_to_equal, sample_cost, stream_micro_batches, warn_over_budget,
+    ReplicaAssigner, micro_batches, pad_to_equal, stream_micro_batches, warn_over_budget,
 )
 from rlkit.train.protocol import Trainer
+
+
+@dataclass
+class ReplicaShare:
+    """One data-parallel replica's share of a group: `group` holds the replica's own trained
+    samples whole and the others' without tokens (status and reward kept: the group's
+    advantages need every reward); `lengths`: every trained sample's length (prompt +
+    response), in `train.batch.trained_samples` order, so the rank places them as the hand-off
+    did and knows every replica's load."""
+
+    group: Group
+    lengths: list[int]
 
 
 def logprobs_needed(algorithm, optimizer_steps: int) -> tuple[bool, bool]:
@@ -99,10 +114,9 @@ class RolloutBatchStep:
         self.part_size = global_batch_size if self.steps_planned > 1 else 0  # 0: one part
         self.need_old, self.need_ref = logprobs_needed(algorithm, self.steps_planned)
         self.dp_rank, self.dp_size = dp_rank, dp_size
-        self._seen = 0  # samples of the whole batch (every replica) so far, in arrival order
-        # per global batch: every replica's cost so far and sample lengths in arrival order
-        self._loads: list[list[float]] = []
-        self._lengths: list[list[list[int]]] = []
+        # every sample of the batch (every replica) to its replica, in arrival order
+        self._assigner = ReplicaAssigner(dp_size, attention_weight, self.part_size)
+        self._lengths = self._assigner.lengths  # per global batch: each replica's lengths
         self._parts: list[TrainBatch] = []  # this replica's samples, per global batch
         self._accumulated = 0  # micro-batches of this replica's first part trained so far
         self.groups = 0
@@ -120,25 +134,28 @@ class RolloutBatchStep:
                    padded=not cfg.packing, row_tokens=cfg.pack_row_tokens,
                    attention_weight=getattr(trainer, "attention_weight", 0.0))
 
-    def add(self, group: Group) -> None:
-        """One complete group: its samples, their logprobs, and the micro-batches now full."""
+    def add(self, group: Group | ReplicaShare) -> None:
+        """One complete group (or this replica's share of it): its samples, their logprobs,
+        and the micro-batches now full."""
         if self.finished:
             raise RuntimeError("add after finish(): this rollout batch was trained")
-        batch = build_batch_from_config([group], self.algorithm, self.policy_version)
+        share = group if isinstance(group, ReplicaShare) else None
+        batch = build_batch_from_config([share.group if share else group], self.algorithm,
+                                        self.policy_version)
         self.groups += 1
-        self.off_policy_samples += int(batch.metadata.get("off_policy_samples", 0))
+        lengths = share.lengths if share else [s.length for s in batch.samples]
+        own = iter(batch.samples)  # a share holds this replica's samples only
         mine = []
-        for s in batch.samples:
-            part = self._seen // self.part_size if self.part_size else 0
-            self._seen += 1
-            while len(self._loads) <= part:
-                self._loads.append([0.0] * self.dp_size)
-                self._lengths.append([[] for _ in range(self.dp_size)])
-            replica = least_loaded(self._loads[part])
-            self._loads[part][replica] += sample_cost(s.length, self.attention_weight)
-            self._lengths[part][replica].append(s.length)
-            if replica == self.dp_rank:
-                mine.append((part, s))
+        for n, (part, replica) in zip(lengths, self._assigner.assign(lengths)):
+            if replica == self.dp_rank or share is None:
+                s = next(own, None)
+                if s is None or s.length != n:
+                    raise RuntimeError("a replica's share of a group disagrees with its placement "
+                                       "(the hand-off and the trainer placed samples differently)")
+                if replica == self.dp_rank:
+                    mine.append((part, s))
+        # a share counts this replica's off-policy samples only: RayTrainerBox adds them up
+        self.off_policy_samples += int(batch.metadata.get("off_policy_samples", 0))
         if not mine:
             return
         own = TrainBatch([s for _, s in mine], self.policy_version)
@@ -164,7 +181,7 @@ class RolloutBatchStep:
         self._accumulate_first_part(full_only=False)
         metrics: dict[str, float] = {}
         # from the whole batch's count, so every rank steps as often (the step is collective)
-        steps = max(1, -(-self._seen // self.part_size)) if self.part_size else 1
+        steps = max(1, -(-self._assigner.seen // self.part_size)) if self.part_size else 1
         for i in range(steps):
             if i > 0:
                 self._accumulate_later_part(i)

@@ -134,6 +134,14 @@ class RolloutActor:
                                                   self.evaluator, hand=ray_handed,
                                                   episodes=self.episodes, updates=updates)
 
+    async def hand_off_to(self, attention_weight: float) -> None:
+        """The trainer is up: ready groups leave split by its data-parallel replicas, placed
+        by its rule (`attention_weight`: the sample cost's term, read where the model is)."""
+        from rlkit.driver.handoff import ReplicaHandOff
+
+        assert self.service is not None, "start() first"
+        self.service.hand = ReplicaHandOff.for_recipe(self.recipe, attention_weight)
+
     async def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """Any RolloutBox call on the service, by name (RemoteRolloutBox sends them all here)."""
         if name not in BOX_CALLS:

@@ -246,6 +246,7 @@ class Cluster:
                 control_token=token,
                 loopback=not self.multi_node,  # one node: the ranks' rendezvous on 127.0.0.1
             )
+            ray.get(self.rollout_actor.hand_off_to.remote(self.trainer.attention_weight))
         except BaseException:
             self.shutdown()
             raise

@@ -99,8 +99,10 @@ class RayTrainerBox:
         calls, self._calls = self._calls, []
         await self._wait(calls, "training")  # an error in any earlier call surfaces here
         moved = (await self._wait(self._moved, "taking the GPUs back"))[0] if self._moved else {}
-        metrics = (await self._wait(self.group.finish_batch(self.colocated), "the optimizer step"))[0]
-        return {**(moved or {}), **metrics}
+        answers = await self._wait(self.group.finish_batch(self.colocated), "the optimizer step")
+        # each replica counted its own samples (it received only its share): the batch's sum
+        off = [a.get("train/off_policy_samples", 0.0) for a in answers[:: self.group.tp]]
+        return {**(moved or {}), **answers[0], "train/off_policy_samples": float(sum(off))}
 
     def publisher(self) -> Any:
         """The ranks' publisher (train.ray_group.RayPublisher), handed to the rollout actor."""

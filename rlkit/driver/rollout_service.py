@@ -294,6 +294,9 @@ class RolloutService:
         self.buffer.set_producer_version(version)
         self.manager.set_weights_version(version)
         self._untrained = []  # trained: the weights came out of them
+        new_batch = getattr(self.hand, "new_batch", None)  # a replica hand-off plans per batch
+        if new_batch is not None:
+            new_batch()
 
     async def give_back_untrained(self) -> int:
         """The run stops in the middle of a step (every engine down): the groups handed to the
