@@ -45,7 +45,7 @@ from rlkit.rollout.episodes import EpisodeRunner, EpisodeStep
 from rlkit.rollout.filters import FilterFailure, GroupFilter
 from rlkit.rollout.health import EngineMonitor
 from rlkit.rollout.rankers import LengthRanker, TurnRanker, group_lengths, mean_length, mean_turns
-from rlkit.rollout.rewards import RewardFailure, RewardScheduler
+from rlkit.rollout.reward_scheduler import RewardFailure, RewardScheduler
 from rlkit.rollout.step_report import StepReport
 from rlkit.rollout.timeline import Span
 

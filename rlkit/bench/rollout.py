@@ -153,7 +153,7 @@ async def bench_rollout(args: argparse.Namespace) -> dict[str, Any]:
     from rlkit.rollout.engines.fleet import EngineFleet
     from rlkit.rollout.manager import RolloutManager, batch_target
     from rlkit.rollout.policies import make_policy
-    from rlkit.rollout.rewards import RewardScheduler
+    from rlkit.rollout.reward_scheduler import RewardScheduler
     from rlkit.sim.replay import BufferPrompts, TraceReplayEngines
 
     specs = policy_specs(args)

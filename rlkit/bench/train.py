@@ -23,8 +23,6 @@ from rlkit.bench import train_packing, train_throughput, train_weight_sync
 from rlkit.bench.report import add_out_argument, out_folder, write_report
 from rlkit.bench.train_inputs import MODELS, model_path
 from rlkit.bench.train_length_mix import MIX_CONFIGS, bench_length_mix, format_length_mix_table, mix_kinds
-# tools/gpu/train_cuda.py imports synthetic_batch from here: moved to rlkit.bench.train_inputs
-from rlkit.bench.train_inputs import synthetic_batch  # noqa: F401
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -99,7 +99,7 @@ async def _check_all(call: Any, cases: list[tuple[str, str, Any, str]], kwargs: 
     worker is killed, and nothing waits for it at exit); the number of violations. The values
     of the calls that kept the contract are appended to values when given."""
     from rlkit.rewards import RewardInput
-    from rlkit.rollout.rewards import check_reward_value, describe_error
+    from rlkit.rollout.reward_scheduler import check_reward_value, describe_error
 
     problems = 0
     for i, (prompt, response, label, finish) in enumerate(cases):

@@ -95,7 +95,7 @@ class RolloutActor:
         from transformers import AutoTokenizer
 
         from rlkit.data.prompts import load_prompt_source
-        from rlkit.evaluation import make_evaluator
+        from rlkit.evaluator_factory import make_evaluator
         from rlkit.plugins import load_episode_runner, load_group_filter, load_ranker
         from rlkit.rewards.scoring import make_score_fn, tokenizer_decode
 

@@ -21,13 +21,13 @@ from rlkit.rollout.config import RolloutConfig
 from rlkit.rollout.engine_api import Engines
 from rlkit.rollout.engine_updates import StatelessEngines, UpdateControl
 from rlkit.rollout.episodes import EpisodeRunner
-from rlkit.rollout.eval import Evaluator, eval_metrics
+from rlkit.rollout.evaluator import Evaluator, eval_metrics
 from rlkit.rollout.filters import GroupFilter
 from rlkit.rollout.health import EngineMonitor, Restarter
 from rlkit.rollout.manager import RolloutManager, batch_target
 from rlkit.rollout.policies import make_policy
 from rlkit.rollout.rankers import LengthRanker
-from rlkit.rollout.rewards import REWARD_FAILURE_KINDS, RewardScheduler, ScoreFn
+from rlkit.rollout.reward_scheduler import REWARD_FAILURE_KINDS, RewardScheduler, ScoreFn
 from rlkit.rollout.step_report import StepReport
 
 T = TypeVar("T")

@@ -56,7 +56,7 @@ from rlkit.rollout.filters import GroupFilter
 from rlkit.rollout.manager import RolloutManager, RolloutPolicy
 from rlkit.rollout.health import EngineMonitor
 from rlkit.rollout.rankers import LengthRanker
-from rlkit.rollout.rewards import RewardScheduler
+from rlkit.rollout.reward_scheduler import RewardScheduler
 from rlkit.sim.clock import run_virtual
 from rlkit.sim.engine import SimConfig, SimEngines, SimRestarter, SimWorker
 from rlkit.sim.episodes import episode_runner
@@ -64,7 +64,7 @@ from rlkit.sim.faults import Fault, FaultedRun, FaultInjector
 from rlkit.sim.harness import SimulatedStep, measure, span, trace_reward, trace_source
 from rlkit.sim.replay import BufferPrompts, TraceReplayEngines
 from rlkit.sim.trace import Trace
-from rlkit.sim.plan import gpus_per_engine
+from rlkit.gpu_plan import gpus_per_engine
 from rlkit.sim.train_time import ColocationModel, TrainTimeModel
 from rlkit.train.microbatch_plan import sample_cost
 from rlkit.rollout.timeline import StepTimeline, append_step

@@ -19,7 +19,7 @@ print(json.dumps(sorted(sys.modules)))
 """
 
 FORBIDDEN = ("ray", "torch", "transformers", "aiohttp", "megatron", "rlkit.driver",
-             "rlkit.rollout.manager", "rlkit.rollout.eval", "rlkit.rollout.policies",
+             "rlkit.rollout.manager", "rlkit.rollout.evaluator", "rlkit.rollout.policies",
              "rlkit.sim", "rlkit.bench")
 
 

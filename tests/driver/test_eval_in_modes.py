@@ -14,7 +14,7 @@ from rlkit.driver.local import run_local
 from rlkit.driver.loop import step_recorder
 from rlkit.driver.rollout_service import RolloutService
 from rlkit.tracking import EVAL_FILE, Tracker
-from rlkit.rollout.eval import Evaluator
+from rlkit.rollout.evaluator import Evaluator
 from rlkit.rollout.eval_config import EvalConfig
 from tests.driver.test_modes import RecordingTrainer, mode_recipe, slow_tail
 from tests.manager.fakes import FakeEngines

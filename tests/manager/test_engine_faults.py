@@ -15,7 +15,7 @@ from rlkit.rollout.config import HealthConfig, SamplingConfig
 from rlkit.rollout.health import EngineMonitor, EnginesDown
 from rlkit.rollout.manager import RolloutManager, batch_target
 from rlkit.rollout.policies import PartialPolicy, SyncPolicy
-from rlkit.rollout.rewards import RewardScheduler
+from rlkit.rollout.reward_scheduler import RewardScheduler
 from rlkit.sim.clock import run_virtual
 from rlkit.sim.engine import SimEngines, SimRestarter
 from tests.manager.fakes import constant_reward

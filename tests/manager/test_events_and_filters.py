@@ -12,7 +12,7 @@ from rlkit.rollout.filters import FilterFailure, GroupFilter, zero_variance
 from rlkit.rollout.manager import EventKind, RolloutManager
 from rlkit.rollout.policies import POLICY_NAMES, make_policy
 from rlkit.rollout.policies.specs import policy_config
-from rlkit.rollout.rewards import RewardScheduler
+from rlkit.rollout.reward_scheduler import RewardScheduler
 from tests.manager.fakes import FakeEngines
 
 

@@ -12,7 +12,7 @@ from rlkit.rollout.config import SamplingConfig
 from rlkit.rollout.engine_api import EngineError
 from rlkit.rollout.manager import EnginesFailing, RolloutManager
 from rlkit.rollout.policies import PartialPolicy, SyncPolicy
-from rlkit.rollout.rewards import RewardFailure, RewardScheduler
+from rlkit.rollout.reward_scheduler import RewardFailure, RewardScheduler
 from tests.manager.fakes import FakeEngines, constant_reward
 
 

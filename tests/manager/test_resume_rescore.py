@@ -13,7 +13,7 @@ from rlkit.buffers.source import records_from_token_lists
 from rlkit.rollout.config import RolloutConfig, SamplingConfig
 from rlkit.rollout.manager import RolloutManager
 from rlkit.rollout.policies import PartialPolicy
-from rlkit.rollout.rewards import RewardScheduler
+from rlkit.rollout.reward_scheduler import RewardScheduler
 from tests.manager.fakes import FakeEngines, constant_reward
 
 

@@ -1,4 +1,4 @@
-"""Evaluation core (rollout.eval, rollout.eval_config): the pass@k estimator, evaluate() over
+"""Evaluation core (rollout.evaluator, rollout.eval_config): the pass@k estimator, evaluate() over
 fake and simulated engines, failures counted, and the training buffer left alone."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from rlkit.buffers import ListPromptSource, PromptRecord, RolloutBuffer
 from rlkit.buffers.source import records_from_token_lists
 from rlkit.rollout.config import RewardConfig, SamplingConfig
-from rlkit.rollout.eval import EvalResult, evaluate, pass_at_k
+from rlkit.rollout.evaluator import EvalResult, evaluate, pass_at_k
 from rlkit.rollout.eval_config import EvalConfig, EvalDatasetConfig
 from rlkit.sim.clock import run_virtual
 from rlkit.sim.engine import SimEngines
@@ -408,7 +408,7 @@ def test_multi_turn_evaluation_plays_episodes_with_their_environment(lose_at):
 
 
 def test_the_evaluator_gives_each_pass_its_own_episode_runner():
-    from rlkit.rollout.eval import Evaluator
+    from rlkit.rollout.evaluator import Evaluator
 
     cfg = EvalConfig(datasets=[EvalDatasetConfig(name="game", path="x.jsonl")], n_samples=2, k=1,
                      every_steps=1)

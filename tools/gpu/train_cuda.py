@@ -242,7 +242,7 @@ def cmd_throughput(args, path: Path, device: torch.device) -> dict:
     """accumulate + step of one fixed batch: 1 warm-up, then timed steps (synchronised);
     tokens/s = prompt + response tokens of the batch / step seconds. Forward-only (logprobs)
     timed too."""
-    from rlkit.bench.train import synthetic_batch
+    from rlkit.bench.train_inputs import synthetic_batch
     from rlkit.train.hf_io import read_config
 
     cfg = read_config(path)
