@@ -19,7 +19,6 @@ replicas does not change the gradient.
 from __future__ import annotations
 
 import os
-import signal
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -27,7 +26,7 @@ import torch
 
 from rlkit.buffers.control_token import CONTROL_TOKEN_ENV
 from rlkit.common.weight_update import PublisherFailed, WeightUpdate
-from rlkit.buffers.fault_switch import TRAINER_FAULT_ENV, FaultSwitch, FaultSwitchError
+from rlkit.train.fault import trainer_fault
 from rlkit.train.batch import TrainBatch
 from rlkit.train.config import TrainConfig
 from rlkit.train.microbatch_plan import MicroBatchPlan, plan_micro_batches, warn_over_budget
@@ -54,39 +53,6 @@ def replica_batches(batch: TrainBatch, plan: MicroBatchPlan) -> list[tuple[list[
     return out
 
 
-class TrainerFault:
-    """The trainer's test-only fault switch ($RLKIT_TEST_TRAINER_FAULT, rlkit.buffers.fault_switch):
-
-        RLKIT_TEST_TRAINER_FAULT="action=kill|hold,step=K,dir=FOLDER[,rank=R][,hold=1]"
-
-    Rank R (0) records the fault in FOLDER/fired.json and SIGKILLs itself (as the OOM killer
-    would) when it begins the batch of its K-th optimizer step: step K of a run with one
-    optimizer step per rollout step, as every recipe here. With hold=1 it first waits there
-    until the test creates FOLDER/release, so the test can look at the live run. action=hold
-    only waits there for the release, then trains on: the run stays in step K until something
-    the test waits for has happened. Once per folder. None unless the variable is set; never
-    set it outside tests."""
-
-    def __init__(self, switch: FaultSwitch) -> None:
-        self.switch = switch
-        self.step = switch.number("step")
-        if self.step is None or self.step < 1:
-            raise FaultSwitchError(f"${TRAINER_FAULT_ENV}: step must be >= 1")
-
-    @classmethod
-    def from_env(cls, rank: int) -> "TrainerFault | None":
-        switch = FaultSwitch.from_env(TRAINER_FAULT_ENV, ("kill", "hold"), required=("step",),
-                                      optional=("rank", "hold"))
-        return cls(switch) if switch is not None and switch.number("rank", 0) == rank else None
-
-    def at_batch(self, steps_taken: int) -> None:
-        if steps_taken + 1 == self.step and self.switch.claim(step=self.step):
-            if self.switch.number("hold", 0) or self.switch.action == "hold":
-                self.switch.wait_for_release()
-            if self.switch.action == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-
-
 class TrainWorker:
     """One trainer rank inside a Ray actor (wrapped with ray.remote by TrainerGroup)."""
 
@@ -100,7 +66,7 @@ class TrainWorker:
         self.trainer = None
         self.config: TrainConfig | None = None
         self.batch = None  # the rollout batch being trained (train.stream.RolloutBatchStep)
-        self.fault = TrainerFault.from_env(rank)  # test-only: None unless a test set it
+        self.fault = trainer_fault(rank)  # test-only: None unless a test set its variable
 
     def master_address(self, loopback: bool = False) -> tuple[str, int]:
         """Where the world's rendezvous store listens (this rank, rank 0, hosts it): loopback

@@ -216,7 +216,7 @@ def test_kill_at_the_k_th_call_of_a_control_endpoint(tiny_model_dir, tmp_path, m
 def test_the_trainer_switch_can_hold_a_step_until_released(monkeypatch, tmp_path):
     """action=hold: rank 0 waits at step K's batch for the release, then trains on (alive)."""
     from rlkit.buffers.fault_switch import RELEASE, TRAINER_FAULT_ENV
-    from rlkit.train.ray_group import TrainerFault
+    from rlkit.train.fault import TrainerFault
 
     folder = tmp_path / "hold"
     monkeypatch.setenv(TRAINER_FAULT_ENV, f"action=hold,step=2,dir={folder}")
