@@ -37,6 +37,7 @@ from rlkit.train.config import TrainConfig
 from rlkit.train.convert import hf_to_megatron, megatron_param_names, megatron_param_to_hf
 from rlkit.train.hf_arch import ModelArch
 from rlkit.train.hf_io import load_hf_state_dict, read_config, save_hf_folder
+from rlkit.train.megatron.colocation import Colocation
 from rlkit.train.megatron.logprobs import vocab_parallel_logprobs
 from rlkit.train.megatron.optimizer import build_optimizer, learning_rate
 from rlkit.train.megatron.parallel import (
@@ -45,15 +46,6 @@ from rlkit.train.megatron.parallel import (
 from rlkit.train.microbatch_plan import attention_weight_of, plan_micro_batches, warn_over_budget
 from rlkit.train.packing import PackedRows, pack_samples
 from rlkit.train.protocol import Policy
-
-
-def _device_used(device: torch.device) -> float | None:
-    """Bytes in use on a CUDA device, by every process (the colocated engine's share too);
-    None on CPU."""
-    if device.type != "cuda":
-        return None
-    free, total = torch.cuda.mem_get_info(device)
-    return float(total - free)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -113,7 +105,7 @@ class MegatronTrainer:
             self._reference = {n: p.detach().clone() for n, p in self.module.named_parameters()}
 
         self._sender = None  # WeightSender, on the rank that talks to engines
-        self._offload = None  # TrainerOffload, made when colocated placement first asks
+        self.colocation = Colocation(self)  # colocated placement's turns on the GPU (offload on first use)
         self._warned_nccl = False
         # 'dense': rows with a block-diagonal mask (megatron's local attention). 'thd' is the seam
         # for TransformerEngine's varlen attention (train/packing.py): it needs the TE layer spec,
@@ -483,7 +475,7 @@ class MegatronTrainer:
 
     def export_hf(self, path: str | Path) -> Path | None:
         """Write an HF model folder (collective over TP; DP rank 0 / TP rank 0 writes it)."""
-        with self._on_device():
+        with self.colocation.on_device():
             weights = self._sender_hf_weights()
             if weights is None:
                 return None
@@ -504,11 +496,7 @@ class MegatronTrainer:
         if update.version < self.version:
             raise ValueError(f"publish_weights: version {update.version} is older than {self.version}")
         moved: dict[str, float] = {}
-        after_send = None
-        if update.colocated:
-            self._moved(moved, "offload", self.offload.offload(("grads", "optimizer")))
-            self._moved(moved, "onload", self.offload.onload(("params",)))  # sent from the device
-            after_send = lambda: self._moved(moved, "offload", self.offload.offload(("params",)))  # noqa: E731
+        after_send = self.colocation.publishing(moved) if update.colocated else None
         report = None
         weights = self._sender_hf_weights() if update.engines else None
         if weights is not None:
@@ -531,51 +519,17 @@ class MegatronTrainer:
             out.update({"sync/bytes": float(report.bytes), "sync/buckets": float(report.buckets),
                         "sync/send_seconds": report.seconds_paused,
                         "sync/stage_seconds": report.seconds_stage})
-        if update.colocated and (used := _device_used(self.device)) is not None:
-            out["colocate/device_used_generating_bytes"] = used  # the engines awake again
+        if update.colocated:
+            self.colocation.generating(out)
         return out
 
     def free_device(self) -> dict[str, float]:
-        """Colocated, the end of training: gradients and optimizer state leave the device (the
-        parameters stay, to be sent), so the engines can take their weights' memory back."""
-        moved: dict[str, float] = {}
-        self._moved(moved, "offload", self.offload.offload(("grads", "optimizer")))
-        return moved
+        """Colocated, the end of training: gradients and optimizer state leave the device."""
+        return self.colocation.free_device()
 
     def take_device(self) -> dict[str, float]:
-        """Colocated, the turn to training (the engines sleep: rollout/engine_updates.py): the
-        parameters, gradients and optimizer state come back onto the device. Metrics."""
-        report: dict[str, float] = {}
-        asleep = _device_used(self.device)
-        self._moved(report, "onload", self.offload.onload(("params", "grads", "optimizer")))
-        training = _device_used(self.device)
-        if asleep is not None:  # device-wide, the engines' share included
-            report.update({"colocate/device_used_asleep_bytes": asleep,
-                           "colocate/device_used_training_bytes": training})
-        return report
-
-    @staticmethod
-    def _moved(into: dict[str, float], direction: str, report: dict[str, float]) -> None:
-        """Add one TrainerOffload report to a turn's metrics (several moves make one turn;
-        one that moved nothing, e.g. parameters already on the device, adds no key)."""
-        if not report["bytes"]:
-            return
-        for key, value in ((f"colocate/trainer_{direction}ed_bytes", report["bytes"]),
-                           (f"colocate/trainer_{direction}_seconds", report["seconds"])):
-            into[key] = into.get(key, 0.0) + float(value)
-
-    @contextlib.contextmanager
-    def _on_device(self) -> Iterator[None]:
-        """The whole state on the device for a moment (a checkpoint, an export) and back where
-        it was: an offloaded tensor must never be read (train/megatron/offload.py)."""
-        away = self._offload.offloaded if self._offload is not None else ()
-        if away:
-            self._offload.onload(away)
-        try:
-            yield
-        finally:
-            if away:
-                self._offload.offload(away)
+        """Colocated, the turn to training (the engines sleep): the state comes back. Metrics."""
+        return self.colocation.take_device()
 
     def _nccl_safe(self, sender, engines: Sequence[str]) -> str:
         """'distributed', or 'disk' (said once) when an engine shares a GPU with this rank or
@@ -618,12 +572,8 @@ class MegatronTrainer:
     @property
     def offload(self):
         """Moves this rank's parameters, gradients and optimizer state off the device and back
-        (colocated placement; train/megatron/offload.py)."""
-        if self._offload is None:
-            from rlkit.train.megatron.offload import TrainerOffload
-
-            self._offload = TrainerOffload(self)
-        return self._offload
+        (train/megatron/offload.py)."""
+        return self.colocation.offload
 
     def attach_sender(self, sender) -> None:
         """Use this WeightSender (e.g. with loopback receivers) instead of the HTTP default."""
@@ -641,12 +591,12 @@ class MegatronTrainer:
     def save(self, path: str | Path) -> None:
         from rlkit.train.megatron.checkpoint import save_checkpoint
 
-        with self._on_device():  # colocated: between steps the state is off the device
+        with self.colocation.on_device():  # colocated: between steps the state is off the device
             save_checkpoint(self, Path(path))
 
     def load(self, path: str | Path) -> None:
         from rlkit.train.megatron.checkpoint import load_checkpoint
 
-        with self._on_device():
+        with self.colocation.on_device():
             load_checkpoint(self, Path(path))
 
