@@ -39,15 +39,15 @@ from rlkit.buffers.buffer import Place, RolloutBuffer
 from rlkit.buffers.group import Group
 from rlkit.buffers.sample import Sample, SampleStatus
 from rlkit.rollout.config import SamplingConfig
-from rlkit.rollout.dispatch import AdmissionGate, Dispatcher, GateClosed, LengthWindow
-from rlkit.rollout.engine_api import EngineError, Engines, WorkerLost
+from rlkit.rollout.dispatch import Dispatcher, LengthWindow
+from rlkit.rollout.engine_api import EngineError, Engines
 from rlkit.rollout.episodes import EpisodeRunner, EpisodeStep
 from rlkit.rollout.filters import FilterFailure, GroupFilter
 from rlkit.rollout.health import EngineMonitor
 from rlkit.rollout.rankers import LengthRanker, TurnRanker, group_lengths, mean_length, mean_turns
+from rlkit.rollout.requests import SampleRequests
 from rlkit.rollout.reward_scheduler import RewardFailure, RewardScheduler
 from rlkit.rollout.step_report import StepReport
-from rlkit.rollout.timeline import Span
 
 Park = Literal["partial", "long"]  # where stop() puts an unfinished group
 Parking = Union[Park, Callable[[Group], Park]]
@@ -220,7 +220,6 @@ class Step:
         self.dispatcher: Dispatcher | None = None
         self.ranker = manager.ranker
         self._in_flight: Counter[str] = Counter()  # requests this step has on each engine
-        self._gates: dict[str, AdmissionGate] = {}
         self._planned = False
         self._m = manager
         self._loop = asyncio.get_running_loop()
@@ -240,6 +239,7 @@ class Step:
         self._cancelled: list[asyncio.Task] = []  # awaited by stop(): their spans count too
         self._tokens_at_launch: dict[int, int] = {}  # sample index -> response length at launch
         self.report_ = StepReport(version, target, manager.policy.name, started=self._t0)
+        self.requests = SampleRequests(self)  # each sample's requests (rollout/requests.py)
 
     # -- what policies use ------------------------------------------------------------
     @property
@@ -386,8 +386,7 @@ class Step:
         self._stopping = True
         self._stopped.set()
         choose = park if callable(park) else (lambda g, p=park or self.park_to: p)
-        for gate in self._gates.values():
-            gate.close()
+        self.requests.close_gates()
         abort_error: BaseException | None = None
         tasks = [t for run in self._runs.values() for t in run.tasks.values() if not t.done()]
         if tasks:
@@ -398,7 +397,7 @@ class Step:
                 for index in run.scoring:
                     run.tasks[index].cancel()
             try:
-                await self._abort_all()
+                await self.requests.abort_all()
             except BaseException as e:  # unreachable engines: cancel our requests, park, re-raise
                 abort_error = e
             grace = 0 if abort_error is not None else self._m.abort_grace_s
@@ -420,27 +419,14 @@ class Step:
             raise abort_error
 
     # -- mechanics --------------------------------------------------------------------
-    async def _abort_all(self) -> None:
-        """abort_all; an engine that fails it may have died since the last probe: probe, and
-        if that took an engine out of service, abort the ones left."""
-        health = self._m.health
-        lost_before = health.lost if health is not None else 0
-        try:
-            await self._m.engines.abort_all()
-        except EngineError:
-            # lost meanwhile (the periodic probe may have found it first), or found now
-            if health is None or (health.lost == lost_before and not await health.sweep()):
-                raise
-            await self._m.engines.abort_all()
-
     async def _sample(self, run: _GroupRun, s: Sample) -> None:
         try:
             if not s.status.terminal:
                 if self._m.episodes is None:  # one request per sample (the default)
-                    await self._generate(run, s)
-                else:  # a multi-turn episode: model turns through _generate, tool calls between
+                    await self.requests.generate(run, s)
+                else:  # a multi-turn episode: model turns through its requests, tool calls between
                     await self._m.episodes.run(s, run.group, EpisodeStep(
-                        lambda sampling: self._generate(run, s, sampling), self._stopped,
+                        lambda sampling: self.requests.generate(run, s, sampling), self._stopped,
                         lambda: self.version))
             if (
                 s.status in (SampleStatus.DONE, SampleStatus.TRUNCATED)
@@ -463,119 +449,6 @@ class Step:
             if s.index in run.placed:
                 self._in_flight[run.placed[s.index]] -= 1
             self._check(run, finishing=asyncio.current_task())
-
-    async def _generate(self, run: _GroupRun, s: Sample, sampling: SamplingConfig | None = None) -> None:
-        """Generate `s` to its budget (or its next stop): requests, relaunched on a lost engine.
-        `sampling`: the episode's turn settings (its stop strings) instead of the recipe's."""
-        sampling = sampling or self._m.sampling
-        remaining = s.remaining_tokens(sampling.max_new_tokens)
-        if remaining <= 0:  # resumed at its budget: nothing to ask for
-            s.append([], [], self.version, finish_reason="length")
-            return
-        pinned = run.placed.get(s.index)
-        gate = self._gate(pinned)
-        if gate is not None:
-            try:
-                await gate.acquire(self.dispatcher.priority(run.group))
-            except GateClosed:  # the step stopped first: never sent, nothing to park but itself
-                s.interrupt()
-                return
-        try:
-            await self._relaunched(run, s, pinned, sampling)
-            # restarted, it has no parked tokens to re-score: the second round is the last
-            if self._restart_mismatched(s) and not self._stopping:
-                await self._relaunched(run, s, pinned, sampling)
-        finally:
-            if gate is not None:
-                gate.release()
-
-    async def _relaunched(self, run: _GroupRun, s: Sample, pinned: str | None,
-                          sampling: SamplingConfig) -> None:
-        """Requests for `s` until it settles (finished, parked or failed), relaunched on a
-        lost engine."""
-        for attempt in range(self._m.relaunches_per_sample + 1):
-            if not await self._request(run, s, pinned, sampling,
-                                       last=attempt == self._m.relaunches_per_sample):
-                return
-            if s.remaining_tokens(sampling.max_new_tokens) <= 0:  # lost right at its budget
-                s.append([], [], self.version, finish_reason="length")
-                return
-
-    def _restart_mismatched(self, s: Sample) -> bool:
-        """rollout.max_resume_log_ratio: a resumed sample whose parked tokens the engine
-        re-scored past the bound forgets its response (counted) and is generated again from its
-        prompt. Its correction weight would be negligible (or the sample rejected), so the
-        tokens are worth less than a fresh response. True if it was restarted."""
-        if s.resume_log_ratio is not None:
-            self.report_.resume_rescored += 1
-            self.report_.resume_abs_log_ratio_sum += abs(s.resume_log_ratio)
-        if (not s.rescored_past(self._m.max_resume_log_ratio) or s.status.terminal
-                or self._m.episodes is not None):  # an episode's environment cannot rewind
-            return False
-        tokens = self.buffer.restart_sample(s)
-        self.report_.mismatch_restarts += 1
-        self.report_.mismatch_restart_tokens += tokens
-        return True
-
-    async def _request(self, run: _GroupRun, s: Sample, pinned: str | None,
-                       sampling: SamplingConfig, *, last: bool) -> bool:
-        """One request for `s`. True when its engine was lost and it should go again."""
-        health = self._m.health
-        if health is not None and not self.engines.workers():
-            await health.wait_serving()  # none in service: wait for one, or EnginesDown
-        if pinned is not None and health is not None and pinned not in self.engines.workers():
-            pinned = None  # its engine is out of service: the router chooses
-        lost_before = health.lost if health is not None else 0
-        before, start, worker, outcome = len(s.response_ids), self._loop.time(), pinned, "abort"
-        try:
-            worker = await self._m.engines.generate(
-                s, sampling, max_new_tokens=s.remaining_tokens(sampling.max_new_tokens),
-                version=self.version, worker=pinned,
-            ) or pinned
-            if worker:
-                run.served_by.add(worker)
-            outcome = s.finish_reason if s.status.terminal else "abort"
-            return False
-        except asyncio.CancelledError:
-            outcome = "cancelled"
-            raise
-        except EngineError as e:
-            worker = e.worker or worker
-            outcome = "error"
-            if self._stopping and health is not None:
-                # The step is ending (its abort): the sample keeps what it has and its group is
-                # parked with it, as every unfinished group is; failing it would drop the group.
-                outcome = "lost" if isinstance(e, WorkerLost) else "abort"
-                return False
-            if not last and await self._engine_lost(e, worker, lost_before):
-                outcome = "lost"
-                self.report_.requests_relaunched += 1
-                self.report_.relaunched_tokens += len(s.response_ids)
-                return True
-            s.fail(f"engine: {e}")
-            self.report_.engine_failures += 1
-            return False
-        finally:
-            tokens = len(s.response_ids) - before
-            self.report_.tokens_generated += tokens
-            self.report_.timeline.append(Span(
-                worker, run.group.group_id, s.index, start, self._loop.time(), tokens, outcome,
-                response_before=before,
-            ))
-
-    async def _engine_lost(self, error: EngineError, worker: str | None, lost_before: int) -> bool:
-        """Whether a failed request's engine was lost (and some engine serves again): probe
-        the engine (every engine when the router chose and none is known) unless the monitor
-        already said so. Raises EnginesDown when none serves and none can come back."""
-        health = self._m.health
-        if health is None or self._stopping:
-            return False
-        if not isinstance(error, WorkerLost) and self.engines.workers():
-            await health.check([worker] if worker in self.engines.workers() else None)
-            if health.lost == lost_before and self.engines.workers():
-                return False  # every engine answers: the request itself failed
-        await health.wait_serving()
-        return not self._stopping
 
     def _check(self, run: _GroupRun, finishing: asyncio.Task | None = None) -> None:
         """After any sample of the group changed: settle the group if it can be settled.
@@ -701,14 +574,6 @@ class Step:
         if g.is_complete:
             self._m.response_lengths.add(group_lengths(g)[0])
             self._m.group_lengths.add([mean_length(g)])
-
-    def _gate(self, worker: str | None) -> AdmissionGate | None:
-        if self.dispatcher is None or worker is None:
-            return None
-        gate = self._gates.get(worker)
-        if gate is None:
-            gate = self._gates[worker] = AdmissionGate(self.dispatcher.engine.slots)
-        return gate
 
     def _park(self, g: Group, place: Park, restart: bool) -> None:
         self._observe(g)  # before a restart forgets its tokens

@@ -116,7 +116,7 @@ def test_longest_predicted_work_is_admitted_first_within_an_engine():
     class Spy(SyncPolicy):
         async def run(self, step):
             await super().run(step)
-            gates.update(step._gates)
+            gates.update(step.requests.gates)
 
     run_ranked(RankedDispatchPolicy(Spy(), dispatcher), steps=2)
     assert gates
