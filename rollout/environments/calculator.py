@@ -1,7 +1,9 @@
 """A calculator tool for the arithmetic data: the model may write `<calc>EXPR</calc>` in its
 turn; the environment evaluates EXPR and answers `<result>VALUE</result>`; a turn without a
 call is the model's answer, which ends the episode (the recipe's reward scores it, e.g. the
-math reward). At most `max_calls` calls per episode: the one past it ends the episode.
+math reward). At most `max_calls` calls per episode: the one past it ends the episode. Inside
+the tag, the expression ends at a '<' or a '=' (`EXPRESSION_END`): `<calc>3 + 7 =</calc>` is
+a call of 3 + 7.
 
 EXPR is evaluated without `eval`: Python's `ast` parses it and only numbers, parentheses,
 + - * / // % ** and unary signs are walked, with bounds on its length, on exponents and on the
@@ -23,6 +25,10 @@ MAX_EXPONENT = 64
 MAX_MAGNITUDE = 1e18  # any intermediate value beyond this is refused (no giant integers)
 # the closing tag may be missing: a turn stopped at "</calc>" may come back without it
 CALL = re.compile(r"<calc>(.*?)(?:</calc>|$)", re.DOTALL)
+# what the expression ends at inside the tag: a '<' (a garbled closing tag, "<calc>6 + 7</calc
+# </calc>") or a '=' (the model's own claimed result, "<calc>3 + 7 = 18</calc>"), both seen
+# in SmolLM2-135M's step-0 calls
+EXPRESSION_END = re.compile(r"[<=]")
 
 _BINARY: dict[type, Callable[[Any, Any], Any]] = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
@@ -103,7 +109,7 @@ class CalculatorEnv:
             return Observation("", done=True, info={"calls": self.calls, "over_budget": True})
         self.calls += 1
         try:
-            result = f"<result>{format_value(evaluate(call.group(1)))}</result>"
+            result = f"<result>{format_value(evaluate(EXPRESSION_END.split(call.group(1), 1)[0]))}</result>"
         except CalcError as e:
             return Observation(f"<error>{e}</error>", info={"tool": "calc", "error": str(e)})
         return Observation(result, info={"tool": "calc"})
