@@ -44,7 +44,7 @@ import warnings
 from collections import Counter, deque
 from typing import Any, AsyncIterator, Collection, Iterator, NamedTuple, Sequence
 
-from rlkit.buffers.errors import UserError
+from rlkit.common.errors import UserError
 from rlkit.buffers.group import Group, Lane, PromptRecord
 from rlkit.buffers.sample import Sample, SampleStatus
 from rlkit.buffers.source import PromptSource

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from rlkit.buffers import BufferStateError, RolloutBuffer, load_buffer
-from rlkit.buffers.errors import CheckpointError, find_user_error
+from rlkit.common.errors import CheckpointError, find_user_error
 from rlkit.buffers.persistence import fsync_dir
 
 STATE = "state.json"

@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from rlkit.buffers.errors import find_user_error
+    from rlkit.common.errors import find_user_error
 
     try:
         return int(args._run(args) or 0)

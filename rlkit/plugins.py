@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, Callable
 
-from rlkit.buffers.errors import UserError
+from rlkit.common.errors import UserError
 
 if TYPE_CHECKING:
     from rlkit.rollout.config import EpisodeConfig, FilterConfig, RankerConfig, SamplingConfig

@@ -1,9 +1,9 @@
-"""Control-token checks of rlkit's servers: the contract lives in buffers.control_token (the
+"""Control-token checks of rlkit's servers: the contract lives in common.control_token (the
 trainer side needs it too); this adds which endpoints of an engine change its state."""
 
 from __future__ import annotations
 
-from rlkit.buffers.control_token import (  # noqa: F401 - re-exported: the rollout side's one import
+from rlkit.common.control_token import (  # noqa: F401 - re-exported: the rollout side's one import
     CONTROL_TOKEN_ENV,
     OPEN_PREFIXES,
     ControlTokenMissing,

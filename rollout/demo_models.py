@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from rlkit.buffers.errors import UserError
+from rlkit.common.errors import UserError
 
 DEMO_MODELS = ("tiny", "tiny-llama", "smollm2")
 _COMPLETE_MARKER = ".rlkit-complete"

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from rlkit.buffers.errors import UserError
+from rlkit.common.errors import UserError
 from rlkit.buffers.group import Group
 
 

@@ -29,7 +29,7 @@ import logging
 from collections import Counter
 from typing import Any, Callable, Protocol
 
-from rlkit.buffers.errors import UserError
+from rlkit.common.errors import UserError
 from rlkit.rollout.config import HealthConfig
 from rlkit.rollout.engine_api import EngineError, Engines
 

@@ -9,7 +9,7 @@ prompt; every request is a span of the step's timeline. `abort_all` is the step'
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import Any
 
 from rlkit.buffers.sample import Sample
 from rlkit.rollout.config import SamplingConfig
@@ -17,15 +17,12 @@ from rlkit.rollout.dispatch import AdmissionGate, GateClosed
 from rlkit.rollout.engine_api import EngineError, WorkerLost
 from rlkit.rollout.timeline import Span
 
-if TYPE_CHECKING:
-    from rlkit.rollout.manager import Step, _GroupRun
-
 
 class SampleRequests:
     """One step's requests: the step's state (version, report, in-flight counts) is its own."""
 
-    def __init__(self, step: "Step") -> None:
-        self.step = step
+    def __init__(self, step: Any) -> None:
+        self.step = step  # rollout.manager.Step, which imports this module (no cycle back)
         self.gates: dict[str, AdmissionGate] = {}  # per engine, with a dispatcher
 
     def close_gates(self) -> None:
@@ -47,7 +44,7 @@ class SampleRequests:
                 raise
             await st._m.engines.abort_all()
 
-    async def generate(self, run: "_GroupRun", s: Sample, sampling: SamplingConfig | None = None) -> None:
+    async def generate(self, run: Any, s: Sample, sampling: SamplingConfig | None = None) -> None:
         """Generate `s` to its budget (or its next stop): requests, relaunched on a lost engine.
         `sampling`: the episode's turn settings (its stop strings) instead of the recipe's."""
         st = self.step
@@ -73,7 +70,7 @@ class SampleRequests:
             if gate is not None:
                 gate.release()
 
-    async def _relaunched(self, run: "_GroupRun", s: Sample, pinned: str | None,
+    async def _relaunched(self, run: Any, s: Sample, pinned: str | None,
                           sampling: SamplingConfig) -> None:
         """Requests for `s` until it settles (finished, parked or failed), relaunched on a
         lost engine."""
@@ -103,7 +100,7 @@ class SampleRequests:
         st.report_.mismatch_restart_tokens += tokens
         return True
 
-    async def _request(self, run: "_GroupRun", s: Sample, pinned: str | None,
+    async def _request(self, run: Any, s: Sample, pinned: str | None,
                        sampling: SamplingConfig, *, last: bool) -> bool:
         """One request for `s`. True when its engine was lost and it should go again."""
         st = self.step

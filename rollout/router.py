@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from rlkit.buffers.errors import UserError
+from rlkit.common.errors import UserError
 from rlkit.rollout.auth import ControlTokenMissing, auth_headers, check_bind, control_token_from_env
 from rlkit.rollout.engines.config import RouterConfig
 from rlkit.rollout.engines.process import (

@@ -3,7 +3,7 @@ reported by the CLI in one place (message, no traceback, exit code 2); anything 
 
 import pytest
 
-from rlkit.buffers.errors import CheckpointError, UserError, find_user_error
+from rlkit.common.errors import CheckpointError, UserError, find_user_error
 from rlkit.cli import main
 
 

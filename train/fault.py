@@ -1,13 +1,13 @@
 """A trainer rank's test-only fault switch, kept out of the code every rank runs (as the built-in
 engine keeps its own in rollout/engines/builtin/fault.py): `trainer_fault(rank)` is None unless
-a test set $RLKIT_TEST_TRAINER_FAULT (rlkit.buffers.fault_switch)."""
+a test set $RLKIT_TEST_TRAINER_FAULT (rlkit.common.fault_switch)."""
 
 from __future__ import annotations
 
 import os
 import signal
 
-from rlkit.buffers.fault_switch import TRAINER_FAULT_ENV, FaultSwitch, FaultSwitchError
+from rlkit.common.fault_switch import TRAINER_FAULT_ENV, FaultSwitch, FaultSwitchError
 
 
 def trainer_fault(rank: int) -> "TrainerFault | None":
@@ -19,7 +19,7 @@ def trainer_fault(rank: int) -> "TrainerFault | None":
 
 
 class TrainerFault:
-    """The trainer's test-only fault switch ($RLKIT_TEST_TRAINER_FAULT, rlkit.buffers.fault_switch):
+    """The trainer's test-only fault switch ($RLKIT_TEST_TRAINER_FAULT, rlkit.common.fault_switch):
 
         RLKIT_TEST_TRAINER_FAULT="action=kill|hold,step=K,dir=FOLDER[,rank=R][,hold=1]"
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
-from rlkit.buffers.errors import UserError
+from rlkit.common.errors import UserError
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 

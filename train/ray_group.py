@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import torch
 
-from rlkit.buffers.control_token import CONTROL_TOKEN_ENV
+from rlkit.common.control_token import CONTROL_TOKEN_ENV
 from rlkit.common.weight_update import PublisherFailed, WeightUpdate
 from rlkit.train.fault import trainer_fault
 from rlkit.train.batch import TrainBatch

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rlkit.buffers.errors import UserError
+from rlkit.common.errors import UserError
 
 
 class OutFolderError(UserError):

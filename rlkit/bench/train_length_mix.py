@@ -41,7 +41,7 @@ MIX_CONFIGS = ("by-count", "by-count-split-by-tokens", "by-tokens")
 
 
 def mix_kinds(text: str) -> tuple[str, ...]:
-    from rlkit.buffers.errors import UserError
+    from rlkit.common.errors import UserError
 
     kinds = tuple(k for k in text.split(",") if k)
     unknown = [k for k in kinds if k not in MIX_CONFIGS]
@@ -55,7 +55,7 @@ def length_mix_batch(vocab: int, *, samples: int, prompt: int, median: int, sigm
                      seed: int = 0):
     """`samples` samples of `prompt` prompt tokens and log-normal response lengths (median,
     sigma), each sample at most `cap` tokens in all."""
-    from rlkit.buffers.errors import UserError
+    from rlkit.common.errors import UserError
 
     if cap < prompt + 4:
         raise UserError(f"--mix-cap {cap}: a sample needs its {prompt} prompt tokens and at least 4 "

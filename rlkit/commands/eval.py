@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from rlkit.buffers.errors import UserError
+from rlkit.common.errors import UserError
 
 DATA_SUFFIXES = (".jsonl", ".parquet")
 RECIPE_SUFFIXES = (".yaml", ".yml")

@@ -23,7 +23,7 @@ import urllib.request
 from concurrent.futures import Executor, Future
 from typing import Any, Callable, Protocol, Sequence
 
-from rlkit.buffers.control_token import auth_headers, control_token_from_env
+from rlkit.common.control_token import auth_headers, control_token_from_env
 
 
 class EngineControlError(RuntimeError):

@@ -25,7 +25,7 @@ from typing import Any, Iterable, Sequence
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from rlkit.buffers.errors import UserError
+from rlkit.common.errors import UserError
 from rlkit.config.schema import Recipe
 from rlkit.rollout.config import (
     MOVED_KEYS, MOVED_ROOTS, POLICY_SECTIONS, DeprecatedKeyWarning, MovedKeyError,

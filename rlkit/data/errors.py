@@ -3,7 +3,7 @@ importing each other."""
 
 from __future__ import annotations
 
-from rlkit.buffers.errors import UserError
+from rlkit.common.errors import UserError
 
 
 class DataError(UserError, ValueError):

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 from rlkit.buffers import Group
-from rlkit.buffers.control_token import CONTROL_TOKEN_ENV
+from rlkit.common.control_token import CONTROL_TOKEN_ENV
 from rlkit.config.schema import Recipe
 from rlkit.driver.placement import advertised
 from rlkit.driver.rollout_box import BOX_CALLS, Handed, RolloutResult, group_record

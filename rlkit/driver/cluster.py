@@ -209,7 +209,7 @@ class Cluster:
             # address; a host the recipe names (anything but the loopback default) is kept.
             self.bind_node_address = self.multi_node and eng.host == DEFAULT_HOST
             # Every run has a control token, on loopback too: every endpoint of its engines and
-            # router but the health probes needs it (buffers/control_token.py)
+            # router but the health probes needs it (rlkit/common/control_token.py)
             token = self._control_token = secrets.token_urlsafe(32)
 
             engine_cls = ray.remote(EngineActor)

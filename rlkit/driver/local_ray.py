@@ -24,7 +24,7 @@ import os
 import secrets
 from typing import Any
 
-from rlkit.buffers.control_token import COLLECTIVE_INTERFACE_ENV, collectives_on_loopback
+from rlkit.common.control_token import COLLECTIVE_INTERFACE_ENV, collectives_on_loopback
 
 class LocalRay:
     """`start()` a local Ray with a fresh token, `stop()` it and restore the environment (a

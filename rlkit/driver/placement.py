@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
-from rlkit.buffers.errors import UserError
+from rlkit.common.errors import UserError
 
 Bundle = dict[str, float]
 

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from rlkit.buffers.errors import UserError
+from rlkit.common.errors import UserError
 from rlkit.common.weight_update import PublisherFailed
 from rlkit.config.schema import Recipe
 from rlkit.driver.rollout_box import BOX_CALLS, Handed, RolloutResult

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from rlkit.buffers.errors import find_user_error
+from rlkit.common.errors import find_user_error
 from rlkit.checkpoint import Checkpoint, latest_checkpoint, resume_point, save_checkpoint
 from rlkit.config.schema import Recipe
 from rlkit.driver.loop import LoopState, Run, step_recorder

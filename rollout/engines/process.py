@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from rlkit.buffers.errors import UserError
+from rlkit.common.errors import UserError
 from rlkit.rollout.engines.config import EngineConfig
 
 

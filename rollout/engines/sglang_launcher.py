@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rlkit.buffers.errors import UserError
+from rlkit.common.errors import UserError
 from rlkit.rollout.auth import ControlTokenMissing, check_bind, control_token_from_env
 from rlkit.rollout.engines.config import EngineConfig
 from rlkit.rollout.engines.process import ManagedProcess, ProcessStartError, free_port, spawn

@@ -18,7 +18,7 @@ from rlkit.bench.train_length_mix import (
     cost_share, format_length_mix_table, length_mix_batch, mix_kinds, mix_train_config, plan_figures,
     process_memory_mb, slowest_share, split_weight,
 )
-from rlkit.buffers.errors import UserError
+from rlkit.common.errors import UserError
 from rlkit.cli import main
 
 

@@ -168,7 +168,7 @@ def _argvs(monkeypatch, package: Path) -> list[list]:
     sglang_server_argv with the run's token in the environment and `package` as the installed
     SGLang, then token_exec's substitution (what the server process parses; its command line
     holds the placeholder)."""
-    from rlkit.buffers.control_token import CONTROL_TOKEN_ENV
+    from rlkit.common.control_token import CONTROL_TOKEN_ENV
     from rlkit.rollout.engines import sglang_launcher
     from rlkit.rollout.engines.config import EngineConfig
     from rlkit.rollout.engines.sglang_launcher import sglang_server_argv

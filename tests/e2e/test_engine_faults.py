@@ -23,7 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from rlkit.buffers.fault_switch import ENGINE_FAULT_ENV, read_fired
+from rlkit.common.fault_switch import ENGINE_FAULT_ENV, read_fired
 from rlkit.config import load_recipe
 from rlkit.driver.run import train
 from tests.e2e.test_train_tiny import processes_with, rows
@@ -153,7 +153,7 @@ def hold_until_restarted(monkeypatch, model_dir: str, folder: Path, held: Path, 
     engine server started after the engine fault (in `folder`) answers: the run then outlasts
     the restart however slow the machine, a condition instead of a step count long enough.
     Returns the releasing thread (started); it releases anyway after 600 s."""
-    from rlkit.buffers.fault_switch import RELEASE, TRAINER_FAULT_ENV
+    from rlkit.common.fault_switch import RELEASE, TRAINER_FAULT_ENV
 
     monkeypatch.setenv(TRAINER_FAULT_ENV, f"action=hold,step={step},dir={held}")
     watcher = RestartWatcher(model_dir, folder)  # (only its view of the engine servers)

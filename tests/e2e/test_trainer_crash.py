@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from rlkit.buffers.fault_switch import RELEASE, TRAINER_FAULT_ENV, read_fired
+from rlkit.common.fault_switch import RELEASE, TRAINER_FAULT_ENV, read_fired
 from tests.e2e.test_interrupt import listening_ports
 from tests.netprobe import descendants
 

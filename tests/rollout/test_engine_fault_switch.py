@@ -1,4 +1,4 @@
-"""The test-only fault switches (rlkit.buffers.fault_switch): parsing and the once-per-folder
+"""The test-only fault switches (rlkit.common.fault_switch): parsing and the once-per-folder
 record, then the built-in engine's ($RLKIT_TEST_ENGINE_FAULT, rollout/engines/builtin/fault.py)
 on real servers over the tiny model: it dies or stops right after its N-th streamed token of
 the weight version it names, and an engine started again with the same switch (what
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from rlkit.buffers.fault_switch import (ENGINE_FAULT_ENV, FaultSwitch, FaultSwitchError,
+from rlkit.common.fault_switch import (ENGINE_FAULT_ENV, FaultSwitch, FaultSwitchError,
                                         read_fired)
 from rlkit.rollout.engines.config import EngineConfig
 from rlkit.rollout.engines.process import ManagedProcess, start_hf_server
@@ -215,7 +215,7 @@ def test_kill_at_the_k_th_call_of_a_control_endpoint(tiny_model_dir, tmp_path, m
 
 def test_the_trainer_switch_can_hold_a_step_until_released(monkeypatch, tmp_path):
     """action=hold: rank 0 waits at step K's batch for the release, then trains on (alive)."""
-    from rlkit.buffers.fault_switch import RELEASE, TRAINER_FAULT_ENV
+    from rlkit.common.fault_switch import RELEASE, TRAINER_FAULT_ENV
     from rlkit.train.fault import TrainerFault
 
     folder = tmp_path / "hold"

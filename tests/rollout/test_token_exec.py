@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rlkit.buffers.control_token import CONTROL_TOKEN_ENV
+from rlkit.common.control_token import CONTROL_TOKEN_ENV
 from rlkit.rollout.engines.process import spawn
 from rlkit.rollout.token_exec import REDACTED, TOKEN_PLACEHOLDER, Redactor, fill_token
 

@@ -47,7 +47,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from rlkit.buffers.errors import CheckpointError
+from rlkit.common.errors import CheckpointError
 from rlkit.buffers.persistence import fsync_dir
 from rlkit.train.hf_io import copy_side_files
 from rlkit.train.megatron.parallel import seed_everything

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from rlkit.buffers.control_token import collectives_on_loopback
+from rlkit.common.control_token import collectives_on_loopback
 
 
 @dataclass(frozen=True)

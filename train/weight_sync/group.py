@@ -15,7 +15,7 @@ import datetime
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from rlkit.buffers.control_token import collectives_on_loopback
+from rlkit.common.control_token import collectives_on_loopback
 from rlkit.train.megatron.parallel import bound_tcp_store
 
 

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from rlkit.buffers.control_token import is_loopback
+from rlkit.common.control_token import is_loopback
 from rlkit.common.engine_http import EngineControlError, EngineWeights, HttpEngine, WeightSyncError, fan_out, wait_all
 from rlkit.common.weight_update import WeightUpdate
 from rlkit.train.weight_sync.group import join_weight_group, leave_weight_group

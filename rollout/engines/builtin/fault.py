@@ -1,4 +1,4 @@
-"""The built-in engine's test-only fault switch ($RLKIT_TEST_ENGINE_FAULT, rlkit.buffers.fault_switch):
+"""The built-in engine's test-only fault switch ($RLKIT_TEST_ENGINE_FAULT, rlkit.common.fault_switch):
 the engine server fails right after it has streamed its N-th token, so a test's fault lands at
 an exact, reproducible point of a run. Off (None) unless the variable is set; never set it
 outside tests.
@@ -32,7 +32,7 @@ import os
 import signal
 from pathlib import Path
 
-from rlkit.buffers.fault_switch import ENGINE_FAULT_ENV, FaultSwitch, FaultSwitchError
+from rlkit.common.fault_switch import ENGINE_FAULT_ENV, FaultSwitch, FaultSwitchError
 
 ACTIONS = ("kill", "hang", "kill_all")
 SERVER_MODULE = "rlkit.rollout.engines.builtin.hf_server"

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from rlkit.buffers.control_token import collectives_on_loopback
+from rlkit.common.control_token import collectives_on_loopback
 
 DTYPES = {
     "float32": torch.float32, "float": torch.float32, "float16": torch.float16,

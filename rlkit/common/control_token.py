@@ -15,9 +15,9 @@ Contract (other parts rely on these names):
 Also here: `collectives_on_loopback`, which keeps the sockets of torch.distributed's gloo and
 NCCL on the loopback interface when every process of a group is on this machine.
 
-Here, at the bottom of the package graph and stdlib only, because both sides need it: the
-engine servers and the client (rollout, through rollout.auth) and the trainer's weight sync
-(train, which imports no rollout code).
+Here, at the bottom of the package graph (rlkit.common) and stdlib only, because both sides
+need it: the engine servers and the client (rollout, through rollout.auth) and the trainer's
+weight sync (train, which imports no rollout code).
 """
 
 from __future__ import annotations
