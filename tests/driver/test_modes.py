@@ -90,7 +90,7 @@ def make_box(recipe):
 def recipe(tmp_path, steps):
     return load_recipe(None, [
         f"run.num_steps={steps}", "rollout.batch_size=3", "rollout.n_samples_per_prompt=2",
-        "rollout.policy=partial", "rollout.over_provision=2.0", "rollout.max_staleness=20",
+        "rollout.policy=partial", "rollout.partial.over_provision=2.0", "rollout.max_staleness=20",
         "train.algorithm.off_policy_correction=tis", "train.micro_batch_size=2",
         "checkpoint.every_steps=2", f"run.output_dir={tmp_path}",
     ])
@@ -451,7 +451,7 @@ def test_colocated_engines_sleep_for_every_training_and_nothing_generates_while_
     and resumed after the wake; the accounting balances."""
     r = load_recipe(None, [
         "run.num_steps=3", "rollout.batch_size=3", "rollout.n_samples_per_prompt=2",
-        f"rollout.policy={policy}", "rollout.over_provision=2.0", "rollout.max_staleness=20",
+        f"rollout.policy={policy}", "rollout.partial.over_provision=2.0", "rollout.max_staleness=20",
         "train.algorithm.off_policy_correction=tis", "train.micro_batch_size=2",
         "cluster.placement=colocated", f"run.output_dir={tmp_path}",
     ])
