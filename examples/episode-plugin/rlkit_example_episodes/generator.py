@@ -2,13 +2,11 @@
 a turn counter at the start of every observation, "[turn 3/8] now 24" (the total is the
 environment's `max_turns`, when it has one), so the model knows how many moves it has left.
 
-A tool call abandoned by a park is re-run on resume; `ctx.tool_step` first puts an environment
-with snapshot/restore back as it was before the call, so the call takes effect once.
-
-Everything the loop needs to resume is in `ctx.state` (plain data, saved with the buffer):
-`phase` says where the episode stands, and each phase change is written in the same
-synchronous block as the work it records (no `await` in between), so a park can never split
-them. A parked episode re-enters this function and goes on from `phase`."""
+A plain loop: a parked episode re-enters this function and rlkit replays it against the record
+of its calls (model turns and tool results come back as they were, no engine or tool call) up
+to where it was parked, then it goes on live (docs/episodes.md, "Resuming replays the
+generator"). A tool call abandoned by the park runs on resume, once.
+"""
 
 from __future__ import annotations
 
@@ -16,23 +14,20 @@ from rlkit.rollout.episodes import EpisodeContext
 
 
 async def hinted_turns(ctx: EpisodeContext) -> None:
-    st, env = ctx.state, ctx.env
+    total = getattr(ctx.env, "max_turns", None)
+    turns = 0
     while True:
-        if st.get("phase", "model") == "model":
-            turn = await ctx.model_turn()
-            if turn.ended != "stop":
-                return  # parked mid-turn (resumed from its tokens), or out of budget
-            st.update(phase="tool", action=turn.text)  # st["turns"]: the runner counts turns
-        obs = await ctx.tool_step(st["action"])
+        turn = await ctx.model_turn()
+        if turn.ended != "stop":
+            return  # parked mid-turn (resumed from its tokens), or out of budget
+        turns += 1
+        obs = await ctx.tool_step(turn.text)
         if obs is None:
             return  # the step ended during the call: parked, re-run on resume
         if obs.done:
-            st["phase"] = "done"
             ctx.finish(obs.reward)
             return
-        st["phase"] = "model"
-        total = getattr(env, "max_turns", None)
-        ctx.append_observation(f"[turn {st['turns']}/{total}] {obs.text}" if total else
-                               f"[turn {st['turns']}] {obs.text}")
+        ctx.append_observation(f"[turn {turns}/{total}] {obs.text}" if total else
+                               f"[turn {turns}] {obs.text}")
         if ctx.sample.status.terminal:
             return  # the observation filled the token budget
