@@ -55,7 +55,10 @@ class LocalTrainerBox:
         return self
 
     async def publish(self, update: WeightUpdate) -> dict[str, float]:
-        return await asyncio.to_thread(self.trainer.publish_weights, update) or {}
+        # In this thread, holding the loop: in process nothing else runs during the update, as
+        # on a cluster the paused engines generate nothing (a thread would let fakes and
+        # simulated engines generate with weights the buffer does not know of yet).
+        return self.trainer.publish_weights(update) or {}
 
     def save(self, path: str | Path) -> None:
         self.trainer.save(path)
