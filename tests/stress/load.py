@@ -270,13 +270,21 @@ class Consumer:
                 "memory": self._rss.report()}
 
 
+class NoWeights:
+    """The trainer as the rollout box's publisher, with no weights to send (the engines here
+    keep no state): the update only moves the box's version, as a run's sync does."""
+
+    async def publish(self, update: Any) -> dict[str, float]:
+        return {}
+
+
 async def _drive_sync(box: Any, consumer: Any, steps: int, batch_size: int) -> None:
     """The sync mode's loop: a rollout step, then its batch to the trainer, then the next."""
     for v in range(steps):
         await box.start_step(v, for_version=v, final=v == steps - 1)
         handed = await box.take(batch_size)
         await consumer.add_groups.remote(handed.refs)
-        await box.set_version(v + 1)
+        await box.update_weights(v + 1, NoWeights())
 
 
 async def _drive_stream(box: Any, consumer: Any, steps: int, batch_size: int) -> None:
@@ -290,7 +298,7 @@ async def _drive_stream(box: Any, consumer: Any, steps: int, batch_size: int) ->
             calls.append(consumer.add_groups.remote(handed.refs))
         await step
         await asyncio.gather(*calls)
-        await box.set_version(v + 1)
+        await box.update_weights(v + 1, NoWeights())
 
 
 def _check_accounting(stats: dict[str, Any], ids: dict[int, int], expected: int) -> dict[str, Any]:
