@@ -121,8 +121,11 @@ class RolloutService:
         by_kind = {f"rollout/reward_failures/{kind}": failures[kind] - failures_before[kind]
                    for kind in REWARD_FAILURE_KINDS}
         episodes = self.manager.episodes
+        # the engines' prefix-cache hits of the step's requests (the HTTP client reads them)
+        prefix = getattr(self.engines, "prefix_cache_metrics", lambda: {})()
         return RolloutResult(
-            metrics={**report.metrics(), **by_kind, **(episodes.metrics() if episodes else {})},
+            metrics={**report.metrics(), **by_kind, **(episodes.metrics() if episodes else {}),
+                     **prefix},
             timeline=[s.to_json() for s in report.timeline],
             completed=report.completed,
             buffer=self.stats(),
