@@ -356,6 +356,13 @@ class RankedDispatchConfig(BaseModel):
     )
 
 
+# sglang-router's cache_aware balances load only past a difference of 64 requests (and 1.5x):
+# with a system prompt shared by every prompt, each request matches the first engine's prefix
+# tree, and a few engines with tens of requests in flight would all be served by one (measured:
+# 316 of 316 requests on one of two engines). Later arguments win: rollout.router.extra_args
+# may still set it.
+CACHE_AWARE_BALANCE = ["--balance-abs-threshold", "2"]
+
 CHATML_OBSERVATION = "<|im_end|>\n<|im_start|>user\n{observation}<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -722,10 +729,12 @@ class RolloutConfig(BaseModel):
 
     @model_validator(mode="after")
     def _episodes_route_by_prefix(self) -> "RolloutConfig":
-        """A multi-turn recipe that does not name rollout.router.policy routes cache_aware
-        (its description says why); a policy the recipe sets is kept."""
+        """A multi-turn recipe that does not name rollout.router.policy routes cache_aware,
+        balanced past a difference of 2 requests (CACHE_AWARE_BALANCE; the description of
+        rollout.router.policy says why); a policy the recipe sets is kept as it is."""
         if self.episode.generator is not None and "policy" not in self.router.model_fields_set:
-            self.router = self.router.model_copy(update={"policy": "cache_aware"})
+            self.router = self.router.model_copy(update={
+                "policy": "cache_aware", "extra_args": [*CACHE_AWARE_BALANCE, *self.router.extra_args]})
         return self
 
     @model_validator(mode="after")

@@ -91,7 +91,11 @@ class RouterConfig(BaseModel):
         "recipe (rollout.episode.generator set), it becomes 'cache_aware': each turn resends "
         "the episode so far, and the router sends it to the engine whose prefix tree matches "
         "it best (the one that served the previous turn, where SGLang's radix cache holds the "
-        "prefix), as it does a parked sample's continuation. Set explicitly, it is kept as set.",
+        "prefix), as it does a parked sample's continuation; that default also puts "
+        "'--balance-abs-threshold 2' first in extra_args, so that a load difference of more "
+        "than 2 requests (and 1.5x) goes to the least loaded engine (the router's own 64 lets "
+        "one engine take every request of a prompt set sharing its system prompt). Set "
+        "explicitly, the policy is kept as set, with the router's own thresholds.",
     )
     host: str = Field("127.0.0.1", description="Interface the router binds to.")
     port: int = Field(0, ge=0, le=65535, description="Router port; 0 picks a free port.")

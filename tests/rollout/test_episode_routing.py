@@ -32,7 +32,14 @@ def test_the_resolved_policy_survives_the_run_folders_recipe(overrides):
     assert again.rollout.router.policy == recipe.rollout.router.policy
 
 
-def test_the_router_is_started_with_it():
+def test_the_router_is_started_with_it_balanced_past_two_requests():
     router = load_recipe(None, EPISODES).rollout.router
     argv = Router(router).argv(1, 2, ["http://127.0.0.1:3"])
     assert argv[argv.index("--policy") + 1] == "cache_aware"
+    assert argv[argv.index("--balance-abs-threshold") + 1] == "2"
+    # the recipe's own router arguments come later, and the router takes the last
+    mine = load_recipe(None, [*EPISODES, "rollout.router.extra_args=['--balance-abs-threshold', '8']"])
+    assert mine.rollout.router.extra_args == ["--balance-abs-threshold", "2", "--balance-abs-threshold", "8"]
+    # a policy set explicitly gets the router's own thresholds
+    for overrides in ([*EPISODES, "rollout.router.policy=cache_aware"], []):
+        assert load_recipe(None, overrides).rollout.router.extra_args == []
