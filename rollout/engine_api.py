@@ -1,6 +1,6 @@
 """The manager's engine interface: what the RolloutManager and its policies may ask of engines.
 
-Two implementations: `rollout.client.EngineClient` (HTTP: the router and the engine servers
+Two implementations: `rollout.http.client.EngineClient` (HTTP: the router and the engine servers
 behind it) and the simulated engines (virtual time). Policies and the manager only ever see
 this Protocol, so the same scheduling code runs against both.
 

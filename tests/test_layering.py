@@ -134,6 +134,16 @@ def test_libraries_never_import_the_rest_of_rlkit_and_point_one_way():
     assert wrong == []
 
 
+def test_the_rollout_side_s_scheduling_core_imports_no_http():
+    """The buffer, manager, policies, rankers, dispatcher and episodes run unchanged in tests and
+    the simulator: only the HTTP layer itself and the engine launchers import rlkit.rollout.http."""
+    graph = import_graph()
+    wrong = sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps
+                   if within(d, "rlkit.rollout.http") and within(m, "rlkit.rollout", "rlkit.buffers")
+                   and not within(m, "rlkit.rollout.http", "rlkit.rollout.engines"))
+    assert wrong == []
+
+
 def test_the_runtime_never_imports_the_measuring_tools_or_the_builtin_engine():
     graph = import_graph()
     wrong = sorted(

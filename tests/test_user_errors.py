@@ -36,7 +36,7 @@ def test_every_listed_error_is_a_user_error():
     from rlkit.rollout.engines.process import ProcessStartError
     from rlkit.rollout.engines.sglang_launcher import SGLangNotInstalled
     from rlkit.rollout.filters import FilterFailure
-    from rlkit.rollout.router import RouterError
+    from rlkit.rollout.http.router import RouterError
     from rlkit.train.hf_arch import UnsupportedModelError
     from rlkit.train.megatron.checkpoint import CheckpointError as TrainerCheckpointError
 

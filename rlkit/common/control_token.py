@@ -16,7 +16,7 @@ Also here: `collectives_on_loopback`, which keeps the sockets of torch.distribut
 NCCL on the loopback interface when every process of a group is on this machine.
 
 Here, at the bottom of the package graph (rlkit.common) and stdlib only, because both sides
-need it: the engine servers and the client (rollout, through rollout.auth) and the trainer's
+need it: the engine servers and the client (rollout, through rollout.http.auth) and the trainer's
 weight sync (train, which imports no rollout code).
 """
 

@@ -12,7 +12,7 @@ Sent to each engine worker itself: the sglang-router forwards none of them (docs
 HTTP only; one call per method, no retries (a weight update that half-applied must not be retried
 blindly). Every body states the flags whose SGLang defaults would surprise: `mode` for pause,
 `abort_all_requests` and `flush_cache` for updates. (Generation and its aborts are the
-EngineClient's, rollout/client.py.)
+EngineClient's, rollout/http/client.py.)
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def wait_all(futures: Sequence[tuple[Any, Future]], step: str, timeout_s: float,
 
 class HttpEngine:
     """Both views (EngineControl, EngineWeights) over HTTP. `control_token`: the run's control
-    token (rollout.auth), sent as `Authorization: Bearer` on every call; default
+    token (rollout.http.auth), sent as `Authorization: Bearer` on every call; default
     $RLKIT_CONTROL_TOKEN."""
 
     def __init__(self, url: str, timeout_s: float = 600.0, control_token: str | None = None) -> None:

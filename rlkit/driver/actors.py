@@ -112,9 +112,9 @@ class RolloutActor:
     async def start(self, engine_urls: list[str], engine_actors: list[Any] = ()) -> None:
         """Start the router in front of the engines and the rollout service over them; a lost
         engine is restarted by its EngineActor (`engine_actors`, in the order of the URLs)."""
-        from rlkit.rollout.client import EngineClient
+        from rlkit.rollout.http.client import EngineClient
         from rlkit.rollout.engine_updates import EngineUpdates
-        from rlkit.rollout.router import Router
+        from rlkit.rollout.http.router import Router
 
         assert self.source is not None, "prepare() first"
         r = self.recipe

@@ -212,7 +212,7 @@ def fit_ptl(rows: list[dict[str, Any]], batches: Sequence[int], key: str) -> tup
 async def measure_control(client: Any, url: str, running_s: float) -> dict[str, Any]:
     """What the client's control calls cost on one engine: a control round trip (each abort
     poll is one) and abort_all on 32 requests that have run for `running_s`."""
-    from rlkit.rollout.client import ABORT_POLL_FIRST_S, EngineClient
+    from rlkit.rollout.http.client import ABORT_POLL_FIRST_S, EngineClient
 
     ctl = []
     for _ in range(40):

@@ -13,11 +13,11 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from rlkit.rollout.client import EngineClient
+from rlkit.rollout.http.client import EngineClient
 from rlkit.rollout.engines.config import EngineConfig, RouterConfig
 from rlkit.rollout.engines.process import ManagedProcess, start_hf_server
 from rlkit.rollout.engines.sglang_launcher import require_sglang, start_sglang_server
-from rlkit.rollout.router import Router
+from rlkit.rollout.http.router import Router
 
 
 def start_engine(model_path: str, config: EngineConfig, index: int,

@@ -7,7 +7,7 @@ False/None -> omitted, a list -> repeated values). Each server gets its own GPUs
 before it counts as up. Where sglang is not installed this fails with a clear error instead of
 an ImportError deep in a subprocess. With a control token ($RLKIT_CONTROL_TOKEN) SGLang gets it
 as its API key and its admin key (`sglang_auth_flags`), added inside the process
-(rollout.token_exec, which also blanks it out of the log), never on the command line; beyond
+(rollout.http.token_exec, which also blanks it out of the log), never on the command line; beyond
 loopback without a token a server is not started.
 """
 
@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from rlkit.common.errors import UserError
-from rlkit.rollout.auth import ControlTokenMissing, check_bind, control_token_from_env
+from rlkit.rollout.http.auth import ControlTokenMissing, check_bind, control_token_from_env
 from rlkit.rollout.engines.config import EngineConfig
 from rlkit.rollout.engines.process import ManagedProcess, ProcessStartError, free_port, spawn
-from rlkit.rollout.token_exec import TOKEN_PLACEHOLDER
+from rlkit.rollout.http.token_exec import TOKEN_PLACEHOLDER
 
 
 class SGLangNotInstalled(UserError, RuntimeError):
@@ -92,7 +92,7 @@ def sglang_server_argv(model_path: str, config: EngineConfig, *, index: int, por
     if control_token_from_env() is not None:  # the keys join the arguments inside the process
         # FLAG=VALUE: a token may begin with '-', which argparse takes for a flag after a space
         argv += [f"{flag}={TOKEN_PLACEHOLDER}" for flag in sglang_auth_flags()]
-        argv[1:3] = ["-m", "rlkit.rollout.token_exec", "sglang.launch_server"]
+        argv[1:3] = ["-m", "rlkit.rollout.http.token_exec", "sglang.launch_server"]
     return argv
 
 

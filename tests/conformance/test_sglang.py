@@ -101,7 +101,7 @@ async def _record_rlkit_calls(staged) -> list[list]:
     """[method, path, body] of every call rlkit makes to an engine worker, as sent (`staged`: an
     in-memory weight bucket, kept alive by the caller while SGLang's code opens it)."""
     from rlkit.buffers.sample import Sample
-    from rlkit.rollout.client import EngineClient
+    from rlkit.rollout.http.client import EngineClient
     from rlkit.rollout.config import SamplingConfig
     from rlkit.common.engine_http import HttpEngine
     from tests.rollout.fake_worker import FakeWorker, answer_json, answer_sse
@@ -150,7 +150,7 @@ async def _record_rlkit_calls(staged) -> list[list]:
 
 
 def _fixtures() -> list[list]:
-    from rlkit.rollout.protocol import parse_sse_line
+    from rlkit.rollout.http.protocol import parse_sse_line
 
     out = []
     for f in sorted(FIXTURES.glob("generate_*.json")):
@@ -172,7 +172,7 @@ def _argvs(monkeypatch, package: Path) -> list[list]:
     from rlkit.rollout.engines import sglang_launcher
     from rlkit.rollout.engines.config import EngineConfig
     from rlkit.rollout.engines.sglang_launcher import sglang_server_argv
-    from rlkit.rollout.token_exec import TOKEN_PLACEHOLDER, fill_token
+    from rlkit.rollout.http.token_exec import TOKEN_PLACEHOLDER, fill_token
 
     monkeypatch.setenv(CONTROL_TOKEN_ENV, TOKEN)
     flags = sglang_launcher.sglang_auth_flags(package)
@@ -195,7 +195,7 @@ def _argvs(monkeypatch, package: Path) -> list[list]:
     for name, config, index, base, expect in configs:
         argv = sglang_server_argv("/models/m", config, index=index, port=30000, base_gpu_id=base)
         assert TOKEN not in " ".join(argv) and " ".join(argv).count(TOKEN_PLACEHOLDER) == 2, argv
-        assert argv[1:4] == ["-m", "rlkit.rollout.token_exec", "sglang.launch_server"], argv
+        assert argv[1:4] == ["-m", "rlkit.rollout.http.token_exec", "sglang.launch_server"], argv
         args = fill_token(argv[4:], TOKEN)
         out.append([name, args, {**expect, **keys, "model_path": "/models/m", "port": 30000}])
     return out
@@ -205,7 +205,7 @@ def _argvs(monkeypatch, package: Path) -> list[list]:
 def test_rlkit_speaks_sglangs_own_schema_routes_auth_and_flags(sglang_site, tmp_path, monkeypatch):
     import torch
 
-    from rlkit.rollout.protocol import parse_output, total_requests
+    from rlkit.rollout.http.protocol import parse_output, total_requests
     from rlkit.train.weight_sync.in_memory import stage_bucket
     from rlkit.train.weight_sync.topology import rank_offsets
 

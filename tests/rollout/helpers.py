@@ -94,7 +94,7 @@ class EngineControls:
     async def weight_versions(self) -> dict[str, str]:
         import asyncio
 
-        from rlkit.rollout.protocol import MODEL_INFO_PATHS
+        from rlkit.rollout.http.protocol import MODEL_INFO_PATHS
 
         # SGLang 0.5.23 reports the version in /model_info only
         bodies = await asyncio.gather(*(asyncio.to_thread(_get_json, f"{u}{MODEL_INFO_PATHS[0]}")

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from rlkit.buffers.sample import Sample, SampleStatus
-from rlkit.rollout.client import DEFAULT_RETRY_POLICIES, EngineClient, RetryPolicy
+from rlkit.rollout.http.client import DEFAULT_RETRY_POLICIES, EngineClient, RetryPolicy
 from rlkit.rollout.config import SamplingConfig
 from rlkit.rollout.engine_api import EngineError, Engines
 from rlkit.rollout.engines.process import free_port

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rlkit.buffers.sample import Sample, SampleStatus
-from rlkit.rollout.client import EngineClient
+from rlkit.rollout.http.client import EngineClient
 from rlkit.rollout.config import SamplingConfig
 from rlkit.rollout.engine_api import EngineError
 from rlkit.rollout.engines.config import EngineConfig, RouterConfig

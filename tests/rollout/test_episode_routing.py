@@ -10,7 +10,7 @@ import yaml
 from rlkit.config import load_recipe
 from rlkit.config.loader import dump_recipe
 from rlkit.config.schema import Recipe
-from rlkit.rollout.router import Router
+from rlkit.rollout.http.router import Router
 
 ROOT = Path(__file__).resolve().parents[2]
 EPISODES = ["rollout.episode.generator=multi_turn", "rollout.episode.environment=calculator"]

@@ -1,4 +1,4 @@
-"""Locked-down servers: the control token contract (rollout.auth) on a real built-in engine
+"""Locked-down servers: the control token contract (rollout.http.auth) on a real built-in engine
 server and the real sglang-router, the bind checks, where the trainer's weight-sync store
 listens, and a property-based fuzz of the engine server: any malformed request gets a 4xx,
 never a 5xx, and the server still generates correctly afterwards."""
@@ -16,7 +16,7 @@ import requests
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from rlkit.rollout.auth import (CONTROL_PATHS, CONTROL_TOKEN_ENV, ControlTokenMissing, auth_headers,
+from rlkit.rollout.http.auth import (CONTROL_PATHS, CONTROL_TOKEN_ENV, ControlTokenMissing, auth_headers,
                           check_authorization, check_bind, is_loopback)
 from rlkit.rollout.engines.config import EngineConfig, RouterConfig
 from tests.netprobe import own_address
@@ -136,7 +136,7 @@ def test_every_endpoint_but_the_probes_needs_the_token_and_none_returns_it(serve
 
 
 async def test_engine_client_sends_the_token_from_the_environment(server, monkeypatch):
-    from rlkit.rollout.client import EngineClient
+    from rlkit.rollout.http.client import EngineClient
 
     monkeypatch.setenv(CONTROL_TOKEN_ENV, TOKEN)
     async with EngineClient(router_url=None, worker_urls=[server.url]) as client:
@@ -196,12 +196,12 @@ def test_an_engine_on_the_machine_address_with_a_token_guards_its_control_endpoi
 
 # -- the router -----------------------------------------------------------------------------------
 def test_router_control_plane_needs_the_token(server, monkeypatch, tmp_path):
-    from rlkit.rollout.router import Router, RouterError
+    from rlkit.rollout.http.router import Router, RouterError
 
     monkeypatch.setenv(CONTROL_TOKEN_ENV, TOKEN)
     router = Router(RouterConfig(), log_path=tmp_path / "router.log")
     argv = router.argv(1, 2, [server.url])
-    assert TOKEN not in " ".join(argv) and "rlkit.rollout.token_exec" in argv  # not on the command line
+    assert TOKEN not in " ".join(argv) and "rlkit.rollout.http.token_exec" in argv  # not on the command line
     router.start([server.url])
     try:
         with open(f"/proc/{router.process.process.pid}/cmdline", "rb") as f:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from rlkit.buffers.sample import Sample
-from rlkit.rollout.client import EngineClient
+from rlkit.rollout.http.client import EngineClient
 from rlkit.rollout.config import SamplingConfig
 from tests.rollout.fake_worker import FakeWorker, answer_json, answer_sse
 from tests.rollout.helpers import fixture_json, fixture_text

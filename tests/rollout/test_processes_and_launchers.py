@@ -19,7 +19,7 @@ from rlkit.rollout.engines.sglang_launcher import (
     require_sglang,
     sglang_server_argv,
 )
-from rlkit.rollout.router import Router, RouterError
+from rlkit.rollout.http.router import Router, RouterError
 
 
 def test_missing_router_binary_is_a_clear_error(monkeypatch):

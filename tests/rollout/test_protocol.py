@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from rlkit.buffers.sample import Sample
-from rlkit.rollout.client import EngineClient
+from rlkit.rollout.http.client import EngineClient
 from rlkit.rollout.config import SamplingConfig
-from rlkit.rollout.protocol import (
+from rlkit.rollout.http.protocol import (
     AbortRequest,
     GenerateRequest,
     GenerateResponse,
@@ -220,7 +220,7 @@ def test_sse_decoder_is_indifferent_to_block_boundaries(cuts):
 
 
 def test_weight_version_spans_give_each_token_its_version():
-    from rlkit.rollout.protocol import ProtocolError, parse_output
+    from rlkit.rollout.http.protocol import ProtocolError, parse_output
 
     def meta(spans):
         return {"meta_info": {"completion_tokens": 4, "weight_version": "7", "weight_versions": spans,

@@ -1,4 +1,4 @@
-"""rlkit.rollout.token_exec: the token reaches the program's arguments, never its command line,
+"""rlkit.rollout.http.token_exec: the token reaches the program's arguments, never its command line,
 and never its output (SGLang logs every server argument, its keys included, at start)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from rlkit.common.control_token import CONTROL_TOKEN_ENV
 from rlkit.rollout.engines.process import spawn
-from rlkit.rollout.token_exec import REDACTED, TOKEN_PLACEHOLDER, Redactor, fill_token
+from rlkit.rollout.http.token_exec import REDACTED, TOKEN_PLACEHOLDER, Redactor, fill_token
 
 TOKEN = "tOk3n-_0123456789abcdefghijklmnopqrstuvwxyzAB"  # url-safe, as secrets.token_urlsafe
 
@@ -57,7 +57,7 @@ def program(tmp_path, monkeypatch):
 
 
 def test_the_program_gets_the_token_and_its_output_and_its_childrens_never_show_it(program):
-    argv = [sys.executable, "-m", "rlkit.rollout.token_exec", "fake_server", "--api-key",
+    argv = [sys.executable, "-m", "rlkit.rollout.http.token_exec", "fake_server", "--api-key",
             TOKEN_PLACEHOLDER, "--exit", "3"]
     proc = spawn("fake", argv, log_path=program / "fake.log")
     assert proc.process.wait(60) == 3  # the program's exit status
@@ -79,7 +79,7 @@ def test_sigterm_to_the_group_ends_the_program_and_keeps_its_last_words(program)
         print("ready", flush=True)
         time.sleep(600)
     """))
-    argv = [sys.executable, "-m", "rlkit.rollout.token_exec", "slow_server", "--api-key", TOKEN_PLACEHOLDER]
+    argv = [sys.executable, "-m", "rlkit.rollout.http.token_exec", "slow_server", "--api-key", TOKEN_PLACEHOLDER]
     proc = spawn("slow", argv, log_path=program / "slow.log")
     with open(program / "slow.log") as log:  # wait for the program to be up: its first line
         while "ready" not in log.read():
@@ -95,6 +95,6 @@ def test_sigterm_to_the_group_ends_the_program_and_keeps_its_last_words(program)
 
 def test_without_a_token_it_refuses_to_run(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != CONTROL_TOKEN_ENV}
-    out = subprocess.run([sys.executable, "-m", "rlkit.rollout.token_exec", "json.tool"],
+    out = subprocess.run([sys.executable, "-m", "rlkit.rollout.http.token_exec", "json.tool"],
                          capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode != 0 and f"{CONTROL_TOKEN_ENV} is not set" in out.stderr

@@ -22,7 +22,7 @@ once and the buffer's balance holds.
 
 router: `--concurrency` (default 256) concurrent streamed /generate requests through the real
 sglang-router to `--engines` built-in hf engines on a demo model, each on its own Sample, via
-rollout.client.EngineClient.generate. As the tokens stream, `--cancel-fraction` of the request
+rollout.http.client.EngineClient.generate. As the tokens stream, `--cancel-fraction` of the request
 tasks are cancelled (one each, at spread-out points of progress) and `--abort-alls` abort_all()
 calls land mid-flight; samples an abort_all stopped are resumed by tokens (a new generate call,
 as the RolloutManager does), individually cancelled ones are not. Checked and reported:
@@ -442,7 +442,7 @@ def counting_client_class(base: type | None = None) -> type:
     """An EngineClient subclass (of `base`, itself one, or of EngineClient) that records every
     /generate POST it sends in `posts` (the only place that sends one is `_generate_once`) and
     what the engine said about each request."""
-    from rlkit.rollout.client import EngineClient
+    from rlkit.rollout.http.client import EngineClient
 
     class CountingClient(base or EngineClient):  # type: ignore[misc,valid-type]
         def __post_init__(self) -> None:

@@ -73,7 +73,7 @@ def test_tokens_newer_than_the_trainer_are_an_error():
 def test_a_trainable_token_without_a_rollout_logprob_is_named_under_tis():
     g = make_group(8, [1.0, 0.0])
     s = g.samples[1]
-    s.logprobs[1] = float("nan")  # the engine's [None, id] entry (rollout/protocol.py)
+    s.logprobs[1] = float("nan")  # the engine's [None, id] entry (rollout/http/protocol.py)
     with pytest.raises(ValueError, match=r"group 8 sample 801: the engine returned no logprob "
                        r"for 1 of its 2 trainable tokens \(first at response position 1\)"):
         build_batch([g], advantage="grpo", off_policy_correction="tis", policy_version=0)

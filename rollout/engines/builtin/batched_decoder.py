@@ -45,7 +45,7 @@ import torch
 from rlkit.rollout.engines.builtin.kv_cache import SlotKVCache, prefill_mask
 from rlkit.rollout.engines.builtin.requests import DecodeParams, DecodeRequest
 from rlkit.rollout.engines.builtin.sampler import RowSampling, sample
-from rlkit.rollout.protocol import FinishReason, PauseMode
+from rlkit.rollout.http.protocol import FinishReason, PauseMode
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from rlkit.rollout.engines.builtin.requests import DecodeRequest
 from rlkit.rollout.engines.builtin.engine_core import CoreConfig, run_engine_core
-from rlkit.rollout.protocol import FinishReason
+from rlkit.rollout.http.protocol import FinishReason
 
 
 class CoreError(RuntimeError):

@@ -4,14 +4,14 @@
 
 It serves the SGLang endpoints rlkit uses (docs/engines.md has the table) so that it sits behind
 the real sglang-router and talks to the same client as real SGLang servers. Two processes, like
-SGLang: this one is only the HTTP layer (validation with `rollout.protocol`, tokenizing text
+SGLang: this one is only the HTTP layer (validation with `rollout.http.protocol`, tokenizing text
 prompts, streaming, turning control calls into commands); the engine core process
 (engine_core.py) owns the model and runs the continuous-batching decoder, so neither steals
 the other's core. Every answer carries `weight_version`. A bad request gets a 4xx JSON error
 in SGLang's shape; an unexpected error gets a 500; neither stops the server. With a control
 token ($RLKIT_CONTROL_TOKEN, read at start) every endpoint but the probes (/health*) needs
 `Authorization: Bearer <token>`, as SGLang with rlkit's keys; bound beyond loopback, the server
-refuses to start without one (rollout.auth). No answer carries the token.
+refuses to start without one (rollout.http.auth). No answer carries the token.
 
 Sleep and wake are SGLang's `/release_memory_occupation` and `/resume_memory_occupation`
 (body `{"tags": [...]}`, null or [] = all of kv_cache, weights, cuda_graph): see
@@ -35,14 +35,14 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 from pydantic import ValidationError
 
-from rlkit.rollout.auth import (CONTROL_PATHS, CONTROL_TOKEN_ENV, ControlTokenMissing, check_authorization,
+from rlkit.rollout.http.auth import (CONTROL_PATHS, CONTROL_TOKEN_ENV, ControlTokenMissing, check_authorization,
                           check_bind, control_token_from_env, needs_token)
 from rlkit.rollout.engines.builtin.requests import DecodeParams
 from rlkit.rollout.engines.builtin.core_client import CoreDied, CoreError, CoreRefused, EngineCoreClient, RemoteRequest
 from rlkit.rollout.engines.builtin.detokenizer import IncrementalDetokenizer, load_tokenizer
 from rlkit.rollout.engines.builtin.engine_core import CoreConfig
 from rlkit.rollout.engines.builtin.fault import EngineFault
-from rlkit.rollout.protocol import (
+from rlkit.rollout.http.protocol import (
     ENGINE_URL_HEADER,
     AbortRequest,
     FinishReason,
@@ -103,7 +103,7 @@ async def _errors_middleware(request: web.Request, handler: Callable[[web.Reques
 
 
 def _auth_middleware(token: str | None) -> Any:
-    """With a control token, every path but the probes (rollout.auth.needs_token) answers 401
+    """With a control token, every path but the probes (rollout.http.auth.needs_token) answers 401
     without `Authorization: Bearer <token>` and 403 with another token: SGLang's rule with its
     API and admin keys both set to the token, so the router and rlkit's clients meet one rule."""
 
@@ -152,7 +152,7 @@ class EngineServer:
         ))
         self.weight_version = args.weight_version  # mirrors the core's (set only through it)
         self.update_session_open = False
-        self.control_token = control_token_from_env()  # read once, at start (rollout.auth)
+        self.control_token = control_token_from_env()  # read once, at start (rollout.http.auth)
         self.public_url = ""  # set once bound; sent as X-Engine-Url so clients behind the
         # router can tell which worker served them (the router passes worker headers through)
         # Test-only ($RLKIT_TEST_ENGINE_FAULT, fault.py): None unless a test set it.

@@ -10,7 +10,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from rlkit.rollout.protocol import FinishReason
+from rlkit.rollout.http.protocol import FinishReason
 
 
 @dataclass

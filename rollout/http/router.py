@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from rlkit.common.errors import UserError
-from rlkit.rollout.auth import ControlTokenMissing, auth_headers, check_bind, control_token_from_env
+from rlkit.rollout.http.auth import ControlTokenMissing, auth_headers, check_bind, control_token_from_env
 from rlkit.rollout.engines.config import RouterConfig
 from rlkit.rollout.engines.process import (
     ManagedProcess,
@@ -35,7 +35,7 @@ from rlkit.rollout.engines.process import (
     port_is_free,
     spawn,
 )
-from rlkit.rollout.token_exec import TOKEN_PLACEHOLDER
+from rlkit.rollout.http.token_exec import TOKEN_PLACEHOLDER
 
 
 class RouterError(UserError, RuntimeError):
@@ -116,7 +116,7 @@ class Router:
             # --api-key=VALUE: a token may begin with '-', which argparse takes for a flag
             argv += [f"--api-key={TOKEN_PLACEHOLDER}",
                      "--control-plane-api-keys", f"rlkit:rlkit:admin:{TOKEN_PLACEHOLDER}"]
-            argv[1:3] = ["-m", "rlkit.rollout.token_exec", "sglang_router.launch_router"]
+            argv[1:3] = ["-m", "rlkit.rollout.http.token_exec", "sglang_router.launch_router"]
         return argv
 
     def start(self, worker_urls: Sequence[str] = (), *, wait_for_workers: bool = True) -> str:

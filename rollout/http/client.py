@@ -28,10 +28,10 @@ from typing import Any, Iterable, Sequence
 import aiohttp
 
 from rlkit.buffers.sample import Sample, SampleError, SampleStatus
-from rlkit.rollout.auth import auth_headers, control_token_from_env
+from rlkit.rollout.http.auth import auth_headers, control_token_from_env
 from rlkit.rollout.config import SamplingConfig
 from rlkit.rollout.engine_api import EngineError, WorkerLost
-from rlkit.rollout.protocol import (
+from rlkit.rollout.http.protocol import (
     ENGINE_URL_HEADER,
     LOADS_PATHS,
     MODEL_INFO_PATHS,
@@ -109,10 +109,10 @@ class EngineClient:
     abort_timeout_s: float = 120.0
     sock_read_timeout_s: float = 3600.0  # longest silence tolerated inside one generation
     max_connections: int = 0  # 0: unlimited (the router is the throttle, not this client)
-    # Registers and unregisters workers at the router (rollout.router.Router: add_worker /
+    # Registers and unregisters workers at the router (rollout.http.router.Router: add_worker /
     # remove_worker, blocking); None: remove/add_worker change only this client's list.
     router_admin: Any = None
-    # The run's control token (rollout.auth), sent as `Authorization: Bearer` on every request:
+    # The run's control token (rollout.http.auth), sent as `Authorization: Bearer` on every request:
     # engines and the router guard their control endpoints with it. Default: $RLKIT_CONTROL_TOKEN.
     control_token: str | None = field(default_factory=control_token_from_env)
     # rollout.max_resume_log_ratio: a resumed request asks the engine to re-score the parked

@@ -18,7 +18,7 @@ from rlkit.common.control_token import (  # noqa: F401 - re-exported: the rollou
 # Engine endpoints that change server state (SGLang's names; SGLang's admin endpoints). With a
 # token every endpoint but the probes needs it (needs_token), these included; the list says
 # which calls steer an engine (the fuzz and the docs read it). The router's own state-changing
-# endpoints (/workers, /flush_cache) are guarded by the router itself (rollout.router).
+# endpoints (/workers, /flush_cache) are guarded by the router itself (rollout/http/router.py).
 CONTROL_PATHS = frozenset({
     "/abort_request",
     "/pause_generation",

@@ -1,7 +1,7 @@
 """Run a Python module's command line with the control token put into its arguments, and its
 output written on with the token blanked.
 
-    python -m rlkit.rollout.token_exec MODULE [ARGS...]
+    python -m rlkit.rollout.http.token_exec MODULE [ARGS...]
 
 runs MODULE as __main__ with every TOKEN_PLACEHOLDER in ARGS replaced by $RLKIT_CONTROL_TOKEN.
 Why: sglang-router and SGLang take their keys only as command-line flags, and a process's
@@ -25,7 +25,7 @@ import runpy
 import signal
 import sys
 
-from rlkit.rollout.auth import CONTROL_TOKEN_ENV, control_token_from_env
+from rlkit.rollout.http.auth import CONTROL_TOKEN_ENV, control_token_from_env
 
 TOKEN_PLACEHOLDER = "{rlkit-control-token}"
 REDACTED = b"<rlkit-control-token>"
@@ -86,7 +86,7 @@ def main() -> None:
     module, *args = sys.argv[1:]
     token = control_token_from_env()
     if token is None:
-        raise SystemExit(f"rlkit.rollout.token_exec: {CONTROL_TOKEN_ENV} is not set; nothing to "
+        raise SystemExit(f"rlkit.rollout.http.token_exec: {CONTROL_TOKEN_ENV} is not set; nothing to "
                          f"pass to {module}")
     read_fd, write_fd = os.pipe()
     sys.stdout.flush()
