@@ -33,3 +33,13 @@ def tiny_tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture
+async def worker():
+    """A scriptable fake SGLang worker on loopback (tests/rollout/fake_worker.py)."""
+    from tests.rollout.fake_worker import FakeWorker
+
+    w = await FakeWorker().start()
+    yield w
+    await w.stop()

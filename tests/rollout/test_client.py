@@ -20,13 +20,6 @@ from tests.rollout.helpers import EngineControls, fixture_json, fixture_text
 SAMPLING = SamplingConfig(max_new_tokens=64)
 
 
-@pytest.fixture
-async def worker():
-    w = await FakeWorker().start()
-    yield w
-    await w.stop()
-
-
 def fresh() -> Sample:
     return Sample(index=0, group_id=0, prompt_ids=[1, 2, 3])
 

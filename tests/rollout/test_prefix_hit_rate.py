@@ -4,22 +4,14 @@ share out once per read (issue 32 item 4)."""
 
 from __future__ import annotations
 
-import pytest
 
 from rlkit.buffers.sample import Sample
 from rlkit.rollout.http.client import EngineClient
 from rlkit.rollout.config import SamplingConfig
-from tests.rollout.fake_worker import FakeWorker, answer_json, answer_sse
+from tests.rollout.fake_worker import answer_json, answer_sse
 from tests.rollout.helpers import fixture_json, fixture_text
 
 SAMPLING = SamplingConfig(max_new_tokens=64)
-
-
-@pytest.fixture
-async def worker():
-    w = await FakeWorker().start()
-    yield w
-    await w.stop()
 
 
 async def test_cached_prompt_tokens_over_prompt_tokens_per_read(worker):
