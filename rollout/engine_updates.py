@@ -88,8 +88,8 @@ class EngineUpdates:
             self._on_all(asleep, "resume_memory_occupation (weights)",
                          lambda e: e.resume_memory(["weights"]),
                          done=lambda e, _: self.sleeping.__setitem__(e.url, "weights"))
-        update = WeightUpdate(version, tuple(urls), self.method, self.folder,
-                              waking if self.flushes else frozenset(urls), colocated, waking)
+        update = WeightUpdate(version, tuple(urls), self.method, self.folder, self.flushes,
+                              colocated, waking)
         if self.method in SESSION_METHODS:
             try:
                 self._on_all(engines, "begin_weight_update", lambda e: e.begin_update())
@@ -178,7 +178,7 @@ class StatelessEngines:
 
     def open(self, urls: Sequence[str], version: int, *, colocated: bool = False) -> WeightUpdate:
         waking = frozenset(u for u in urls if u in self.sleeping)
-        return WeightUpdate(version, tuple(urls), self.method, self.folder, waking, colocated, waking)
+        return WeightUpdate(version, tuple(urls), self.method, self.folder, True, colocated, waking)
 
     def close(self, update: WeightUpdate) -> None:
         self.forget(update.engines)

@@ -16,20 +16,20 @@ SESSION_METHODS = ("distributed", "tensor")  # those sent inside /begin_weight_u
 @dataclass(frozen=True)
 class WeightUpdate:
     """An open weight update, handed to the trainer to publish into (plain data: it crosses
-    Ray). `no_flush`: engines whose update must not flush their cache (asleep: it is gone; or
-    every engine under pause_mode in_place). `folder`: where a disk update writes (the trainer
-    may fall back to disk when NCCL cannot take its engines)."""
+    Ray). `flush`: whether updates flush the engines' cache (not under pause_mode in_place;
+    never for an engine it wakes: its cache is gone). `folder`: where a disk update writes (the
+    trainer may fall back to disk when NCCL cannot take its engines)."""
 
     version: int
     engines: tuple[str, ...]
     method: Method
     folder: str | None = None
-    no_flush: frozenset[str] = frozenset()
+    flush: bool = True
     colocated: bool = False  # the turn to generation: the trainer frees its device after sending
     waking: frozenset[str] = frozenset()  # engines this update wakes from sleep (colocated)
 
     def flushes(self, url: str) -> bool:
-        return url not in self.no_flush
+        return self.flush and url not in self.waking
 
 
 class WeightPublisher(Protocol):

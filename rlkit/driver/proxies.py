@@ -86,19 +86,19 @@ class RayTrainerBox:
         self.group = group
         self.samples = recipe.rollout.samples_per_step
         self.colocated = recipe.cluster.placement == "colocated"
-        self._calls: list[Any] = []
-        self._moved: list[Any] = []  # colocated: the ranks' begin_batch, the state back on the GPU
+        self._calls: list[Any] = []  # the batch's calls: every rank's begin_batch first
 
     def begin(self, version: int) -> None:
-        self._calls = self._moved = self.group.begin_batch(version, self.samples, self.colocated)
+        self._calls = self.group.begin_batch(version, self.samples, self.colocated)
 
     def add(self, handed: Handed) -> None:
         self._calls = [*self._calls, *self.group.add_groups(handed.refs)]
 
     async def finish(self) -> dict[str, float]:
         calls, self._calls = self._calls, []
-        await self._wait(calls, "training")  # an error in any earlier call surfaces here
-        moved = (await self._wait(self._moved, "taking the GPUs back"))[0] if self._moved else {}
+        # an error in any earlier call surfaces here; rank 0's begin_batch answer comes first:
+        # colocated, the state it took back onto the GPU
+        moved = (await self._wait(calls, "training"))[0] if calls else {}
         answers = await self._wait(self.group.finish_batch(self.colocated), "the optimizer step")
         # each replica counted its own samples (it received only its share): the batch's sum
         off = [a.get("train/off_policy_samples", 0.0) for a in answers[:: self.group.tp]]

@@ -201,13 +201,13 @@ class RolloutService:
 
         async def push(targets: list[str]) -> dict[str, float]:
             t0 = asyncio.get_running_loop().time()
-            update = await _call(self.updates.open, targets, version, colocated=colocated)
+            update = await self._control("open", targets, version, colocated=colocated)
             try:
                 metrics = await publisher.publish(update)
             except BaseException:
-                await _call(self.updates.fail, update)  # the engines stay paused
+                await self._control("fail", update)  # the engines stay paused
                 raise
-            await _call(self.updates.close, update)
+            await self._control("close", update)
             return {**(metrics or {}), "sync/paused_seconds": asyncio.get_running_loop().time() - t0}
 
         if restarted_only and not self.engines_now()[1]:
@@ -229,7 +229,7 @@ class RolloutService:
         release their KV cache and weights. They stay held until the update that wakes them:
         a sleeping engine queues generations, so probes ask only that it answers. Metrics."""
         self._hold(True)
-        metrics, _ = await self._on_engines_left(lambda targets: _call(self.updates.release, targets))
+        metrics, _ = await self._on_engines_left(lambda targets: self._control("release", targets))
         return metrics
 
     async def _on_engines_left(self, call: Callable[[list[str]], Awaitable[T]],
@@ -256,6 +256,17 @@ class RolloutService:
             except Exception as e:  # noqa: BLE001 - raised above if the engines are all there
                 failure = e
                 await self.check_engines()
+
+    async def _control(self, call: str, *args: Any, **kwargs: Any) -> Any:
+        """An UpdateControl call: awaited when it is a coroutine (simulated engines, in virtual
+        time), in a thread when the control `blocks` (HTTP), else made at once (a thread would
+        let the simulator's virtual clock jump while it waits)."""
+        fn = getattr(self.updates, call)
+        if inspect.iscoroutinefunction(fn):
+            return await fn(*args, **kwargs)
+        if getattr(self.updates, "blocks", False):
+            return await asyncio.to_thread(fn, *args, **kwargs)
+        return fn(*args, **kwargs)
 
     async def check_engines(self) -> int:
         """Probe every engine now (as often as a hang takes to be declared); engines lost."""
@@ -329,14 +340,3 @@ class RolloutService:
             self._current.cancel()
             await asyncio.gather(self._current, return_exceptions=True)
         await self.manager.close()
-
-
-async def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """An UpdateControl call: awaited when it is a coroutine (simulated engines, in virtual
-    time), in a thread when its control `blocks` (HTTP), else made at once (a thread would let
-    the simulator's virtual clock jump while it waits)."""
-    if inspect.iscoroutinefunction(fn):
-        return await fn(*args, **kwargs)
-    if getattr(getattr(fn, "__self__", None), "blocks", False):
-        return await asyncio.to_thread(fn, *args, **kwargs)
-    return fn(*args, **kwargs)

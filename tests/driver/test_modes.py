@@ -523,6 +523,7 @@ def test_engines_put_to_sleep_while_one_dies_go_on_asleep_without_it(tmp_path):
     # The wake: b2 was put to sleep above, so it wakes in stages like a; nothing pauses
     publisher = Publisher()
     asyncio.run(service.update_weights(1, publisher, colocated=True))
-    assert publisher.updates[0].waking == {"a", "b2"} and publisher.updates[0].no_flush == {"a", "b2"}
+    assert publisher.updates[0].waking == {"a", "b2"}
+    assert not publisher.updates[0].flushes("a") and not publisher.updates[0].flushes("b2")
     assert [c[0] for c in calls] == ["resume"] * 4  # weights, then KV cache, for each
     assert health.held == [True, True, False] and health.admitted == ["b2"]
