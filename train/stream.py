@@ -21,9 +21,10 @@ train/microbatch_plan.py's ReplicaAssigner in arrival order, the same choice on 
 every rank sees the same arrival order); TP ranks of a replica make the same calls, as their
 collectives need. In a run each replica receives only its share of a group (`ReplicaShare`,
 made at hand-off by rlkit/driver/handoff.py with the same rule): its own samples, the others'
-rewards (a group's advantages need them all) and every trained sample's length. Micro-batches of the first global batch close as samples arrive (by count, or by token
-budget: a micro-batch closes when the next sample does not fit); later global batches are
-planned as a whole at `finish`. Every rank knows every replica's lengths, so at `finish` each
+rewards (a group's advantages need them all) and every trained sample's length. Micro-batches
+of the first global batch close as samples arrive (by count, or by token budget: a micro-batch
+closes when the next sample does not fit); later global batches are planned as a whole at
+`finish`. Every rank knows every replica's lengths, so at `finish` each
 pads its replica with empty micro-batches to the busiest one's count, as the synchronous plan
 does.
 """
@@ -71,6 +72,12 @@ def optimizer_steps_for(rollout_samples: int, global_batch_size: int) -> int:
     return -(-rollout_samples // global_batch_size)
 
 
+def part_size_for(rollout_samples: int, global_batch_size: int) -> int:
+    """Samples per global batch of one rollout batch, as replicas are balanced per global
+    batch (0: the whole rollout batch is one)."""
+    return global_batch_size if optimizer_steps_for(rollout_samples, global_batch_size) > 1 else 0
+
+
 class RolloutBatchStep:
     """One rollout batch on one trainer (one process, or one rank of a TP x DP group)."""
 
@@ -108,12 +115,11 @@ class RolloutBatchStep:
         self.micro_batch_size = micro_batch_size
         self.max_tokens = max_tokens_per_micro_batch
         self.padded = padded
-        self.attention_weight = attention_weight
         self.row_tokens = row_tokens
         self.steps_planned = optimizer_steps_for(rollout_samples, global_batch_size)
-        self.part_size = global_batch_size if self.steps_planned > 1 else 0  # 0: one part
+        self.part_size = part_size_for(rollout_samples, global_batch_size)
         self.need_old, self.need_ref = logprobs_needed(algorithm, self.steps_planned)
-        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.dp_rank = dp_rank
         # every sample of the batch (every replica) to its replica, in arrival order
         self._assigner = ReplicaAssigner(dp_size, attention_weight, self.part_size)
         self._lengths = self._assigner.lengths  # per global batch: each replica's lengths

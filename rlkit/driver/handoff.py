@@ -18,7 +18,7 @@ from rlkit.buffers import Group
 from rlkit.driver.rollout_box import Handed, group_record
 from rlkit.train.batch import trained_samples
 from rlkit.train.microbatch_plan import ReplicaAssigner
-from rlkit.train.stream import ReplicaShare, optimizer_steps_for
+from rlkit.train.stream import ReplicaShare, part_size_for
 
 
 class ReplicaHandOff:
@@ -38,10 +38,8 @@ class ReplicaHandOff:
     def for_recipe(cls, recipe: Any, attention_weight: float, put: Callable[[Any], Any] | None = None
                    ) -> "ReplicaHandOff":
         """With the recipe's data parallelism and global batch (train.stream's parts)."""
-        samples, global_batch = recipe.rollout.samples_per_step, recipe.train.global_batch_size
-        parts = optimizer_steps_for(samples, global_batch)
         return cls(recipe.train.parallelism.data, attention_weight,
-                   global_batch if parts > 1 else 0, put)
+                   part_size_for(recipe.rollout.samples_per_step, recipe.train.global_batch_size), put)
 
     def new_batch(self) -> None:
         self.assigner = ReplicaAssigner(self.dp_size, self.attention_weight, self.part_size)

@@ -153,7 +153,8 @@ class WeightSender:
         method = method or update.method
         if method == "disk":
             if write is None or update.folder is None:
-                raise WeightSyncError("a disk update needs a folder and a writer")
+                raise WeightSyncError("a disk update needs a folder to write to (the rollout side "
+                                      "names one in a run; elsewhere set train.weight_sync.disk_dir)")
             return self.sync_from_disk(update, Path(update.folder) / f"v{update.version:06d}",
                                        write=lambda p: write(p, weights), after_send=after_send)
         if method == "tensor":
