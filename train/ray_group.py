@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import torch
 
 from rlkit.common.control_token import CONTROL_TOKEN_ENV
+from rlkit.common.errors import actor_death
 from rlkit.common.weight_update import PublisherFailed, WeightUpdate
 from rlkit.train.fault import trainer_fault
 from rlkit.train.batch import TrainBatch
@@ -82,6 +83,8 @@ class TrainWorker:
         from rlkit.train.megatron.parallel import init_parallel, resolve_device
         from rlkit.train.megatron.trainer import MegatronTrainer
 
+        self._fault_at("startup")
+
         cfg = TrainConfig.model_validate(config)
         device = resolve_device(cfg.device)
         init_parallel(
@@ -116,8 +119,7 @@ class TrainWorker:
         them to sleep before this call was made), so the state comes back onto the device."""
         from rlkit.train.stream import RolloutBatchStep
 
-        if self.fault is not None:
-            self.fault.at_batch(self.trainer.step_count)
+        self._fault_at("batch")
         moved = self.trainer.take_device() if colocated else {}
         self.batch = RolloutBatchStep.for_config(
             self.trainer, self.config, policy_version=version, rollout_samples=rollout_samples,
@@ -129,16 +131,19 @@ class TrainWorker:
         the rollout actor's store."""
         import ray
 
+        self._fault_at("logprobs")
         self.batch.add_all(ray.get(refs))
 
     def finish_batch(self, colocated: bool = False) -> dict[str, float]:
         """The optimizer step; colocated, gradients and optimizer state then leave the device
         (the engines wake into it at the weight update)."""
+        self._fault_at("train")
         batch, self.batch = self.batch, None
         metrics = batch.finish()
         return {**metrics, **self.trainer.free_device()} if colocated else metrics
 
     def publish_weights(self, update: WeightUpdate) -> dict[str, float] | None:
+        self._fault_at("sync")
         return self.trainer.publish_weights(update)
 
     def free_device(self) -> dict[str, float]:
@@ -152,6 +157,7 @@ class TrainWorker:
         return str(out) if out is not None else None
 
     def save(self, path: str) -> None:
+        self._fault_at("checkpoint")
         self.trainer.save(path)
 
     def load(self, path: str) -> None:
@@ -165,6 +171,11 @@ class TrainWorker:
 
     def discard_gradients(self) -> None:
         self.trainer.discard_gradients()
+
+    def _fault_at(self, phase: str) -> None:
+        """Test-only: die here if a test armed this rank for this point (train/fault.py)."""
+        if self.fault is not None:
+            self.fault.at(phase, self.trainer.step_count if self.trainer is not None else 0)
 
     def shutdown(self) -> None:
         from rlkit.train.megatron.parallel import shutdown_parallel
@@ -360,7 +371,9 @@ class RayPublisher:
             rank, error = next(((r, e) for r, e in failed if isinstance(e, ray.exceptions.RayActorError)),
                                failed[0])
             if isinstance(error, ray.exceptions.RayActorError):
+                death = actor_death(error)
                 raise PublisherFailed(f"trainer rank {rank} died while publishing weights "
-                                      f"v{update.version}: {str(error).splitlines()[0][:200]}", rank)
+                                      f"v{update.version}: {str(error).splitlines()[0][:200]}", rank,
+                                      death.reason() if death is not None else None)
             raise error
         return futures[0].result() or {}

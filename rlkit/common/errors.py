@@ -2,13 +2,15 @@
 checkpoint, a port. The CLI catches this one type (rlkit/cli.py) and prints its message without
 a traceback; anything else is a bug and keeps its traceback.
 
-Why here: every package of rlkit (rollout, train, rlkit) already depends on `buffers`, and
-`buffers` depends on nothing of theirs (docs/design.md: dependencies point one way), so this is the
-one place all of them may import without creating a cycle. It is pure Python, like the rest of
-`buffers`, so importing it costs nothing.
+Why here: rlkit.common is the leaf every package of rlkit (rollout, train, rlkit) may import
+without creating a cycle (docs/design.md: dependencies point one way). It is pure Python, so
+importing it costs nothing.
 """
 
 from __future__ import annotations
+
+import re
+from dataclasses import dataclass
 
 
 class UserError(Exception):
@@ -42,3 +44,50 @@ class CheckpointError(UserError, RuntimeError):
     a truncated file, one from another model or parallel layout); the message names the path.
     One type for the run's checkpoint (rlkit.checkpoint) and the trainer's files inside it
     (train.megatron.checkpoint), which is why it lives here."""
+
+
+class ProcessDied(UserError):
+    """A process of the run died (killed, out of memory, a crash in native code): a trainer
+    rank, the rollout actor, an engine's actor. The run cannot go on without it; the driver
+    (rlkit.driver.run) adds the step and the checkpoint `run.resume=auto` continues from."""
+
+    exit_code = 1  # not bad input: the run failed, and can be resumed
+
+
+@dataclass(frozen=True)
+class ActorDeath:
+    """What Ray says of an actor whose process died (read from its ActorDiedError)."""
+
+    actor_id: str | None
+    class_name: str | None
+    pid: int | None
+    exit_type: str | None  # Ray's worker exit type: SYSTEM_ERROR (killed, OOM, crash), ...
+
+    def reason(self) -> str:
+        if self.exit_type == "SYSTEM_ERROR":
+            return "its process is gone, Ray's exit type SYSTEM_ERROR: killed, out of memory or crashed"
+        return f"its process is gone, Ray's exit type {self.exit_type or 'unknown'}"
+
+
+def actor_death(exc: BaseException) -> ActorDeath | None:
+    """The actor death behind `exc` (Ray's RayActorError, possibly inside a RayTaskError's
+    `.cause` or a `raise ... from`), or None. Stdlib only: it reads the error's `actor_id` and
+    the lines Ray writes into its message (class_name, pid, Worker exit type)."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if any(c.__name__ == "RayActorError" for c in type(e).__mro__):
+            text = str(e)
+
+            def field(pattern: str) -> str | None:
+                m = re.search(pattern, text)
+                return m.group(1) if m else None
+
+            pid = field(r"\bpid: (\d+)")
+            return ActorDeath(getattr(e, "actor_id", None) or field(r"actor_id: (\w+)"),
+                              field(r"class_name: (\w+)"), int(pid) if pid else None,
+                              field(r"Worker exit type: (\w+)"))
+        cause = getattr(e, "cause", None)
+        e = cause if isinstance(cause, BaseException) else (e.__cause__ or e.__context__)
+    return None

@@ -3,6 +3,9 @@ chose, instead of a test killing it from outside at a moment it guessed by polli
 
     RLKIT_TEST_ENGINE_FAULT   the built-in engine server (rollout/engines/builtin/fault.py)
     RLKIT_TEST_TRAINER_FAULT  a trainer rank (train/ray_group.py, TrainerFault)
+    RLKIT_TEST_ROLLOUT_FAULT  the rollout actor (rlkit/driver/rollout_fault.py)
+    RLKIT_TEST_ROUTER_FAULT   the router, killed or stopped by the rollout actor that owns it
+                              (rlkit/driver/rollout_fault.py)
 
 Off by default, and free when off: a process reads its switch once, at start (None when the
 variable is unset), and the point where a fault may fire checks one attribute. Tests set them;
@@ -30,6 +33,8 @@ from typing import Any
 
 ENGINE_FAULT_ENV = "RLKIT_TEST_ENGINE_FAULT"
 TRAINER_FAULT_ENV = "RLKIT_TEST_TRAINER_FAULT"
+ROLLOUT_FAULT_ENV = "RLKIT_TEST_ROLLOUT_FAULT"
+ROUTER_FAULT_ENV = "RLKIT_TEST_ROUTER_FAULT"
 FIRED = "fired.json"  # the record of the fault, in the switch's folder
 RELEASE = "release"  # a held fault (hold=1) fires once the test creates this file
 

@@ -41,11 +41,13 @@ class WeightPublisher(Protocol):
 
 class PublisherFailed(RuntimeError):
     """The trainer (not an engine) failed while publishing: sending the update again to the
-    engines left would not help, so the update stops here. `rank`: the trainer rank, if known."""
+    engines left would not help, so the update stops here. `rank`: the trainer rank, if known;
+    `reason`: why its process is gone, as Ray says (rlkit.common.errors.ActorDeath.reason)."""
 
-    def __init__(self, message: str, rank: int | None = None) -> None:
+    def __init__(self, message: str, rank: int | None = None, reason: str | None = None) -> None:
         super().__init__(message)
         self.rank = rank
+        self.reason = reason
 
-    def __reduce__(self):  # keeps `rank` across Ray
-        return (type(self), (str(self), self.rank))
+    def __reduce__(self):  # keeps `rank` and `reason` across Ray
+        return (type(self), (str(self), self.rank, self.reason))

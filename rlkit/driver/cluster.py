@@ -20,6 +20,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
+from rlkit.common.errors import ActorDeath, ProcessDied, actor_death
 from rlkit.config.schema import Recipe
 from rlkit.driver.actors import EngineActor, RolloutActor
 from rlkit.driver.local_ray import LocalRay
@@ -247,10 +248,65 @@ class Cluster:
                 loopback=not self.multi_node,  # one node: the ranks' rendezvous on 127.0.0.1
             )
             ray.get(self.rollout_actor.hand_off_to.remote(self.trainer.attention_weight))
-        except BaseException:
+        except BaseException as e:
+            # a process that died while the run started is named before its actor is gone
+            died = self.died(e, "start-up") if isinstance(e, Exception) else None
             self.shutdown()
+            if died is not None:
+                raise died from None
             raise
         return self
+
+    # -- a process of the run that died --------------------------------------------------------
+    def died(self, error: BaseException, during: str) -> ProcessDied | None:
+        """The death of a process of this run behind `error`, as one line (ProcessDied: which
+        process, its pid, Ray's exit type, `during` what), or None when `error` is no death.
+
+        Ray names the dead actor when a call on it failed (ActorDiedError). A death can also
+        surface elsewhere first: a trainer rank fetching groups whose owner, the rollout actor,
+        died; a rank's collective broken by another rank's death. For an error from Ray that
+        names no actor of the run, every actor of the run is asked whether it is alive (Ray's
+        built-in `__ray_ready__`: a dead one answers at once with its death; one busy in a call
+        does not answer within the wait and counts as alive)."""
+        if isinstance(error, ProcessDied):
+            return error
+        names = self._actor_names()
+        death = actor_death(error)
+        if death is None or death.actor_id not in names:
+            if not _from_ray(error):
+                return None
+            death = self._find_dead(names) or death
+            if death is None:
+                return None
+        who = names.get(death.actor_id or "") or _ACTOR_KINDS.get(death.class_name or "", "a process of the run")
+        pid = f" (pid {death.pid})" if death.pid else ""
+        return ProcessDied(f"{who}{pid} died during {during} ({death.reason()})")
+
+    def _actor_names(self) -> dict[str, str]:
+        """Actor id (hex) -> what it is, for every actor of the run now."""
+        names = {}
+        if self.rollout_actor is not None:
+            names[self.rollout_actor._actor_id.hex()] = "the rollout actor"
+        for r, w in enumerate(self.trainer.workers if self.trainer is not None else []):
+            names[w._actor_id.hex()] = f"trainer rank {r}"
+        for i, e in enumerate(self.engines):
+            names[e._actor_id.hex()] = f"engine {i}'s actor"
+        return names
+
+    def _find_dead(self, names: dict[str, str], wait_s: float = 10.0) -> ActorDeath | None:
+        import ray
+
+        actors = [a for a in [self.rollout_actor, *(self.trainer.workers if self.trainer else []),
+                              *self.engines] if a is not None]
+        refs = [a.__ray_ready__.remote() for a in actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except Exception as e:  # noqa: BLE001 - only a death is looked for
+                if (death := actor_death(e)) is not None:
+                    return death
+        return None
 
     def shutdown(self) -> None:
         """Stop everything, tolerating pieces that never started or already died. A joined
@@ -306,6 +362,25 @@ def _driver_node_id() -> str | None:
         return ray.get_runtime_context().get_node_id()
     except Exception:  # noqa: BLE001 - Ray Client: the driver is on no node
         return None
+
+
+# What an actor of the run is, by its class (when Ray names one this run no longer holds, as a
+# trainer rank that died while its group started)
+_ACTOR_KINDS = {"RolloutActor": "the rollout actor", "TrainWorker": "a trainer rank",
+                "EngineActor": "an engine's actor"}
+
+
+def _from_ray(error: BaseException) -> bool:
+    """Whether Ray raised `error` or something in its chain (a task's error, a lost object)."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if type(e).__module__.startswith("ray."):
+            return True
+        cause = getattr(e, "cause", None)
+        e = cause if isinstance(cause, BaseException) else (e.__cause__ or e.__context__)
+    return False
 
 
 def _quietly(fn: Any) -> None:

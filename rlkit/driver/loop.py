@@ -31,6 +31,12 @@ if TYPE_CHECKING:
 class LoopState:
     step: int = 0  # steps completed
     version: int = 0  # policy version of the trainer's weights (and the engines', after a sync)
+    # What the driver is waiting for (a process that dies is reported as dying during it).
+    phase: str = "start-up"
+
+    def current_step(self) -> int:
+        """The step the phase belongs to (1-based): a checkpoint is written after its step."""
+        return self.step if self.phase == "the checkpoint write" else self.step + 1
 
 
 class TrainerBox(Protocol):
@@ -90,6 +96,7 @@ class Run:
     def start(self) -> None:
         """Start the step clock (the first step's seconds count from here)."""
         self._last_end = self.now()
+        self.state.phase = "the rollout"
         self._eval_skip = self.state.step if self.state.step > 0 else None
 
     def start_eval(self) -> None:
@@ -121,7 +128,9 @@ class Run:
         """The evaluation due now, waited for (sync and stream: between steps). Its time is
         its own (RUN/eval.jsonl): the next step's step/seconds starts after it."""
         self.start_eval()
+        phase, self.state.phase = self.state.phase, "evaluation"
         waited = await self.eval_done()
+        self.state.phase = phase
         if waited is not None and self._last_end is not None:
             self._last_end += waited
 
@@ -147,6 +156,7 @@ class Run:
         trainer takes its state back onto their GPUs when its batch begins. Nothing otherwise."""
         if not self.colocated:
             return
+        self.state.phase = "training"  # the engines' sleep is the turn to it
         self._asleep = True
         t0 = self.now()
         metrics = await self.rollout.sleep_engines()
@@ -167,10 +177,12 @@ class Run:
         is left and the optimizer step(s), the weight sync, then count, time and report it."""
         async with self._weights:
             t1 = self.now()
+            self.state.phase = "training"
             metrics = await self.trainer.finish()
             t2 = self.now()
             # An evaluation still running (async mode) ends on the weights it began with.
             waited = await self.eval_done()
+            self.state.phase = "the weight sync"
             await self.push_weights(self.state.version + 1)
         now = self.now()
         self.state.step += 1
@@ -182,6 +194,7 @@ class Run:
                "step/seconds": now - (self._last_end if self._last_end is not None else now)}
         self._last_end = now
         self.on_step(self.state, result, handed, row)
+        self.state.phase = "the rollout"  # of the next step (async: under way already)
 
 
 def step_recorder(recipe: "Recipe", tracker: "Tracker", rollout: RolloutBox, trainer: TrainerBox,
@@ -205,6 +218,7 @@ def step_recorder(recipe: "Recipe", tracker: "Tracker", rollout: RolloutBox, tra
         tracker.log_groups(state.step, handed.records)
         every = recipe.checkpoint.every_steps
         if state.step == recipe.run.num_steps or (every and state.step % every == 0):
+            state.phase = "the checkpoint write"
             save_checkpoint(
                 run_dir, state.step, state.version,
                 save_trainer=trainer.save,

@@ -3,17 +3,16 @@
     RemoteRolloutBox  the RolloutBox protocol over the RolloutActor: every call forwarded by
                       name (one generic call), each rollout step a stream on which the actor
                       pushes its progress
-    RayTrainerBox     the TrainerBox over the TrainerGroup's ranks; a dead rank is TrainerDied
+    RayTrainerBox     the TrainerBox over the TrainerGroup's ranks; a dead rank is ProcessDied
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from rlkit.common.errors import UserError
+from rlkit.common.errors import ProcessDied, actor_death
 from rlkit.common.weight_update import PublisherFailed
 from rlkit.config.schema import Recipe
 from rlkit.driver.rollout_box import BOX_CALLS, Handed, RolloutResult
@@ -67,19 +66,12 @@ class RemoteRolloutBox:
         ray.get(self.actor.call.remote("load", path))
 
 
-class TrainerDied(UserError):
-    """A trainer rank's process died (killed, out of memory, a crash in native code). The run
-    cannot go on without it; `rlkit.driver.run` adds the step and the checkpoint to resume from."""
-
-    exit_code = 1  # not bad input: the run failed, and can be resumed
-
-
 class RayTrainerBox:
     """The driver's view of the TrainerGroup (a mode's TrainerBox): calls are submitted at once
     and awaited at `finish`; group references go to the trainer actors as they are.
 
     Every wait returns at the first failure of any rank rather than in rank order: a rank that
-    died leaves the others blocked in a collective. A dead rank ends the run as TrainerDied, and
+    died leaves the others blocked in a collective. A dead rank ends the run as ProcessDied, and
     the other ranks are killed with it (they cannot finish a collective step without it)."""
 
     def __init__(self, group: Any, recipe: Recipe) -> None:
@@ -108,9 +100,9 @@ class RayTrainerBox:
         """The ranks' publisher (train.ray_group.RayPublisher), handed to the rollout actor."""
         return self.group.publisher()
 
-    def died(self, error: BaseException) -> TrainerDied | None:
+    def died(self, error: BaseException) -> ProcessDied | None:
         """A failed weight update whose cause is a trainer rank that died (PublisherFailed, as
-        the rollout actor passes it on): TrainerDied naming it, the other ranks killed."""
+        the rollout actor passes it on): ProcessDied naming it, the other ranks killed."""
         cause = getattr(error, "cause", None) or error
         if not isinstance(cause, PublisherFailed):
             return None
@@ -138,13 +130,13 @@ class RayTrainerBox:
             raise failed[0]
         return [f.result() for f in futures]
 
-    def _died(self, e: Exception, what: str, rank: int | None = None) -> TrainerDied:
+    def _died(self, e: Exception, what: str, rank: int | None = None) -> ProcessDied:
         import ray
 
-        actor_id = getattr(e, "actor_id", None)
+        death = actor_death(e)
         who = "a trainer rank"
         for r, w in enumerate(self.group.workers):
-            if r == rank or (actor_id and w._actor_id.hex() == actor_id):
+            if r == rank or (death is not None and w._actor_id.hex() == death.actor_id):
                 pid = (self.group.ranks[r] or {}).get("pid") if r < len(self.group.ranks) else None
                 who = f"trainer rank {r}" + (f" (pid {pid})" if pid else "")
         for w in self.group.workers:  # the others cannot finish a collective without it
@@ -152,7 +144,6 @@ class RayTrainerBox:
                 ray.kill(w)
             except Exception:  # noqa: BLE001 - already gone
                 pass
-        exit_type = re.search(r"Worker exit type: (\w+)", str(e))
-        reason = (f"its process is gone, Ray's exit type {exit_type.group(1)}: killed, out of "
-                  "memory or crashed" if exit_type else str(e).strip().split("\n")[0][:200])
-        return TrainerDied(f"{who} died during {what} ({reason})")
+        reason = (death.reason() if death is not None else getattr(e, "reason", None)
+                  or str(e).strip().split("\n")[0][:200])
+        return ProcessDied(f"{who} died during {what} ({reason})")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from rlkit.common.errors import find_user_error
+from rlkit.common.errors import ProcessDied, find_user_error
 from rlkit.checkpoint import Checkpoint, latest_checkpoint, resume_point, save_checkpoint
 from rlkit.config.schema import Recipe
 from rlkit.driver.loop import LoopState, Run, step_recorder
@@ -31,7 +31,7 @@ def run_dir_of(recipe: Recipe) -> Path:
 def train(recipe: Recipe) -> LoopState:
     from rlkit.rollout.demo_models import resolve_model_path
     from rlkit.driver.cluster import Cluster
-    from rlkit.driver.proxies import RayTrainerBox, RemoteRolloutBox, TrainerDied
+    from rlkit.driver.proxies import RayTrainerBox, RemoteRolloutBox
 
     from rlkit.plugins import check_plugins
 
@@ -58,6 +58,7 @@ def train(recipe: Recipe) -> LoopState:
         box = RemoteRolloutBox(cluster.rollout_actor, on_progress=on_progress if recipe.tracking.progress else None)
         trainer = RayTrainerBox(cluster.trainer, recipe)
         if ckpt is not None:
+            state.phase = "the checkpoint load"
             cluster.trainer.load(ckpt.trainer_dir)
             if ckpt.buffer_file.is_file():
                 box.load(str(ckpt.buffer_file))
@@ -72,6 +73,7 @@ def train(recipe: Recipe) -> LoopState:
             # push also frees the trainer's GPU memory for the first rollout.
             try:
                 if ckpt is not None or run.colocated:
+                    state.phase = "the first weight push"
                     await run.push_weights(state.version)
                 return await MODES[recipe.mode](run)
             except Exception as e:
@@ -93,8 +95,13 @@ def train(recipe: Recipe) -> LoopState:
                     "run.resume=auto to continue from there") from None
 
         return asyncio.run(main())
-    except TrainerDied as e:
-        raise TrainerDied(_died_message(str(e), state.step + 1, recipe, latest_checkpoint(run_dir))) from None
+    except Exception as e:
+        # Any process of the run that died (a trainer rank, the rollout actor, ...): one line
+        # naming it, the step and phase, and where to continue from; anything else propagates.
+        died = cluster.died(e, state.phase)
+        if died is None:
+            raise
+        raise ProcessDied(_died_message(str(died), state.current_step(), recipe, latest_checkpoint(run_dir))) from None
     finally:
         tracker.close()
         cluster.shutdown()

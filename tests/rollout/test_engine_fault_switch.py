@@ -222,9 +222,9 @@ def test_the_trainer_switch_can_hold_a_step_until_released(monkeypatch, tmp_path
     monkeypatch.setenv(TRAINER_FAULT_ENV, f"action=hold,step=2,dir={folder}")
     fault = TrainerFault.from_env(rank=0)
     assert fault is not None and TrainerFault.from_env(rank=1) is None
-    fault.at_batch(0)  # step 1: nothing
+    fault.at("batch", 0)  # step 1: nothing
     assert read_fired(folder) is None
     folder.mkdir()
     (folder / RELEASE).write_text("")
-    fault.at_batch(1)  # step 2: claims, finds the release, goes on (this process lives)
+    fault.at("batch", 1)  # step 2: claims, finds the release, goes on (this process lives)
     assert read_fired(folder)["step"] == 2
