@@ -33,6 +33,15 @@ class WorkerLost(EngineError):
         super().__init__(message or f"engine {worker} was lost", worker)
 
 
+class RouterLost(WorkerLost):
+    """The request went through the router, which was declared dead or hung (rollout.health):
+    as with WorkerLost, the sample keeps what it streamed and is sent again once the router is
+    back. No engine is named: the engine that served it may be fine."""
+
+    def __init__(self, message: str = "the router was lost") -> None:
+        EngineError.__init__(self, message, None)
+
+
 @runtime_checkable
 class Engines(Protocol):
     def workers(self) -> list[str]:

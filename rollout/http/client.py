@@ -1,11 +1,13 @@
 """EngineClient: the async HTTP client of generation, one instance per RolloutManager.
 
 It implements `rollout.engine_api.Engines` (generate / abort_all / loads / workers, and the
-fault calls probe / abort_worker / remove_worker / add_worker). Generation goes through the
-router, or straight to a worker when a dispatch policy picks one; aborts fan out to each worker
-itself, because the router forwards no control call (docs/engines.md). The calls around a
-weight update (pause, flush, weight updates, continue, sleep and wake) have one client of their
-own, rlkit.common.engine_http, used by the rollout side's EngineUpdates and the trainer's sender.
+fault calls probe / abort_worker / remove_worker / add_worker; for the router's faults
+probe_router / abort_routed / follow_router, through rollout.http.router.RouterProcessHandle).
+Generation goes through the router, or straight to a worker when a dispatch policy picks one;
+aborts fan out to each worker itself, because the router forwards no control call
+(docs/engines.md). The calls around a weight update (pause, flush, weight updates, continue,
+sleep and wake) have one client of their own, rlkit.common.engine_http, used by the rollout
+side's EngineUpdates and the trainer's sender.
 
 Retries are per endpoint (`RetryPolicy`, `DEFAULT_RETRY_POLICIES`):
 - idempotent reads (the router's worker list, loads) and aborts retry on connection errors and
@@ -23,14 +25,14 @@ import json
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import aiohttp
 
 from rlkit.buffers.sample import Sample, SampleError, SampleStatus
 from rlkit.rollout.http.auth import auth_headers, control_token_from_env
 from rlkit.rollout.config import SamplingConfig
-from rlkit.rollout.engine_api import EngineError, WorkerLost
+from rlkit.rollout.engine_api import EngineError, RouterLost, WorkerLost
 from rlkit.rollout.http.protocol import (
     ENGINE_URL_HEADER,
     LOADS_PATHS,
@@ -83,11 +85,13 @@ class _Inflight:
 
     rid: str
     url: str
+    routed: bool = False  # sent to the router (whose URL changes when it is restarted)
     aborted: bool = False  # this client aborted it: never re-submit
     tokens: int = 0  # tokens appended to the sample by this attempt
     served_by: str | None = None  # the worker, when the answer says (X-Engine-Url)
     task: asyncio.Task | None = None  # the task awaiting it (abort_worker cancels it)
     lost: str | None = None  # abort_worker ended it: the worker declared lost
+    router_lost: bool = False  # abort_routed ended it: the router declared lost
     rescore: int = 0  # parked tokens the engine re-scores (max_resume_log_ratio); 0: none
 
 
@@ -120,6 +124,9 @@ class EngineClient:
     # log-ratio on the sample; past the bound, the stream is cut at its first chunk (the
     # manager restarts the sample). None: no re-scoring.
     max_resume_log_ratio: float | None = None
+    # Called after each applied chunk of a request through the router with the tokens streamed
+    # through the router by this client so far (a test's fault switch kills the router then).
+    on_routed_tokens: Callable[[int], None] | None = None
 
     def __post_init__(self) -> None:
         if self.router_url is None and not self.worker_urls:
@@ -129,6 +136,11 @@ class EngineClient:
         self._inflight: dict[str, _Inflight] = {}
         self._abort_alls = 0  # abort_all calls so far: a request waiting to retry checks it
         self._prefix = [0, 0]  # (cached, prompt) tokens of the requests ended since the last read
+        self.routed_tokens = 0  # tokens streamed through the router (on_routed_tokens)
+        # The router was declared lost (abort_routed) and not restarted yet (follow_router):
+        # requests for it fail at once and its worker list is not touched.
+        self._router_down = False
+        self._router_losses = 0  # abort_routed calls so far: a request waiting to retry checks it
         if self.router_url:
             self.router_url = self.router_url.rstrip("/")
 
@@ -260,15 +272,14 @@ class EngineClient:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1 (the caller settles a sample whose "
                              f"budget is spent), got {max_new_tokens}")
-        base = (worker or self.router_url or "").rstrip("/")
-        if not base:
+        if worker is None and self.router_url is None:
             raise EngineError("generate without a router needs a worker URL")
         policy = self.retry_policies["generate"]
         # a parked response resumes: re-score its tokens under the weights it resumes with
         rescore = (len(sample.response_ids) if self.max_resume_log_ratio is not None
                    and sample.status is SampleStatus.PARTIAL else 0)
         sample.start_request()
-        abort_alls = self._abort_alls
+        abort_alls, router_losses = self._abort_alls, self._router_losses
         last = ""
         for attempt in range(policy.attempts):
             if attempt:
@@ -276,9 +287,15 @@ class EngineClient:
                 if self._abort_alls != abort_alls:  # aborted while waiting: never re-submit
                     sample.interrupt()
                     return worker
+            if worker is None and (self._router_down or self._router_losses != router_losses):
+                sample.interrupt()  # lost while waiting (or before): sent again once it is back
+                raise RouterLost()
+            # the router's URL is read at each attempt: a restarted router has a new one
+            base = (worker or self.router_url or "").rstrip("/")
             rid = uuid.uuid4().hex
             sample.metadata["rid"] = rid
-            flight = _Inflight(rid=rid, url=base, task=asyncio.current_task(), rescore=rescore)
+            flight = _Inflight(rid=rid, url=base, routed=worker is None,
+                               task=asyncio.current_task(), rescore=rescore)
             self._inflight[rid] = flight
             try:
                 outcome = await self._generate_once(sample, sampling, max_new_tokens, version,
@@ -288,8 +305,9 @@ class EngineClient:
                 flight.aborted = True
                 sample.interrupt()
                 task = asyncio.current_task()
-                if flight.lost is not None and task is not None and task.uncancel() == 0:
-                    raise WorkerLost(flight.lost) from None  # our cancel (abort_worker) alone
+                if ((flight.lost is not None or flight.router_lost) and task is not None
+                        and task.uncancel() == 0):  # our cancel (abort_worker/_routed) alone
+                    raise (RouterLost() if flight.router_lost else WorkerLost(flight.lost)) from None
                 raise
             finally:
                 self._inflight.pop(rid, None)
@@ -341,7 +359,7 @@ class EngineClient:
             sample.interrupt()
             raise EngineError(f"/generate at {flight.url} (rid {flight.rid}) broke after tokens "
                               f"arrived: {type(e).__name__}: {e}",
-                              flight.served_by or _worker_of(flight, self.router_url)) from None
+                              flight.served_by or _worker_of(flight)) from None
 
     async def _consume_stream(self, resp: aiohttp.ClientResponse, sample: Sample, version: int,
                               flight: _Inflight) -> str | None:
@@ -365,7 +383,7 @@ class EngineClient:
             return "stream closed before any token"
         raise EngineError(f"/generate stream from {flight.url} (rid {flight.rid}) ended without a "
                           f"finish reason after {received} tokens",
-                          flight.served_by or _worker_of(flight, self.router_url))
+                          flight.served_by or _worker_of(flight))
 
     def _apply_chunk(self, sample: Sample, payload: Any, received: int, version: int,
                      flight: _Inflight) -> int:
@@ -402,6 +420,10 @@ class EngineClient:
                 raise EngineError(f"/generate at {flight.url}: {e}") from None
             received += len(ids)
             flight.tokens += len(ids)
+            if flight.routed:
+                self.routed_tokens += len(ids)
+                if self.on_routed_tokens is not None:
+                    self.on_routed_tokens(self.routed_tokens)
         try:
             exact = chunk.versions_by_token(version, received)
             if exact is not None:  # the final chunk: its spans replace the chunks' own stamps
@@ -542,7 +564,9 @@ class EngineClient:
         for flight in list(self._inflight.values()):
             if flight.aborted or flight.task is None or flight.task.done():
                 continue
-            if _worker_of(flight, self.router_url) in (worker, None):
+            if flight.router_lost or flight.lost is not None:
+                continue  # ended already: a second cancel would cancel the sample's task
+            if _worker_of(flight) in (worker, None):
                 flight.lost = worker
                 flight.task.cancel()
                 ended += 1
@@ -552,21 +576,61 @@ class EngineClient:
         worker = worker.rstrip("/")
         if worker in self._workers:
             self._workers.remove(worker)
-        if self.router_admin is not None:
+        if self.router_admin is not None and not self._router_down:
             await asyncio.to_thread(self.router_admin.remove_worker, worker)
 
     async def add_worker(self, worker: str) -> None:
+        """Listed here first, then at the router: a router that is down fails the second, and
+        its restart registers every worker this client lists (rollout.health)."""
         worker = worker.rstrip("/")
-        if self.router_admin is not None:
-            await asyncio.to_thread(self.router_admin.add_worker, worker)
         if worker not in self._workers:
             self._workers.append(worker)
+        if self.router_admin is not None and not self._router_down:
+            await asyncio.to_thread(self.router_admin.add_worker, worker)
+
+    # -- the router's faults (rollout.health, RouterHandle) ------------------------------------
+    async def probe_router(self, timeout_s: float) -> str | None:
+        """GET the router's /health: None when it answered in time, whatever its status (the
+        engines behind it are probed on their own); else why not ('timeout: ...' when it did
+        not answer in time: a stopped router accepts connections and says nothing)."""
+        if self.router_url is None:
+            return "no router"
+        url = f"{self.router_url}/health"
+        try:
+            async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                await resp.read()
+                return None
+        except asyncio.TimeoutError:
+            return f"timeout: no answer from {url} in {timeout_s:g} s"
+        except aiohttp.ClientError as e:
+            return f"{type(e).__name__}: {e}"
+
+    async def abort_routed(self) -> int:
+        """The router was lost: end (client side) every request that went through it, each
+        raising RouterLost with its sample interrupted (tokens kept); until `follow_router`,
+        a request for the router raises RouterLost at once. Returns how many were ended."""
+        self._router_down = True
+        self._router_losses += 1
+        ended = 0
+        for flight in list(self._inflight.values()):
+            if (not flight.routed or flight.aborted or flight.lost is not None or flight.router_lost
+                    or flight.task is None or flight.task.done()):
+                continue
+            flight.router_lost = True
+            flight.task.cancel()
+            ended += 1
+        return ended
+
+    def follow_router(self, url: str) -> None:
+        """The router was restarted at `url`: requests through it go there from now on."""
+        self.router_url = url.rstrip("/")
+        self._router_down = False
 
 
-def _worker_of(flight: _Inflight, router_url: str | None) -> str | None:
+def _worker_of(flight: _Inflight) -> str | None:
     """The worker a request is on: the one it was sent to, or the one the answer named; None
     while the router has not answered."""
-    if flight.url != router_url:
+    if not flight.routed:
         return flight.url
     return flight.served_by.rstrip("/") if flight.served_by else None
 
