@@ -454,35 +454,39 @@ class RewardConfig(BaseModel):
 
 
 class HealthConfig(BaseModel):
-    """Engine health: probes, removal from the router, restarts (rollout.health)."""
+    """Engine and router health: probes, removal from the router, restarts (rollout.health)."""
 
     model_config = ConfigDict(extra="forbid")
 
     enabled: bool = Field(
         True,
-        description="Watch the engines: a dead or hung engine leaves the router at once, its "
-        "unfinished requests go on elsewhere with their tokens, and it is restarted. Off: a "
-        "failed request fails its sample (its group is dropped, counted).",
+        description="Watch the engines and the router: a dead or hung engine leaves the router "
+        "at once, its unfinished requests go on elsewhere with their tokens, and it is "
+        "restarted; a dead or hung router is restarted and the requests that went through it "
+        "are sent again, with their tokens, once it is back. Off: a failed request fails its "
+        "sample (its group is dropped, counted).",
     )
     interval_s: float = Field(
-        2.0, gt=0, description="Seconds between two probes of every engine (a failed request "
-        "also probes at once). A hung engine is found within interval_s + probe_timeout_s x "
-        "hung_after_timeouts.",
+        2.0, gt=0, description="Seconds between two probes of every engine and of the router (a "
+        "failed request also probes at once). A hung engine or router is found within "
+        "interval_s + probe_timeout_s x hung_after_timeouts.",
     )
     probe_timeout_s: float = Field(
-        10.0, gt=0, description="A probe (a one-token /generate, then /health) that takes "
-        "longer has timed out. Keep it above a decode step under full load.",
+        10.0, gt=0, description="A probe (an engine's: a one-token /generate; the router's: its "
+        "/health) that takes longer has timed out. Keep it above a decode step under full load.",
     )
     hung_after_timeouts: int = Field(
-        2, ge=1, description="Consecutive timed-out probes that declare an engine hung. A "
-        "refused or reset connection declares it dead at the first probe.",
+        2, ge=1, description="Consecutive timed-out probes that declare an engine (or the router) "
+        "hung. A refused or reset connection declares it dead at the first probe.",
     )
     max_restarts: int = Field(
-        3, ge=0, description="Restarts per engine over the run (0: never restart; the run goes "
-        "on with the others).",
+        3, ge=0, description="Restarts per engine over the run, and of the router (0: never "
+        "restart; without an engine the run goes on with the others, without the router it "
+        "stops with RouterDown, every group parked with its tokens).",
     )
     restart_backoff_s: float = Field(
-        2.0, ge=0, description="Wait before a restart, doubled after each failed attempt.",
+        2.0, ge=0, description="Wait before a restart (an engine's or the router's), doubled "
+        "after each failed attempt.",
     )
     relaunches_per_sample: int = Field(
         3, ge=0, description="Times one response is sent again after its engine was lost, in a "
@@ -490,8 +494,9 @@ class HealthConfig(BaseModel):
     )
     wait_for_engine_s: float = Field(
         600.0, gt=0, description="How long a step waits for an engine to serve again when none "
-        "does (restarts pending). After that, or when no restart is left, the run stops with "
-        "every group parked with its tokens; resume=auto continues from there.",
+        "does, or for the router to route again (restarts pending). After that, or when no "
+        "restart is left, the run stops (EnginesDown, RouterDown) with every group parked with "
+        "its tokens; resume=auto continues from there.",
     )
 
 

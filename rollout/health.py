@@ -19,6 +19,15 @@ matter (simulated engines, tests) `needs_weights=False` admits it at once.
 When no engine serves and none can come back, `wait_serving` raises `EnginesDown`: the step
 stops, parks every group with its tokens, and the run ends with a checkpoint to resume from.
 
+The router in front of the engines (a `RouterHandle`, when given) is watched the same way: its
+/health each round (and at once when a request through it fails), dead at the first refused
+connection, hung after `hung_after_timeouts` timeouts. A lost router stops routing (requests
+that need it wait in `wait_routing`; those pinned to an engine go on), every request through
+it ends client-side and is sent again once it is back, and it is restarted (within
+`max_restarts`, after the same backoff) in front of the engines serving then. Its restart and
+every change of the engine set at the router take one lock, so an engine lost or admitted
+meanwhile is neither kept nor forgotten there. When it cannot come back, `RouterDown`.
+
 Only asyncio and the `Engines` interface: the same monitor runs in the simulator.
 """
 
@@ -34,6 +43,7 @@ from rlkit.rollout.config import HealthConfig
 from rlkit.rollout.engine_api import EngineError, Engines
 
 log = logging.getLogger(__name__)
+ROUTER = "router"  # the router's name in the events (engines are named by their URL or id)
 
 
 class EnginesDown(EngineError, UserError):
@@ -43,6 +53,10 @@ class EnginesDown(EngineError, UserError):
     exit_code = 1  # not bad input: the run failed, and can be resumed
 
 
+class RouterDown(EnginesDown):
+    """The router is down and cannot be brought back: the run stops as with EnginesDown."""
+
+
 class Restarter(Protocol):
     async def restart(self, worker: str) -> str:
         """Stop what is left of `worker`'s engine (killing a hung process) and start it again;
@@ -50,9 +64,30 @@ class Restarter(Protocol):
         ...
 
 
+class RouterHandle(Protocol):
+    """The router and the client routing through it, as the monitor sees them (in a run:
+    rollout.http.router.RouterProcessHandle)."""
+
+    async def probe(self, timeout_s: float) -> str | None:
+        """The router's own /health: None when it answered within `timeout_s`, else why not
+        ('timeout: ...' when it did not answer in time, anything else when refused)."""
+        ...
+
+    async def abort_routed(self) -> int:
+        """End client-side every request that went through the router (each raises RouterLost,
+        its sample keeping its tokens); requests for it fail at once until `restart`. How many."""
+        ...
+
+    async def restart(self, workers: list[str]) -> str:
+        """Kill what is left of the router (a hung one too), start it again in front of
+        `workers`, and route through it from now on; its new URL."""
+        ...
+
+
 class EngineMonitor:
     def __init__(self, engines: Engines, config: HealthConfig | None = None,
-                 restarter: Restarter | None = None, *, needs_weights: bool = True) -> None:
+                 restarter: Restarter | None = None, *, needs_weights: bool = True,
+                 router: RouterHandle | None = None) -> None:
         self.engines = engines
         self.cfg = config or HealthConfig()
         self.restarter = restarter
@@ -72,6 +107,20 @@ class EngineMonitor:
         # pushes its progress to the driver then, so restarted engines get weights at once.
         self.listeners: list[Callable[[], None]] = []
         self._task: asyncio.Task | None = None
+        self._losing: set[str] = set()  # engines being taken out of service now
+        # The router (None: not watched, e.g. simulated engines)
+        self.router = router
+        self.routing = True  # False from the router's loss to its restart
+        self.router_lost = 0  # times it was declared lost: a failed request compares it
+        self.router_counts: Counter[str] = Counter()
+        self._router_timeouts = 0
+        self._router_probing: asyncio.Future | None = None
+        self._router_restarts = 0
+        self._router_task: asyncio.Task | None = None
+        self._router_restarting = False  # a restart is pending or under way
+        # One at a time: a router restart and each change of the engine set at the router, so
+        # the restart registers the set as it is and no add or remove lands on a dying router.
+        self._admin = asyncio.Lock()
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -80,7 +129,8 @@ class EngineMonitor:
             self._task = asyncio.get_running_loop().create_task(self._watch(), name="engine-health")
 
     async def close(self) -> None:
-        tasks = [t for t in (self._task, *self._restarting, *self._probing.values()) if t]
+        tasks = [t for t in (self._task, *self._restarting, *self._probing.values(),
+                             self._router_probing, self._router_task) if t]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -90,7 +140,14 @@ class EngineMonitor:
         while True:
             await asyncio.sleep(self.cfg.interval_s)
             try:
-                await self.check(fresh=False)
+                if self.router is None:
+                    await self.check(fresh=False)
+                else:  # a hung engine's probe must not delay the router's
+                    for result in await asyncio.gather(self.check(fresh=False),
+                                                       self.check_router(fresh=False),
+                                                       return_exceptions=True):
+                        if isinstance(result, Exception):
+                            raise result
             except Exception:  # noqa: BLE001 - the watch must outlive one bad round
                 log.exception("engine health check failed")
 
@@ -146,14 +203,18 @@ class EngineMonitor:
 
     async def lose(self, worker: str, why: str) -> None:
         """Take `worker` out of service now and schedule its restart."""
-        if worker not in self.engines.workers():
+        if worker not in self.engines.workers() or worker in self._losing:
             return
+        self._losing.add(worker)
         self.lost += 1
         self._record("lost", worker, why)
         try:
-            await self.engines.remove_worker(worker)  # first: nothing new goes there
+            async with self._admin:
+                await self.engines.remove_worker(worker)  # first: nothing new goes there
         except Exception as e:  # noqa: BLE001 - the router may be gone too; go on
             self._record("remove_failed", worker, f"{type(e).__name__}: {e}")
+        finally:
+            self._losing.discard(worker)
         await self.engines.abort_worker(worker)  # its requests go on elsewhere
         slot = self._slot.get(worker, worker)
         if self.restarter is not None and self._restarts[slot] < self.cfg.max_restarts:
@@ -193,13 +254,139 @@ class EngineMonitor:
     async def admit(self, workers: list[str]) -> None:
         """Restarted engines hold the current weights now: route to them again."""
         for w in workers:
-            await self.engines.add_worker(w)
+            async with self._admin:
+                try:
+                    await self.engines.add_worker(w)
+                except Exception as e:
+                    # Listed by the client all the same (EngineClient.add_worker): when the
+                    # router is down, its restart registers it. A router that answers refused it.
+                    if not await self._router_unanswering():
+                        raise
+                    self._record("add_failed", w, f"{type(e).__name__}: {e}; the router's "
+                                 "restart registers it")
             if w in self.awaiting_weights:
                 self.awaiting_weights.remove(w)
             self._timeouts[w] = 0
             self._record("back", w, "")
         self._notify()
 
+    # -- the router --------------------------------------------------------------------------
+    async def check_router(self, *, fresh: bool = True) -> bool:
+        """Probe the router now (no-op without one); whether it is out of service, found by
+        this probe or before. `fresh` as for `check`."""
+        if self.router is None:
+            return False
+        fut = self._router_probing
+        if self.routing and fut is not None:  # one probe at a time: wait for the one under way
+            await asyncio.shield(fut)
+            if not fresh or not self.routing:
+                return not self.routing
+            fut = self._router_probing  # another caller may have started the next one
+            if fut is not None and fut.done():
+                fut = None
+        if self.routing:
+            if fut is None:
+                fut = self._router_probing = asyncio.ensure_future(self._probe_router())
+                fut.add_done_callback(self._router_probed)
+            await asyncio.shield(fut)
+        return not self.routing
+
+    def _router_probed(self, fut: asyncio.Future) -> None:
+        if self._router_probing is fut:
+            self._router_probing = None
+
+    async def _probe_router(self) -> None:
+        assert self.router is not None
+        lost = self.router_lost
+        why = await self.router.probe(self.cfg.probe_timeout_s)
+        if lost != self.router_lost or not self.routing:
+            return  # the router was lost meanwhile: this answer is the old one's
+        if why is None:
+            self._router_timeouts = 0
+        elif not why.startswith("timeout"):
+            await self.lose_router(f"dead ({why})")
+        else:
+            self._router_timeouts += 1
+            if self._router_timeouts >= self.cfg.hung_after_timeouts:
+                await self.lose_router(f"hung ({self._router_timeouts} probes timed out: {why})")
+
+    async def _router_unanswering(self) -> bool:
+        """After a call to the router failed: whether it is down, or did not answer a probe
+        now (a hung router is declared after hung_after_timeouts of them)."""
+        return await self.check_router() or self._router_timeouts > 0
+
+    async def lose_router(self, why: str) -> None:
+        """Take the router out of service now: requests that need it wait (`wait_routing`),
+        those that went through it end (their samples are sent again once it is back), and its
+        restart is scheduled."""
+        if self.router is None or not self.routing:
+            return
+        self.routing = False
+        self.router_lost += 1
+        self._record("lost", ROUTER, why)
+        await self.router.abort_routed()
+        if self._router_restarts < self.cfg.max_restarts:
+            self._router_restarting = True
+            self._router_task = asyncio.ensure_future(self._restart_router())
+        else:
+            self._record("gave_up", ROUTER, f"restarts used: {self._router_restarts} of "
+                         f"{self.cfg.max_restarts}")
+        self._notify()
+
+    async def _restart_router(self) -> None:
+        assert self.router is not None
+        try:
+            delay = self.cfg.restart_backoff_s
+            while self._router_restarts < self.cfg.max_restarts:
+                self._router_restarts += 1
+                await asyncio.sleep(delay)
+                delay *= 2
+                async with self._admin:  # the engine set cannot change until the router has it
+                    workers = self.engines.workers()
+                    try:
+                        url = await self.router.restart(workers)
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception as e:  # noqa: BLE001 - counted, then the next attempt
+                        self._record("restart_failed", ROUTER, f"{type(e).__name__}: {e}")
+                        continue
+                    self._router_timeouts = 0
+                    self.routing = True
+                self._record("restarted", ROUTER, f"at {url}, in front of {len(workers)} engines")
+                return
+            self._record("gave_up", ROUTER, f"{self.cfg.max_restarts} restarts used")
+        finally:
+            self._router_restarting = False  # before the news: a waiter reads it at once
+            self._notify()
+
+    async def wait_routing(self) -> None:
+        """Return once the router routes (at once when it does, or without a router); raise
+        RouterDown when it is down and cannot come back, or did not within `wait_for_engine_s`."""
+        if self.routing:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.wait_for_engine_s
+        while not self.routing:
+            if not self._router_restarting:
+                raise RouterDown(f"the router is down and cannot be restarted "
+                                 f"({self._router_summary()})")
+            left = deadline - loop.time()
+            if left <= 0:
+                raise RouterDown(f"the router is down and was not back within "
+                                 f"{self.cfg.wait_for_engine_s:.0f} s ({self._router_summary()})")
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+
+    def _router_summary(self) -> str:
+        recent = "; ".join(f"{e['event']}: {e['detail']}" for e in self.events
+                           if e["worker"] == ROUTER)
+        return (f"restarts tried: {self._router_restarts} of rollout.health.max_restarts="
+                f"{self.cfg.max_restarts}; {recent}")
+
+    # -- engines serving -----------------------------------------------------------------------
     async def wait_serving(self) -> None:
         """Return once some engine serves; raise EnginesDown when none does and none can come
         back, or none came back within `wait_for_engine_s`."""
@@ -221,21 +408,28 @@ class EngineMonitor:
 
     # -- reporting ---------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
-        return {
+        out = {
             "engines/serving": float(len(self.engines.workers())),
             "engines/lost": float(self.counts["lost"]),
             "engines/restarted": float(self.counts["restarted"]),
             "engines/restart_failed": float(self.counts["restart_failed"]),
             "engines/gave_up": float(self.counts["gave_up"]),
         }
+        if self.router is not None:
+            out.update({
+                "router/lost": float(self.router_counts["lost"]),
+                "router/restarts": float(self.router_counts["restarted"]),
+                "router/restart_failed": float(self.router_counts["restart_failed"]),
+            })
+        return out
 
     def _record(self, kind: str, worker: str, detail: str) -> None:
-        self.counts[kind] += 1
+        (self.router_counts if worker == ROUTER else self.counts)[kind] += 1
         event = {"t": asyncio.get_running_loop().time(), "event": kind, "worker": worker,
                  "detail": detail}
         self.events.append(event)
         (log.warning if kind in ("lost", "restart_failed", "gave_up") else log.info)(
-            "engine %s %s %s", worker, kind, detail)
+            "%s %s %s %s", "the" if worker == ROUTER else "engine", worker, kind, detail)
 
     def _summary(self) -> str:
         recent = "; ".join(f"{e['event']} {e['worker']} {e['detail']}".strip()

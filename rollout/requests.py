@@ -1,7 +1,8 @@
 """The request path of a rollout step (rollout/manager.py's Step): each sample's requests to
 the engines. A sample is generated to its budget or its next stop; with a dispatcher, its pinned
 engine admits it longest-first (AdmissionGate); a request whose engine was lost (rollout.health)
-goes again elsewhere with the tokens it streamed, `relaunches_per_sample` times; a resumed sample
+goes again elsewhere with the tokens it streamed, `relaunches_per_sample` times (one that went
+through a lost router, once the router is back: it waits for it); a resumed sample
 whose parked tokens the engine re-scored past rollout.max_resume_log_ratio starts again from its
 prompt; every request is a span of the step's timeline. `abort_all` is the step's stop.
 """
@@ -14,7 +15,7 @@ from typing import Any
 from rlkit.buffers.sample import Sample
 from rlkit.rollout.config import SamplingConfig
 from rlkit.rollout.dispatch import AdmissionGate, GateClosed
-from rlkit.rollout.engine_api import EngineError, WorkerLost
+from rlkit.rollout.engine_api import EngineError, RouterLost, WorkerLost
 from rlkit.rollout.timeline import Span
 
 
@@ -109,7 +110,12 @@ class SampleRequests:
             await health.wait_serving()  # none in service: wait for one, or EnginesDown
         if pinned is not None and health is not None and pinned not in st.engines.workers():
             pinned = None  # its engine is out of service: the router chooses
+        if pinned is None and health is not None and not health.routing:
+            if not await self._wait_routing():
+                return False  # the step stopped first: never sent, parked with what it has
         lost_before = health.lost if health is not None else 0
+        # through the router: a failure may be the router's (None: pinned, it needs none)
+        router_before = health.router_lost if health is not None and pinned is None else None
         before, start, worker, outcome = len(s.response_ids), st._loop.time(), pinned, "abort"
         try:
             worker = await st._m.engines.generate(
@@ -131,7 +137,7 @@ class SampleRequests:
                 # parked with it, as every unfinished group is; failing it would drop the group.
                 outcome = "lost" if isinstance(e, WorkerLost) else "abort"
                 return False
-            if not last and await self._engine_lost(e, worker, lost_before):
+            if not last and await self._engine_lost(e, worker, lost_before, router_before):
                 outcome = "lost"
                 st.report_.requests_relaunched += 1
                 st.report_.relaunched_tokens += len(s.response_ids)
@@ -147,19 +153,44 @@ class SampleRequests:
                 response_before=before,
             ))
 
-    async def _engine_lost(self, error: EngineError, worker: str | None, lost_before: int) -> bool:
-        """Whether a failed request's engine was lost (and some engine serves again): probe
-        the engine (every engine when the router chose and none is known) unless the monitor
-        already said so. Raises EnginesDown when none serves and none can come back."""
+    async def _engine_lost(self, error: EngineError, worker: str | None, lost_before: int,
+                           router_before: int | None) -> bool:
+        """Whether a failed request's engine or router was lost (and some engine serves
+        again): for a request through the router, probe the router first (a killed router
+        breaks streams from engines that are fine); then the engine (every engine when the
+        router chose and none is known) unless the monitor already said so. Raises
+        EnginesDown when none serves and none can come back."""
         st = self.step
         health = st._m.health
         if health is None or st._stopping:
             return False
+        if isinstance(error, RouterLost) or (
+                router_before is not None and not isinstance(error, WorkerLost)
+                and (health.router_lost != router_before or await health.check_router())):
+            return not st._stopping  # sent again once the router is back (`_request` waits)
         if not isinstance(error, WorkerLost) and st.engines.workers():
             await health.check([worker] if worker in st.engines.workers() else None)
             if health.lost == lost_before and st.engines.workers():
                 return False  # every engine answers: the request itself failed
         await health.wait_serving()
+        return not st._stopping
+
+    async def _wait_routing(self) -> bool:
+        """The router is down: wait until it routes again (RouterDown when it cannot come
+        back). False when the step stopped first (a stopping step does not wait for it)."""
+        st = self.step
+        if st._stopping:
+            return False
+        routing = asyncio.ensure_future(st._m.health.wait_routing())
+        stopped = asyncio.ensure_future(st._stopped.wait())
+        try:
+            await asyncio.wait({routing, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            if not routing.done():
+                routing.cancel()
+        if routing.done() and not routing.cancelled():
+            routing.result()  # RouterDown
         return not st._stopping
 
     def gate(self, worker: str | None) -> AdmissionGate | None:
