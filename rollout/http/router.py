@@ -9,19 +9,27 @@ explicit port and metrics port (its default metrics port 29000 collides between 
 forwards `/generate` (and the OpenAI routes); control calls go to each worker (EngineClient).
 Registration is asynchronous on the router side (POST /workers answers 202), so `add_worker`
 waits until the worker is listed. These calls are rare and short, so they are synchronous.
+
+A lost router is restarted (`restart`) by rollout.health through `RouterProcessHandle`, which
+also moves the EngineClient to its new URL. Under the run's control token the router runs inside
+token_exec with `--parent-pid`: if the process that started it dies (the rollout actor), the
+router's process group is killed, so no router outlives its run.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
+import os
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from rlkit.common.errors import UserError
 from rlkit.rollout.http.auth import ControlTokenMissing, auth_headers, check_bind, control_token_from_env
@@ -36,6 +44,9 @@ from rlkit.rollout.engines.process import (
     spawn,
 )
 from rlkit.rollout.http.token_exec import TOKEN_PLACEHOLDER
+
+if TYPE_CHECKING:
+    from rlkit.rollout.http.client import EngineClient
 
 
 class RouterError(UserError, RuntimeError):
@@ -85,6 +96,10 @@ class Router:
         # which it also sends to the engines on every request and probe (they need it: see
         # sglang_launcher.sglang_auth_flags); /health and Prometheus' /metrics stay open.
         self.control_token = control_token_from_env()
+        # start, stop and restart, one at a time: a restart (rollout.health, in a thread) never
+        # starts a router after `stop` (the actor's shutdown)
+        self._lock = threading.RLock()
+        self._stopped = False
 
     # -- lifecycle ----------------------------------------------------------------------------
     @property
@@ -116,12 +131,36 @@ class Router:
             # --api-key=VALUE: a token may begin with '-', which argparse takes for a flag
             argv += [f"--api-key={TOKEN_PLACEHOLDER}",
                      "--control-plane-api-keys", f"rlkit:rlkit:admin:{TOKEN_PLACEHOLDER}"]
-            argv[1:3] = ["-m", "rlkit.rollout.http.token_exec", "sglang_router.launch_router"]
+            # killed with its group if this process dies (the process model of hf_server's
+            # --parent-pid). Without a token (loopback tests, tools) it is launched directly
+            # and has no such watchdog: a run always sets a token.
+            argv[1:3] = ["-m", "rlkit.rollout.http.token_exec", "--parent-pid", str(os.getpid()),
+                         "sglang_router.launch_router"]
         return argv
 
     def start(self, worker_urls: Sequence[str] = (), *, wait_for_workers: bool = True) -> str:
         """Start the router in front of `worker_urls`; return its URL once /health answers
         (and, if `wait_for_workers`, once every worker is listed)."""
+        with self._lock:
+            self._stopped = False
+            return self._start(worker_urls, wait_for_workers)
+
+    def restart(self, worker_urls: Sequence[str]) -> str:
+        """Kill what is left of the router (SIGKILL to its process group: a stopped one too)
+        and start it again in front of those of `worker_urls` that answer /health (a worker
+        that does not holds the router's start up to worker_startup_timeout_s; rollout.health
+        takes it out); its URL, on a fresh port unless `port` is fixed."""
+        with self._lock:
+            if self._stopped:
+                raise RouterError("the router was stopped; not restarting it")
+            if self.process is not None:
+                self.process.kill()
+                self.process.stop()  # closes its log
+                self.process = None
+            answering = [u for u in worker_urls if http_ok(f"{u.rstrip('/')}/health")]
+            return self._start(answering, True)
+
+    def _start(self, worker_urls: Sequence[str], wait_for_workers: bool) -> str:
         if self.process is not None and self.process.alive():
             raise RouterError(f"the router is already running at {self.url}")
         if importlib.util.find_spec("sglang_router") is None:
@@ -159,9 +198,11 @@ class Router:
         return self.url
 
     def stop(self) -> None:
-        if self.process is not None:
-            self.process.stop()
-            self.process = None
+        with self._lock:  # after a restart under way
+            self._stopped = True
+            if self.process is not None:
+                self.process.stop()
+                self.process = None
 
     def __enter__(self) -> "Router":
         return self
@@ -224,3 +265,24 @@ class Router:
                     f"(router log {self.process.log_path if self.process else '?'}:\n"
                     f"{log_tail(self.process.log_path if self.process else None, 10)})")
             time.sleep(0.1)
+
+
+class RouterProcessHandle:
+    """rollout.health's handle on the router (its RouterHandle): probes go to the router's
+    /health, a lost router's requests end in the client, and a restart moves the client to the
+    new router's URL."""
+
+    def __init__(self, router: Router, client: "EngineClient") -> None:
+        self.router = router
+        self.client = client
+
+    async def probe(self, timeout_s: float) -> str | None:
+        return await self.client.probe_router(timeout_s)
+
+    async def abort_routed(self) -> int:
+        return await self.client.abort_routed()
+
+    async def restart(self, workers: list[str]) -> str:
+        url = await asyncio.to_thread(self.router.restart, workers)
+        self.client.follow_router(url)
+        return url

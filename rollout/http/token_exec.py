@@ -1,7 +1,7 @@
 """Run a Python module's command line with the control token put into its arguments, and its
 output written on with the token blanked.
 
-    python -m rlkit.rollout.http.token_exec MODULE [ARGS...]
+    python -m rlkit.rollout.http.token_exec [--parent-pid PID] MODULE [ARGS...]
 
 runs MODULE as __main__ with every TOKEN_PLACEHOLDER in ARGS replaced by $RLKIT_CONTROL_TOKEN.
 Why: sglang-router and SGLang take their keys only as command-line flags, and a process's
@@ -16,6 +16,11 @@ process, the group's leader, writes what comes on to its own stdout with the tok
 REDACTED; it exits with the program's status once the pipe is closed. It ignores SIGTERM and
 SIGINT, which reach the whole group: it ends when the program's last process has, so no line
 of a shutdown is lost (a SIGKILL to the group ends it too).
+
+`--parent-pid PID`: a watchdog kills the whole group (the program and what it started) once this
+process is no longer PID's child, i.e. PID died without stopping it (the router's owner, the
+rollout actor: rollout.http.router). A program that has no such flag of its own (sglang-router)
+would otherwise keep listening after its run is gone.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import os
 import runpy
 import signal
 import sys
+import threading
+import time
 
 from rlkit.rollout.http.auth import CONTROL_TOKEN_ENV, control_token_from_env
 
@@ -80,10 +87,24 @@ def _write_all(fd: int, data: bytes) -> None:
             return
 
 
+def _watch_parent(parent_pid: int, child: int) -> None:
+    """Kill the program's process group once re-parented (getppid is pid-reuse safe; the same
+    rule as the built-in engine's --parent-pid)."""
+    while os.getppid() == parent_pid:
+        time.sleep(1.0)
+    if os.getpgrp() == os.getpid():  # started in its own session (spawn): the group is ours
+        os.killpg(os.getpid(), signal.SIGKILL)
+    os.kill(child, signal.SIGKILL)
+
+
 def main() -> None:
-    if len(sys.argv) < 2:
+    argv = sys.argv[1:]
+    parent_pid = None
+    if argv[:1] == ["--parent-pid"] and len(argv) >= 2:
+        parent_pid, argv = int(argv[1]), argv[2:]
+    if not argv:
         raise SystemExit(__doc__)
-    module, *args = sys.argv[1:]
+    module, *args = argv
     token = control_token_from_env()
     if token is None:
         raise SystemExit(f"rlkit.rollout.http.token_exec: {CONTROL_TOKEN_ENV} is not set; nothing to "
@@ -102,6 +123,9 @@ def main() -> None:
         return
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
+    if parent_pid is not None:
+        threading.Thread(target=_watch_parent, args=(parent_pid, child), daemon=True,
+                         name="parent-watchdog").start()
     os.close(write_fd)
     _pump(read_fd, 1, token)
     _, status = os.waitpid(child, 0)
