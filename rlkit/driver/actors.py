@@ -111,10 +111,11 @@ class RolloutActor:
 
     async def start(self, engine_urls: list[str], engine_actors: list[Any] = ()) -> None:
         """Start the router in front of the engines and the rollout service over them; a lost
-        engine is restarted by its EngineActor (`engine_actors`, in the order of the URLs)."""
+        engine is restarted by its EngineActor (`engine_actors`, in the order of the URLs), a
+        lost router by rollout.health, here (RouterProcessHandle)."""
         from rlkit.rollout.http.client import EngineClient
         from rlkit.rollout.engine_updates import EngineUpdates
-        from rlkit.rollout.http.router import Router
+        from rlkit.rollout.http.router import Router, RouterProcessHandle
 
         assert self.source is not None, "prepare() first"
         r = self.recipe
@@ -132,7 +133,8 @@ class RolloutActor:
         self.service = RolloutService.from_config(r.rollout, self.source, self.client, self.score,
                                                   self.group_filter, self.ranker, restarter,
                                                   self.evaluator, hand=ray_handed,
-                                                  episodes=self.episodes, updates=updates)
+                                                  episodes=self.episodes, updates=updates,
+                                                  router=RouterProcessHandle(self.router, self.client))
 
     async def hand_off_to(self, attention_weight: float) -> None:
         """The trainer is up: ready groups leave split by its data-parallel replicas, placed

@@ -23,7 +23,7 @@ from rlkit.rollout.engine_updates import StatelessEngines, UpdateControl
 from rlkit.rollout.episodes import EpisodeRunner
 from rlkit.rollout.evaluator import Evaluator, eval_metrics
 from rlkit.rollout.filters import GroupFilter
-from rlkit.rollout.health import EngineMonitor, Restarter
+from rlkit.rollout.health import EngineMonitor, Restarter, RouterHandle
 from rlkit.rollout.manager import RolloutManager, batch_target
 from rlkit.rollout.policies import make_policy
 from rlkit.rollout.rankers import LengthRanker
@@ -72,13 +72,16 @@ class RolloutService:
         hand: Callable[[list[Group]], Handed] = handed_of,
         episodes: EpisodeRunner | None = None,
         updates: "UpdateControl | None" = None,
+        router: RouterHandle | None = None,
     ) -> "RolloutService":
         """`restarter`: how a lost engine is started again (none: the run goes on without it).
         A restarted engine serves once it has the weights (`update_weights`).
         `evaluator`: the recipe's held-out evaluation, over the same engines. `hand`: how ready
         groups go to the trainer (in process: the groups themselves). `episodes`: multi-turn
         rollouts (rlkit.plugins.load_episode_runner; None: one request per sample). `updates`:
-        the engines' control around weight updates (EngineUpdates; None: engines with no state)."""
+        the engines' control around weight updates (EngineUpdates; None: engines with no state).
+        `router`: the router in front of the engines, watched and restarted with them
+        (rollout.health; None: not watched)."""
         buffer = RolloutBuffer(
             source,
             n_samples_per_prompt=cfg.n_samples_per_prompt,
@@ -87,7 +90,8 @@ class RolloutService:
             max_token_lag=cfg.max_token_lag,
         )
         rewards = RewardScheduler(score, timeout_s=cfg.reward.timeout_s, on_error=cfg.reward.on_error)
-        health = EngineMonitor(engines, cfg.health, restarter) if cfg.health.enabled else None
+        health = (EngineMonitor(engines, cfg.health, restarter, router=router)
+                  if cfg.health.enabled else None)
         manager = RolloutManager(buffer, engines, make_policy(cfg), cfg.sampling, rewards,
                                  group_filter=group_filter, ranker=ranker, health=health,
                                  relaunches_per_sample=cfg.health.relaunches_per_sample,
