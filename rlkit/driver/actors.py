@@ -21,6 +21,7 @@ from rlkit.common.control_token import CONTROL_TOKEN_ENV
 from rlkit.config.schema import Recipe
 from rlkit.driver.placement import advertised
 from rlkit.driver.rollout_box import BOX_CALLS, Handed, RolloutResult, group_record
+from rlkit.driver.rollout_fault import RolloutFaults, checkpoint_step
 from rlkit.driver.rollout_service import RolloutService
 
 
@@ -88,6 +89,7 @@ class RolloutActor:
         self.router = None
         self.client = None
         self.service: RolloutService | None = None
+        self.faults = RolloutFaults.from_env(self)  # test-only: None unless a test armed one
 
     async def prepare(self) -> None:
         """Load the prompts and resolve the reward: no engine needed, so it runs while the
@@ -99,6 +101,8 @@ class RolloutActor:
         from rlkit.plugins import load_episode_runner, load_group_filter, load_ranker
         from rlkit.rewards.scoring import make_score_fn, tokenizer_decode
 
+        if self.faults is not None:
+            self.faults.at("startup")
         r = self.recipe
         tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.source = load_prompt_source(r.data, tokenizer, seed=r.run.seed)
@@ -149,6 +153,11 @@ class RolloutActor:
         if name not in BOX_CALLS:
             raise AttributeError(f"the rollout box has no call {name!r}")
         assert self.service is not None, "start() first"
+        if self.faults is not None:  # test-only points: the weight update opens, a checkpoint
+            if name == "update_weights":
+                self.faults.at("sync", kwargs.get("version", args[0] if args else 0))
+            elif name == "save":
+                self.faults.at("checkpoint", checkpoint_step(str(args[0] if args else kwargs["path"])))
         out = getattr(self.service, name)(*args, **kwargs)
         return await out if inspect.isawaitable(out) else out
 
@@ -157,10 +166,15 @@ class RolloutActor:
         """One rollout step as a Ray streaming generator: the service's progress while it runs,
         pushed to the driver, then the RolloutResult (plain data only)."""
         assert self.service is not None, "start() first"
+        if self.faults is not None:  # test-only: step K's rollout is trained at version K - 1
+            self.faults.rollout_begins(for_version + 1)
+            self.client.on_routed_tokens = self.faults.routed_tokens
         async for item in self.service.run_step_streamed(version, for_version=for_version,
                                                          final=final, take=take):
             if isinstance(item, RolloutResult):
                 item.report = None  # the driver needs the plain data only
+                if self.faults is not None:
+                    self.faults.at("idle", for_version + 1)
             yield item
 
     async def stop(self) -> None:
