@@ -337,15 +337,20 @@ class TrainerGroup:
 
         return ray.get(self.workers[0].counters.remote())["step"]
 
-    def shutdown(self) -> None:
+    def shutdown(self, graceful: bool = True) -> None:
+        """Every rank leaves its process group (at most 60 s in all: a rank blocked in a
+        collective never answers), then its actor goes. Not `graceful` (a process of the run
+        died, the state is lost anyway): the actors go at once."""
         import ray
 
+        if graceful:
+            calls = [w.shutdown.remote() for w in self.workers]
+            ray.wait(calls, num_returns=len(calls), timeout=60)
         for w in self.workers:
             try:
-                ray.get(w.shutdown.remote(), timeout=60)
+                ray.kill(w)
             except Exception:  # noqa: BLE001 - the actor may be dead already
                 pass
-            ray.kill(w)
         self.workers = []
 
 

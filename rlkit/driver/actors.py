@@ -177,7 +177,19 @@ class RolloutActor:
                     self.faults.at("idle", for_version + 1)
             yield item
 
+    async def until_stopped(self) -> None:
+        """Returns when `stop` ran; the driver keeps this call pending for the whole run, so
+        the actor's death reaches it at once (its reference fails with Ray's ActorDiedError),
+        whatever the driver is waiting for then (training, in sync mode, calls nothing here)."""
+        await self._stopped().wait()
+
+    def _stopped(self) -> asyncio.Event:
+        if getattr(self, "_stop_event", None) is None:
+            self._stop_event = asyncio.Event()  # made on the actor's event loop
+        return self._stop_event
+
     async def stop(self) -> None:
+        self._stopped().set()
         if self.service is not None:
             await self.service.cancel()
         if self.client is not None:

@@ -251,7 +251,7 @@ class Cluster:
         except BaseException as e:
             # a process that died while the run started is named before its actor is gone
             died = self.died(e, "start-up") if isinstance(e, Exception) else None
-            self.shutdown()
+            self.shutdown(graceful=died is None)
             if died is not None:
                 raise died from None
             raise
@@ -308,9 +308,11 @@ class Cluster:
                     return death
         return None
 
-    def shutdown(self) -> None:
+    def shutdown(self, graceful: bool = True) -> None:
         """Stop everything, tolerating pieces that never started or already died. A joined
-        cluster keeps running: only this run's actors and placement groups go."""
+        cluster keeps running: only this run's actors and placement groups go. Not `graceful`
+        (a process of the run died): the trainer ranks, which may be blocked in a collective or
+        on the dead process, are killed without being asked to leave their process group."""
         import ray
         from ray.util import remove_placement_group
 
@@ -321,7 +323,7 @@ class Cluster:
         for e in self.engines:
             _quietly(lambda e=e: ray.get(e.stop.remote(), timeout=60))
         if self.trainer is not None:
-            _quietly(self.trainer.shutdown)
+            _quietly(lambda: self.trainer.shutdown(graceful))
         for a in [self.rollout_actor, *self.engines]:
             if a is not None:
                 _quietly(lambda a=a: ray.kill(a))

@@ -54,6 +54,10 @@ class RemoteRolloutBox:
 
         return call
 
+    def watch(self) -> asyncio.Future:
+        """A future that fails as soon as the actor dies (its pending `until_stopped` call)."""
+        return asyncio.wrap_future(self.actor.until_stopped.remote().future())
+
     # Checkpoints are written between steps, from the driver's synchronous end of a step.
     def save(self, path: str) -> None:
         import ray

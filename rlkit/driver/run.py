@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import signal
 from pathlib import Path
+from typing import Awaitable
 
 import yaml
 
@@ -21,7 +22,7 @@ from rlkit.config.schema import Recipe
 from rlkit.driver.loop import LoopState, Run, step_recorder
 from rlkit.driver.modes import MODES
 from rlkit.tracking import Tracker, rewind
-from rlkit.rollout.health import EnginesDown
+from rlkit.rollout.health import EnginesDown, RouterDown
 
 
 def run_dir_of(recipe: Recipe) -> Path:
@@ -49,6 +50,7 @@ def train(recipe: Recipe) -> LoopState:
     tracker = Tracker(recipe.tracking, run_dir, recipe.run.name, recipe.model_dump(mode="json"))
     cluster = Cluster(recipe, model_path, run_dir)
     state = LoopState(step=ckpt.step, version=ckpt.version) if ckpt is not None else LoopState()
+    died: ProcessDied | None = None
     try:
         cluster.start()
 
@@ -75,7 +77,8 @@ def train(recipe: Recipe) -> LoopState:
                 if ckpt is not None or run.colocated:
                     state.phase = "the first weight push"
                     await run.push_weights(state.version)
-                return await MODES[recipe.mode](run)
+                # the rollout actor's death stops the loop at once, whatever it waits for
+                return await _unless_dead(MODES[recipe.mode](run), box.watch())
             except Exception as e:
                 if (died := trainer.died(e)) is not None:  # a rank died while publishing weights
                     raise died from None
@@ -88,10 +91,11 @@ def train(recipe: Recipe) -> LoopState:
                     run_dir, state.step, state.version, save_trainer=trainer.save,
                     save_buffer=(lambda p: box.save(str(p))) if recipe.checkpoint.save_buffer else None,
                     keep_last=max(1, recipe.checkpoint.keep_last))
-                raise EnginesDown(
+                what = "the router" if isinstance(down, RouterDown) else "the engines"
+                raise type(down)(
                     f"{down}, in step {state.step + 1} of {recipe.run.num_steps}. The run stopped "
                     f"with every unfinished group parked with its tokens in the checkpoint of step "
-                    f"{saved.step} ({saved.path}); once the engines can start, run it again with "
+                    f"{saved.step} ({saved.path}); once {what} can start, run it again with "
                     "run.resume=auto to continue from there") from None
 
         return asyncio.run(main())
@@ -104,8 +108,24 @@ def train(recipe: Recipe) -> LoopState:
         raise ProcessDied(_died_message(str(died), state.current_step(), recipe, latest_checkpoint(run_dir))) from None
     finally:
         tracker.close()
-        cluster.shutdown()
+        cluster.shutdown(graceful=died is None)
         signal.signal(signal.SIGTERM, previous)
+
+
+async def _unless_dead(loop: Awaitable[LoopState], watch: asyncio.Future) -> LoopState:
+    """Run the mode's loop; if `watch` (the rollout actor's liveness) fails first, stop the
+    loop and raise its error: the actor's death, named by Cluster.died in the phase the
+    driver was in (without it, in sync mode, training would run to its end first)."""
+    task = asyncio.ensure_future(loop)
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done() and watch.exception() is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise watch.exception()  # type: ignore[misc]
+        return await task
+    finally:
+        watch.cancel()
 
 
 def _died_message(what: str, step: int, recipe: Recipe, ckpt: Checkpoint | None) -> str:

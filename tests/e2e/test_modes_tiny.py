@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from rlkit.common.fault_switch import ROUTER_FAULT_ENV, read_fired
 from rlkit.config import load_recipe
 from rlkit.driver.run import train
 from rlkit.train.algorithms.mismatch import LAG_BUCKETS
@@ -30,18 +31,22 @@ EPISODES = ["rollout.episode.generator=multi_turn", "rollout.episode.environment
             "rollout.episode.turn_stop=['e']", "rollout.sampling.max_new_tokens=48"]
 
 
-@pytest.mark.parametrize("mode,recipe,episodes", [
-    ("stream", "grpo_tiny_ci.yaml", True),
-    ("stream", "grpo_tiny_tail_ci.yaml", False),
-    ("async", "grpo_tiny_tail_ci.yaml", True),
+@pytest.mark.parametrize("mode,recipe,episodes,router_killed", [
+    ("stream", "grpo_tiny_ci.yaml", True, True),
+    ("stream", "grpo_tiny_tail_ci.yaml", False, False),
+    ("async", "grpo_tiny_tail_ci.yaml", True, True),
 ])
-def test_a_mode_with_a_policy_end_to_end(tmp_path, monkeypatch, mode, recipe, episodes):
+def test_a_mode_with_a_policy_end_to_end(tmp_path, monkeypatch, mode, recipe, episodes, router_killed):
     """Also, with `episodes`, over multi-turn episodes: observations go in with loss mask 0 and
     the trainer trains on them; partial rollouts and tail batching park episodes with their
     tokens (mid-turn or on a tool call) and resume them; no tool fails. Stream mode's episodes
-    run also evaluate: held-out prompts played as episodes."""
+    run also evaluate: held-out prompts played as episodes. With `router_killed`, the router is
+    SIGKILLed in step 2's rollout once 24 tokens went through it (the rollout actor's test-only
+    switch): it is restarted, its requests go on with their tokens, and everything above holds."""
     evaluated = episodes and mode == "stream"
     monkeypatch.setenv("RLKIT_CACHE", str(tmp_path / "cache"))
+    if router_killed:
+        monkeypatch.setenv(ROUTER_FAULT_ENV, f"action=kill,phase=rollout,step=2,tokens=24,dir={tmp_path / 'fault'}")
     out = tmp_path / "runs"
     r = load_recipe(ROOT / "recipes" / recipe, [
         f"mode={mode}", f"run.output_dir={out}", "tracking.progress=false", "run.num_steps=3",
@@ -84,6 +89,10 @@ def test_a_mode_with_a_policy_end_to_end(tmp_path, monkeypatch, mode, recipe, ep
             base = f"eval/held/{mode_}"
             assert first[f"{base}/episodes/episodes_ended"] == first[f"{base}/samples"] > 0, first
             assert first[f"{base}/tool_failures/raised"] == first[f"{base}/failures/engine"] == 0
+    if router_killed:  # restarted once; step 2's requests through it went on with their tokens
+        assert read_fired(tmp_path / "fault")["step"] == 2
+        assert max(m["router/restarts"] for m in metrics) == 1 == max(m["router/lost"] for m in metrics)
+        assert metrics[1]["rollout/requests_relaunched"] > 0 and metrics[1]["rollout/relaunched_tokens"] > 0
     assert processes_with(str(Path(os.environ["RLKIT_CACHE"]) / "models" / "tiny")) == []
 
 
