@@ -117,13 +117,13 @@ def test_tail_batching_colocated_end_to_end_with_a_long_round_and_dynamic_sampli
     round that trains the deferred prompts; zero-variance groups are filtered and replaced;
     everything balances and nothing is left running. Colocated: the rounds are unchanged while
     the engines sleep for every training (tail batching disaggregated: tests/e2e/
-    test_modes_tiny.py). The router is SIGKILLed in step 2's rollout once 24 tokens went through
+    test_modes_tiny.py). The router is SIGKILLed in step 1's rollout once 8 tokens went through
     it (the rollout actor's test-only switch): restarted, its requests go on with their tokens."""
     from rlkit.common.fault_switch import ROUTER_FAULT_ENV, read_fired
     from tests.e2e.test_colocated import assert_took_turns
 
     monkeypatch.setenv("RLKIT_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv(ROUTER_FAULT_ENV, f"action=kill,phase=rollout,step=2,tokens=24,dir={tmp_path / 'fault'}")
+    monkeypatch.setenv(ROUTER_FAULT_ENV, f"action=kill,phase=rollout,step=1,tokens=8,dir={tmp_path / 'fault'}")
     out = tmp_path / "runs"
     recipe = load_recipe(ROOT / "recipes" / "grpo_tiny_tail_ci.yaml", [
         f"run.output_dir={out}", "tracking.progress=false", "run.num_steps=3",
@@ -151,8 +151,9 @@ def test_tail_batching_colocated_end_to_end_with_a_long_round_and_dynamic_sampli
     heads = [json.loads(x) for x in (run_dir / "timeline.jsonl").read_text().splitlines()
              if '"kind": "step"' in x]
     assert [h["round"] for h in heads] == rounds
-    assert read_fired(tmp_path / "fault")["step"] == 2
-    assert max(m["router/restarts"] for m in metrics) == 1 == max(m["router/lost"] for m in metrics)
-    assert metrics[1]["rollout/requests_relaunched"] > 0
+    assert read_fired(tmp_path / "fault")["step"] == 1
+    counts = [(m["router/lost"], m["router/restarts"], m["rollout/requests_relaunched"]) for m in metrics]
+    assert counts[-1][:2] == (1, 1), counts  # lost and restarted once
+    assert metrics[0]["rollout/requests_relaunched"] > 0, counts
     model_dir = Path(os.environ["RLKIT_CACHE"]) / "models" / "tiny"
     assert processes_with(str(model_dir)) == []
