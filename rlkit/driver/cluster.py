@@ -320,8 +320,8 @@ class Cluster:
             return
         if self.rollout_actor is not None:
             _quietly(lambda: ray.get(self.rollout_actor.stop.remote(), timeout=60))
-        for e in self.engines:
-            _quietly(lambda e=e: ray.get(e.stop.remote(), timeout=60))
+        stops = [s for s in (_quietly(e.stop.remote) for e in self.engines) if s is not None]
+        _quietly(lambda: ray.wait(stops, num_returns=len(stops), timeout=60))  # all at once
         if self.trainer is not None:
             _quietly(lambda: self.trainer.shutdown(graceful))
         for a in [self.rollout_actor, *self.engines]:
