@@ -5,7 +5,7 @@ behind it) and the simulated engines (virtual time). Policies and the manager on
 this Protocol, so the same scheduling code runs against both.
 
 The worker set changes when an engine is lost and comes back (rollout.health): `probe`,
-`abort_worker`, `remove_worker` and `add_worker` are what the health monitor uses.
+`progress`, `abort_worker`, `remove_worker` and `add_worker` are what the health monitor uses.
 """
 
 from __future__ import annotations
@@ -87,6 +87,16 @@ class Engines(Protocol):
         answer in time, anything else when the connection was refused or the answer bad).
         `generate=False`: only that the server answers (an engine paused for a weight sync, or
         asleep, queues generations: its liveness is all a probe can ask then)."""
+        ...
+
+    async def progress(self, worker: str, timeout_s: float) -> int | None:
+        """A mark of `worker`'s progress, read straight from it without queueing behind its
+        work (a probe's generation does queue): it changes whenever the engine's scheduler
+        moves (a prefill or decode step done; SGLang's also while it waits with work queued),
+        so two equal marks mean the engine did nothing in between. None when it did not answer
+        within `timeout_s`, failed, or reports no mark: no progress can be told. The health
+        monitor reads it around a generation probe that timed out (busy, or hung?).
+        HTTP engines: `rollout.http.protocol.progress_mark` of GET /v1/loads."""
         ...
 
     async def abort_worker(self, worker: str) -> int:

@@ -51,9 +51,13 @@ Model of one worker (an SGLang-like server):
   speeds up the others (they re-plan at their next step boundary).
 - Faults (tests of rollout.health): `kill(worker)` ends its requests at once (each keeps the
   tokens it had; its caller sees an EngineError, as a broken stream) and refuses new ones;
-  `hang(worker)` freezes it (requests never return, probes time out). `abort_worker`,
-  `remove_worker`, `add_worker` and `respawn` (a restart: a fresh worker under a new id) are
-  the monitor's side; `SimRestarter` restarts after a delay.
+  `hang(worker)` freezes it (requests never return, probes and progress reads time out).
+  `abort_worker`, `remove_worker`, `add_worker` and `respawn` (a restart: a fresh worker under
+  a new id) are the monitor's side; `SimRestarter` restarts after a delay. A live worker
+  answers a probe at once, unless `probe_queues`: then a generation probe is a one-token
+  request queued like any other (a real engine's), so it times out behind a busy worker's
+  work. `progress` is the worker's steps so far (prefill forwards and decode steps, those of
+  the plan under way included): it moves while the worker works, never once it is hung.
 - Prefix cache (`prefix_cache`, off by default): a request goes to the worker that served
   its sample's last request and prefills only what that one did not leave cached, unless the
   weights changed since (an update flushes the cache). Multi-turn episodes need it: each turn
@@ -117,6 +121,9 @@ class SimConfig:
     # cache), prefills only the tokens after what that request left cached. False: every
     # request prefills its whole context (single-turn figures were measured so).
     prefix_cache: bool = False
+    # A generation probe (rollout.health) is a one-token request queued at the worker behind
+    # the requests already there, as on a real engine; False: a live worker answers at once.
+    probe_queues: bool = False
 
     @classmethod
     def from_profile(cls, engines: int, profile: EngineProfile, **overrides: Any) -> "SimConfig":
@@ -228,6 +235,7 @@ class _Request:
     admitted: float | None = None
     seg_start_tokens: int = 0  # `generated` when the current segment began
     cached: int = 0  # of `context`, tokens already in the worker's prefix cache
+    probe: bool = False  # a health probe (probe_queues): in no segment, stats or timeline
 
     @property
     def kv(self) -> int:
@@ -338,6 +346,7 @@ class SimWorker:
         self._task: asyncio.Task | None = None
         self.state = "up"  # up | dead | hung
         self._new_version: int | None = None  # weights updated: restamp from the next boundary
+        self.steps = 0  # prefill forwards and decode steps done (those of `_plan` not yet)
 
     # -- called by SimEngines -------------------------------------------------------------
     def start(self) -> None:
@@ -352,7 +361,8 @@ class SimWorker:
 
     def submit(self, req: _Request) -> None:
         self.waiting.append(req)
-        self.stats.requests += 1
+        if not req.probe:
+            self.stats.requests += 1
         self.idle.clear()
         self._wake()
 
@@ -393,6 +403,11 @@ class SimWorker:
     def load(self) -> int:
         return len(self.running) + len(self.waiting)
 
+    def progress_mark(self) -> int:
+        """Steps done so far, the plan under way's included: moves while the worker works."""
+        plan = self._plan
+        return self.steps + (plan.steps_done(self._now() - plan.t0) if plan is not None else 0)
+
     def end_all(self, why: str) -> int:
         """End every request now (the caller sees `why`), each keeping the tokens it had."""
         reqs = [*self.running.values(), *self.waiting]
@@ -406,6 +421,7 @@ class SimWorker:
         if self._task is not None:
             self._task.cancel()
             self._task = None
+        self.steps = self.progress_mark()  # the steps done stay done: the mark never goes back
         self._plan = None
         self.state = "hung"
 
@@ -514,6 +530,7 @@ class SimWorker:
                 r.generated += 1
                 self.kv_used += 1
         self._prefilling = []
+        self.steps += 1
         s.max_kv_used = max(s.max_kv_used, self.kv_used)
         if self._observer is not None:
             self._observer(self, "advance")
@@ -530,6 +547,7 @@ class SimWorker:
         s.decode_s += dt
         s.busy_s += dt
         s.decode_steps += steps
+        self.steps += steps
         s.tokens += batch * steps
         s.context_token_sum += steps * self.kv_used - batch * steps * (steps + 1) / 2
         s.max_kv_used = max(s.max_kv_used, self.kv_used)
@@ -625,6 +643,8 @@ class SimWorker:
             r.flushed = r.generated
 
     def _end_segment(self, r: _Request, now: float, outcome: str) -> None:
+        if r.probe:
+            return
         self.segments.append(Segment(
             self.id, r.sample.index, r.sample.group_id, r.enqueued, r.admitted, now,
             r.generated - r.seg_start_tokens,
@@ -779,7 +799,42 @@ class SimEngines:
         if w.state == "hung":
             await asyncio.sleep(timeout_s)
             return f"timeout: no answer from {worker} in {timeout_s} s"
+        if generate and self.cfg.probe_queues:
+            return await self._queued_probe(w, timeout_s)
         return None
+
+    async def _queued_probe(self, w: SimWorker, timeout_s: float) -> str | None:
+        """A one-token request at the back of `w`'s queue; dropped when not answered within
+        `timeout_s` (the client closes the connection, the engine aborts it)."""
+        loop = asyncio.get_running_loop()
+        sample = Sample(index=-1, group_id=-1, prompt_ids=[TOKEN_ID])
+        req = _Request(self._next_rid, sample, 1, 1, 0, loop.create_future(), loop.time(),
+                       probe=True)
+        self._next_rid += 1
+        w.start()
+        w.submit(req)
+        try:
+            await asyncio.wait_for(asyncio.shield(req.done), timeout_s)
+        except asyncio.TimeoutError:
+            w.cancel(req)
+            return f"timeout: no answer from {w.id} in {timeout_s} s"
+        except asyncio.CancelledError:
+            w.cancel(req)
+            raise
+        if req.lost == "killed":
+            return f"{w.id}: connection reset"
+        return None
+
+    async def progress(self, worker: str, timeout_s: float) -> int | None:
+        """The worker's steps so far (`SimWorker.progress_mark`), read without queueing; a hung
+        worker does not answer (None after `timeout_s`), a dead one refuses (None)."""
+        w = self._workers.get(worker)
+        if w is None or w.state == "dead":
+            return None
+        if w.state == "hung":
+            await asyncio.sleep(timeout_s)
+            return None
+        return w.progress_mark()
 
     async def abort_worker(self, worker: str) -> int:
         w = self._workers.get(worker)

@@ -116,6 +116,9 @@ class TraceReplayEngines:
     async def probe(self, worker: str, timeout_s: float, *, generate: bool = True) -> str | None:
         return await self.inner.probe(worker, timeout_s, generate=generate)
 
+    async def progress(self, worker: str, timeout_s: float) -> int | None:
+        return await self.inner.progress(worker, timeout_s)
+
     async def abort_worker(self, worker: str) -> int:
         return await self.inner.abort_worker(worker)
 

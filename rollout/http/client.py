@@ -1,7 +1,7 @@
 """EngineClient: the async HTTP client of generation, one instance per RolloutManager.
 
 It implements `rollout.engine_api.Engines` (generate / abort_all / loads / workers, and the
-fault calls probe / abort_worker / remove_worker / add_worker; for the router's faults
+fault calls probe / progress / abort_worker / remove_worker / add_worker; for the router's faults
 probe_router / abort_routed / follow_router, through rollout.http.router.RouterProcessHandle).
 Generation goes through the router, or straight to a worker when a dispatch policy picks one;
 aborts fan out to each worker itself, because the router forwards no control call
@@ -44,6 +44,7 @@ from rlkit.rollout.http.protocol import (
     is_abort_failure,
     new_output_entries,
     parse_output,
+    progress_mark,
     SSEDecoder,
     total_requests,
 )
@@ -555,6 +556,30 @@ class EngineClient:
             return f"timeout: no answer from {worker} in {timeout_s:g} s"
         except aiohttp.ClientError as e:
             return f"{type(e).__name__}: {e}"
+
+    async def progress(self, worker: str, timeout_s: float) -> int | None:
+        """GET /v1/loads (or /get_load) straight from `worker`, one attempt within `timeout_s`:
+        its progress mark (`protocol.progress_mark`: the schedulers' last report times). Both
+        engines answer it without waiting for their scheduler: SGLang's HTTP process reads the
+        snapshot its scheduler last wrote to shared memory, the built-in server asks its core's
+        command thread. None when it did not answer in time (a stopped process), failed, or
+        reports no mark."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        for path in LOADS_PATHS:
+            left = deadline - loop.time()
+            if left <= 0:
+                return None
+            try:
+                async with self.session.get(f"{worker}{path}",
+                                            timeout=aiohttp.ClientTimeout(total=left)) as resp:
+                    if resp.status == 404:
+                        continue  # the other spelling
+                    body = await _read_body(resp)
+                    return progress_mark(body) if resp.status == 200 else None
+            except (asyncio.TimeoutError, aiohttp.ClientError):
+                return None
+        return None
 
     async def abort_worker(self, worker: str) -> int:
         """End (client side) every request that is or may be on `worker`: those it serves, and

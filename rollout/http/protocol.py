@@ -11,7 +11,8 @@ Version quirks handled here and nowhere else:
   weight version is `/model_info`'s `weight_version` (0.5.23 has no `/get_weight_version`).
 - `/v1/loads` answers `{"loads": [{num_running_reqs, num_waiting_reqs, ...}, ...]}` (one entry
   per DP rank); older servers answer a list or a dict with `num_reqs` / `num_total_reqs`:
-  `total_requests`.
+  `total_requests`. From 0.5.23 each entry is the snapshot its scheduler last published, with
+  the time it did (`timestamp`): `progress_mark`.
 - A request's final chunk carries `weight_versions`, exact per-token spans
   `[{"version", "start", "end"}, ...]` over its output (0.5.23); a chunk's `weight_version` is
   only the version when it was sent: `OutputChunk.versions_by_token`.
@@ -446,6 +447,29 @@ def total_requests(body: Any) -> int:
         else:
             raise ProtocolError(f"loads entry without request counts: {str(e)[:200]}")
     return total
+
+
+def progress_mark(body: Any) -> int | None:
+    """The engine's progress mark from a `/v1/loads` answer: the sum over its entries (one per
+    DP rank) of each entry's `timestamp` in microseconds, the time its scheduler last published
+    the entry. SGLang 0.5.23's scheduler publishes after every prefill batch, every
+    `--load-snapshot-publish-interval` (15) decode batches, and while it waits with work queued
+    (LoadSnapshot, read from shared memory by the HTTP process, so the answer does not wait for
+    the scheduler); the built-in engine stamps the last time its decoder moved (a loop turn, or
+    a decoder layer of a forward done). So two equal marks mean the scheduler did not move in between; a stopped or
+    deadlocked one never changes it. None when no entry has a timestamp (older servers, or a
+    dict shape whose `timestamp` is the answer's own time): progress cannot be told."""
+    if isinstance(body, dict) and isinstance(body.get("loads"), list):
+        entries = body["loads"]
+    elif isinstance(body, list):
+        entries = body
+    else:
+        return None
+    stamps = [e["timestamp"] for e in entries if isinstance(e, dict)
+              and isinstance(e.get("timestamp"), (int, float)) and not isinstance(e["timestamp"], bool)]
+    if not stamps:
+        return None
+    return sum(int(round(float(t) * 1e6)) for t in stamps)
 
 
 # -- control ----------------------------------------------------------------------------------

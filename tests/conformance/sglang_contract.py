@@ -328,6 +328,11 @@ def main() -> None:  # noqa: C901 - one check after another, in the order of the
 
     samples["loads"] = {"loads": [LoadSnapshot(dp_rank=0, num_running_reqs=3, num_waiting_reqs=1).to_dict(),
                                   LoadSnapshot(dp_rank=1, num_running_reqs=2).to_dict()]}
+    # the health monitor's progress mark: each entry's scheduler time (`timestamp`), before and
+    # after a scheduler published again
+    samples["loads_published"] = [
+        {"loads": [LoadSnapshot(dp_rank=0, timestamp=t, num_running_reqs=4).to_dict()]}
+        for t in (1764288000.25, 1764288000.5)]
     spans = compute_weight_version_spans([WeightVersionEvent("3", 4), WeightVersionEvent("4", 7)], "5", 9)
     meta: dict = {}
     add_weight_versions_to_meta_info(meta, spans, 9)

@@ -128,6 +128,7 @@ async def _record_rlkit_calls(staged) -> list[list]:
         await client.abort("some-rid")
         await client.abort_all()
         await client.loads()
+        await client.progress(worker.url, 10)  # the health monitor's read of /v1/loads
 
         ctl = HttpEngine(worker.url, timeout_s=30)
         for call in (ctl.tp_size, ctl.gpu_ids, lambda: ctl.pause("abort"), lambda: ctl.pause("retract"),
@@ -205,7 +206,7 @@ def _argvs(monkeypatch, package: Path) -> list[list]:
 def test_rlkit_speaks_sglangs_own_schema_routes_auth_and_flags(sglang_site, tmp_path, monkeypatch):
     import torch
 
-    from rlkit.rollout.http.protocol import parse_output, total_requests
+    from rlkit.rollout.http.protocol import parse_output, progress_mark, total_requests
     from rlkit.train.weight_sync.in_memory import stage_bucket
     from rlkit.train.weight_sync.topology import rank_offsets
 
@@ -248,6 +249,8 @@ def test_rlkit_speaks_sglangs_own_schema_routes_auth_and_flags(sglang_site, tmp_
     # what SGLang's own code builds, read by rlkit's parsers
     samples = result["samples"]
     assert total_requests(samples["loads"]) == 6  # 3 running + 1 waiting + 2 running
+    before, after = (progress_mark(b) for b in samples["loads_published"])
+    assert before is not None and after is not None and before != after
     meta = samples["weight_versions_meta"]
     fixture = [json.loads(x[6:]) for x in (FIXTURES / "generate_stream_weight_versions.sse").read_text().split("\n\n")
                if x.startswith("data: {")][-1]["meta_info"]

@@ -320,3 +320,51 @@ def test_a_crash_fails_requests_instead_of_hanging(tiny_model):
         assert not d.alive and "IndexError" in (d.crashed or "")
     finally:
         d.stop()
+
+
+def test_loads_timestamp_moves_with_each_layer_of_a_forward_and_not_while_stuck(tiny_model):
+    """The progress the health monitor reads (`loads()["timestamp"]`, SGLang's LoadSnapshot
+    field): it moves when a decoder layer of a forward is done, so one long CPU prefill shows
+    progress before it ends, and stays while the decoder is stuck inside a layer."""
+    import threading
+
+    d = BatchedDecoder(tiny_model, eos_token_ids={0}, max_running_requests=8)
+    layers = list(tiny_model.model.layers)
+    assert len(layers) >= 2
+    entered = [threading.Event() for _ in layers[:2]]
+    release = [threading.Event() for _ in layers[:2]]
+    armed = {"on": True}
+
+    def gate(i):
+        def hook(module, args, output):  # runs after the decoder's own hook on this layer
+            if armed["on"] and args[0].shape[1] > 1:  # the prefill, not a decode step
+                entered[i].set()
+                assert release[i].wait(30)
+        return hook
+
+    gates = [layer.register_forward_hook(gate(i)) for i, layer in enumerate(layers[:2])]
+    d.start()
+    try:
+        r = req("p", PROMPTS[1], max_new_tokens=4)
+        d.submit(r)
+        assert entered[0].wait(30)  # inside the prefill, layer 0 done
+        stuck = d.loads()["timestamp"]
+        time.sleep(0.05)
+        assert d.loads()["timestamp"] == stuck  # stuck in the forward: no move
+        assert d.stats.prefill_forwards == 0
+        release[0].set()
+        assert entered[1].wait(30)  # layer 1 done, the forward not yet
+        moved = d.loads()["timestamp"]
+        assert moved > stuck and d.stats.prefill_forwards == 0
+        armed["on"] = False
+        release[1].set()
+        wait([r])
+        assert d.loads()["total_prefill_uncached_tokens"] == len(PROMPTS[1])
+        assert d.loads()["timestamp"] >= moved
+    finally:
+        for e in release:
+            e.set()
+        for g in gates:
+            g.remove()
+        d.stop()
+    assert d._layer_hooks == []  # the shared model keeps no hook of this decoder

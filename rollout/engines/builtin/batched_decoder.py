@@ -126,6 +126,13 @@ def _trim_heap() -> None:
         pass  # not glibc
 
 
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's decoder layers: its longest ModuleList (`model.layers` of the Llama and
+    Qwen families); none if it has no ModuleList."""
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    return list(max(lists, key=len)) if lists else []
+
+
 def _rss_bytes() -> int | None:
     """Resident set size of this process (Linux), for the CPU side of a memory report."""
     try:
@@ -208,6 +215,15 @@ class BatchedDecoder:
         self._thread: threading.Thread | None = None
         self.crashed: str | None = None
         self.stats = DecodeStepStats()
+        # Progress, as SGLang 0.5.23's load snapshot reports it (`loads`): the wall time the
+        # decoder last moved (a loop turn, or a decoder layer of a forward done: one prefill
+        # forward of a CPU engine can take tens of seconds, SGLang's are chunked; a stopped or
+        # stuck decoder leaves it) and the prompt tokens prefilled so far (never reset, unlike
+        # `stats`).
+        self.moved_at = time.time()
+        self.prefilled_tokens = 0
+        self._layer_hooks = [layer.register_forward_hook(self._layer_done)
+                             for layer in _decoder_layers(model)]
 
     def reset_stats(self) -> dict[str, Any]:
         """The statistics so far; counting starts again (runs between two steps)."""
@@ -224,6 +240,9 @@ class BatchedDecoder:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        for hook in self._layer_hooks:  # the model may outlive this decoder (tests share one)
+            hook.remove()
+        self._layer_hooks = []
 
     @property
     def alive(self) -> bool:
@@ -332,12 +351,22 @@ class BatchedDecoder:
             "token_usage": (used / cap) if cap else 0.0,
             "max_running_requests": self.max_running_requests,
             "paused": self._pause_mode,
+            # SGLang 0.5.23's LoadSnapshot fields: when the scheduler last reported (here: when
+            # the decoder last moved), and its cumulative prefill tokens
+            # (rollout.http.protocol.progress_mark reads the first)
+            "timestamp": self.moved_at,
+            "total_prefill_uncached_tokens": self.prefilled_tokens,
         }
+
+    def _layer_done(self, *_: Any) -> None:
+        """Forward hook of each decoder layer (decoder thread): the decoder moved."""
+        self.moved_at = time.time()
 
     # -- the loop -----------------------------------------------------------------------------
     def _run(self) -> None:
         try:
             while not self._stop:
+                self.moved_at = time.time()
                 self._run_commands()
                 with torch.inference_mode():  # dropping a middle row moves KV rows in place
                     self._apply_aborts()
@@ -457,6 +486,7 @@ class BatchedDecoder:
         self._pending_tokens.extend([0] * len(requests))
         self.stats.prefill_forwards += 1
         self.stats.prefill_tokens += sum(lengths)
+        self.prefilled_tokens += sum(lengths)
         self.stats.prefill_seconds += time.perf_counter() - t0
         first = len(self._running) - len(requests)
         self._emit(out.logits[:, -1, :], rows=list(range(first, len(self._running))))
