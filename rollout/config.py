@@ -469,15 +469,23 @@ class HealthConfig(BaseModel):
     interval_s: float = Field(
         2.0, gt=0, description="Seconds between two probes of every engine and of the router (a "
         "failed request also probes at once). A hung engine or router is found within "
-        "interval_s + probe_timeout_s x hung_after_timeouts.",
+        "hung_after_timeouts x (interval_s + probe_timeout_s), plus one probe_timeout_s for "
+        "an engine that stopped during a probe (the progress read after it).",
     )
     probe_timeout_s: float = Field(
         10.0, gt=0, description="A probe (an engine's: a one-token /generate; the router's: its "
-        "/health) that takes longer has timed out. Keep it above a decode step under full load.",
+        "/health) that takes longer has timed out. An engine's probe queues behind its prefills "
+        "and running requests, so a busy engine's may time out: it then counts only if the "
+        "engine made no progress since its previous probe (its schedulers' last report in "
+        "/v1/loads, read within the same timeout, did not change; as SGLang's /health_generate). "
+        "Keep it above the longest an engine goes without reporting under full load (SGLang: a "
+        "prefill chunk or 15 decode steps; the built-in engine: one decoder layer of a forward).",
     )
     hung_after_timeouts: int = Field(
         2, ge=1, description="Consecutive timed-out probes that declare an engine (or the router) "
-        "hung. A refused or reset connection declares it dead at the first probe.",
+        "hung; for an engine, only probes that timed out while it made no progress count, and "
+        "one that timed out while it progressed (busy, metric engines/busy_probes) ends the "
+        "run. A refused or reset connection declares it dead at the first probe.",
     )
     max_restarts: int = Field(
         3, ge=0, description="Restarts per engine over the run, and of the router (0: never "

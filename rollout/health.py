@@ -4,8 +4,18 @@ Every `interval_s` (and at once when a request fails) each serving engine gets a
 one-token generation sent straight to it (`Engines.probe`), because an engine can answer
 /health while its scheduler is stuck; while the driver holds the engines (a weight sync pauses
 them, `hold`), only an answer from the server, as paused engines queue generations. A refused
-or reset connection declares the engine dead at the first probe; `hung_after_timeouts` probes
-in a row without an answer declare it hung.
+or reset connection declares the engine dead at the first probe.
+
+A generation probe queues behind the engine's own work (prefills, running requests), so on a
+busy engine it can time out on a healthy scheduler. As SGLang's /health_generate (healthy when
+the scheduler produced anything since the probe began), a timed-out probe is judged by the
+engine's progress (`Engines.progress`, read without queueing): its mark at the probe's start
+(or, after a timed-out probe, the one read at that probe's end) against its mark when the probe
+timed out. Changed: the engine is busy, not hung (`busy_probes`; the run of timeouts ends).
+Unchanged, or not answered (a stopped process answers nothing; a mark not read at the start is
+not read at the end, so a stopped engine costs one probe per round, and one read more in the
+round it stopped in): the probe counts as a timeout, and `hung_after_timeouts` of those in a
+row declare the engine hung.
 
 A lost engine leaves the router first (no new request goes there; sglang-router 0.3.2 would
 keep choosing it, docs/facts.md), then every request this client may have on it ends at once
@@ -98,6 +108,10 @@ class EngineMonitor:
         self.events: list[dict[str, Any]] = []  # lost / restarted / restart_failed / back / gave_up
         self.counts: Counter[str] = Counter()
         self._timeouts: Counter[str] = Counter()
+        # Timed-out probes of an engine that made progress meanwhile (busy, not hung), per engine
+        self.busy_probes: Counter[str] = Counter()
+        # An engine's progress mark read when its last probe timed out: the next probe's baseline
+        self._marks: dict[str, int] = {}
         self._probing: dict[str, asyncio.Future] = {}  # one probe per engine at a time
         self._slot: dict[str, str] = {w: w for w in engines.workers()}  # URL -> first URL
         self._restarts: Counter[str] = Counter()  # per slot
@@ -188,24 +202,68 @@ class EngineMonitor:
         self.held = held
 
     async def _probe(self, worker: str) -> bool:
-        why = await self.engines.probe(worker, self.cfg.probe_timeout_s, generate=not self.held)
+        timeout_s = self.cfg.probe_timeout_s
+        if self.held:
+            why = await self.engines.probe(worker, timeout_s, generate=False)
+        else:  # the mark at the probe's start, read beside it (it does not queue)
+            start = asyncio.ensure_future(self._mark(worker, timeout_s))
+            try:
+                why = await self.engines.probe(worker, timeout_s)
+                if why is not None and why.startswith("timeout") and await self._busy(
+                        worker, await start, timeout_s):
+                    self._timeouts[worker] = 0
+                    self.busy_probes[worker] += 1
+                    log.info("engine %s busy: its probe timed out (%s) while it made progress",
+                             worker, why)
+                    return False
+            finally:
+                if not start.done():
+                    start.cancel()
         if why is None:
             self._timeouts[worker] = 0
+            self._marks.pop(worker, None)
             return False
         if why.startswith("timeout"):
             self._timeouts[worker] += 1
             if self._timeouts[worker] < self.cfg.hung_after_timeouts:
                 return False
-            await self.lose(worker, f"hung ({self._timeouts[worker]} probes timed out: {why})")
+            await self.lose(worker, f"hung ({self._timeouts[worker]} probes timed out without "
+                            f"progress: {why})")
         else:
             await self.lose(worker, f"dead ({why})")
         return True
+
+    async def _busy(self, worker: str, start: int | None, timeout_s: float) -> bool:
+        """After a generation probe timed out: whether the engine made progress since the
+        baseline (the mark read when its previous probe timed out, else `start`, read at this
+        probe's start). Not read now when `start` got no answer. The mark read now becomes the
+        next probe's baseline."""
+        baseline = self._marks.pop(worker, None)
+        if start is None:
+            return False  # no answer to a read that does not queue: no progress to be seen
+        if baseline is None:
+            baseline = start
+        now = await self._mark(worker, timeout_s)
+        if now is None:
+            return False
+        self._marks[worker] = now
+        return now != baseline
+
+    async def _mark(self, worker: str, timeout_s: float) -> int | None:
+        try:
+            return await self.engines.progress(worker, timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a failed read shows no progress
+            log.debug("progress of engine %s not read: %s: %s", worker, type(e).__name__, e)
+            return None
 
     async def lose(self, worker: str, why: str) -> None:
         """Take `worker` out of service now and schedule its restart."""
         if worker not in self.engines.workers() or worker in self._losing:
             return
         self._losing.add(worker)
+        self._marks.pop(worker, None)
         self.lost += 1
         self._record("lost", worker, why)
         try:
@@ -414,6 +472,8 @@ class EngineMonitor:
             "engines/restarted": float(self.counts["restarted"]),
             "engines/restart_failed": float(self.counts["restart_failed"]),
             "engines/gave_up": float(self.counts["gave_up"]),
+            # generation probes that timed out on an engine making progress (busy, not hung)
+            "engines/busy_probes": float(sum(self.busy_probes.values())),
         }
         if self.router is not None:
             out.update({

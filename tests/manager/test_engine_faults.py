@@ -230,6 +230,9 @@ def test_engines_held_for_a_weight_sync_are_probed_for_an_answer_only():
                 return f"{worker}: connection refused"
             return f"timeout: paused, {worker} queues it" if generate else None
 
+        async def progress(self, worker, timeout_s):
+            return None  # a paused engine reports nothing new
+
         async def remove_worker(self, worker):
             self.up.remove(worker)
 
