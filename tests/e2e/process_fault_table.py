@@ -43,6 +43,30 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+# processes a run starts: its engine servers, its router, Ray's workers
+RUN_PROCESSES = ("rlkit.rollout.engines.builtin.hf_server", "sglang_router", "ray::")
+
+
+def _run_processes() -> set[int]:
+    return {int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit()
+            and any(p in _cmdline(int(d.name)) for p in RUN_PROCESSES)}
+
+
+def _left_running(before: set[int], grace_s: float = 15.0) -> list[str]:
+    """Processes of the run still alive once it ended (a watchdog gets `grace_s`); they are
+    killed, so the next case starts clean."""
+    deadline = time.monotonic() + grace_s
+    while (left := _run_processes() - before) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    names = sorted({_cmdline(p).split(" --")[0][:60] for p in left})
+    for pid in left:
+        try:
+            os.killpg(os.getpgid(pid), signal.SIGKILL)
+        except OSError:
+            pass
+    return names
+
+
 def run_case(root: Path, case: Case, timeout_s: float = 300) -> dict:
     with tempfile.TemporaryDirectory(prefix="rlkit-fault-") as tmp:
         tmp_path = Path(tmp)
@@ -50,6 +74,7 @@ def run_case(root: Path, case: Case, timeout_s: float = 300) -> dict:
         env = {**os.environ, "RLKIT_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1",
                "PYTHONPATH": str(root), case.env: f"{case.spec},dir={folder}"}
         cmd = _cmd(root, tmp_path / "runs", case)
+        already = _run_processes()
         t0 = time.monotonic()
         proc = subprocess.Popen(cmd, cwd=root, env=env, start_new_session=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -67,8 +92,10 @@ def run_case(root: Path, case: Case, timeout_s: float = 300) -> dict:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             _, err = proc.communicate()
-            return {"case": case, "outcome": f"no end in {timeout_s:.0f} s", "s": timeout_s}
+            return {"case": case, "outcome": f"no end in {timeout_s:.0f} s", "s": timeout_s,
+                    "left": _left_running(already)}
         seconds = time.monotonic() - t0
+        left = _left_running(already)
         metrics = tmp_path / "runs" / "grpo-tiny" / "metrics.jsonl"
         steps = len(metrics.read_text().splitlines()) if metrics.exists() else 0
         lines = err.strip().splitlines()
@@ -86,7 +113,7 @@ def run_case(root: Path, case: Case, timeout_s: float = 300) -> dict:
             steps2 = len(metrics.read_text().splitlines()) if metrics.exists() else 0
             resumed = f"rc {again.returncode}, {steps2}/{STEPS} steps"
         return {"case": case, "rc": proc.returncode, "outcome": outcome, "resumed": resumed,
-                "s": seconds, "fired": read_fired(folder) is not None}
+                "s": seconds, "fired": read_fired(folder) is not None, "left": left}
 
 
 def main() -> None:
@@ -95,13 +122,15 @@ def main() -> None:
     p.add_argument("--only", default="")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args()
-    rows = ["| process | phase | policy | rc | outcome | same command again | s |", "|---|---|---|---:|---|---|---:|"]
+    rows = ["| process | phase | policy | rc | outcome | left running | same command again | s |",
+            "|---|---|---|---:|---|---|---|---:|"]
     for case in CASES:
         if a.only and a.only not in case.id:
             continue
         r = run_case(a.root.resolve(), case)
         row = (f"| {case.process} | {case.phase} | {case.policy} | {r.get('rc', '-')} | "
-               f"{r['outcome'].replace('|', '/')} | {r.get('resumed') or '-'} | {r['s']:.0f} |")
+               f"{r['outcome'].replace('|', '/')} | {', '.join(r['left']) or 'nothing'} | "
+               f"{r.get('resumed') or '-'} | {r['s']:.0f} |")
         rows.append(row)
         print(row, flush=True)
         if a.out is not None:
