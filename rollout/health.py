@@ -420,23 +420,11 @@ class EngineMonitor:
     async def wait_routing(self) -> None:
         """Return once the router routes (at once when it does, or without a router); raise
         RouterDown when it is down and cannot come back, or did not within `wait_for_engine_s`."""
-        if self.routing:
-            return
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.cfg.wait_for_engine_s
-        while not self.routing:
-            if not self._router_restarting:
-                raise RouterDown(f"the router is down and cannot be restarted "
-                                 f"({self._router_summary()})")
-            left = deadline - loop.time()
-            if left <= 0:
-                raise RouterDown(f"the router is down and was not back within "
-                                 f"{self.cfg.wait_for_engine_s:.0f} s ({self._router_summary()})")
-            self._changed.clear()
-            try:
-                await asyncio.wait_for(self._changed.wait(), left)
-            except asyncio.TimeoutError:
-                pass
+        await self._wait_until(
+            lambda: self.routing, lambda: self._router_restarting,
+            lambda: RouterDown(f"the router is down and cannot be restarted ({self._router_summary()})"),
+            lambda: RouterDown(f"the router is down and was not back within "
+                               f"{self.cfg.wait_for_engine_s:.0f} s ({self._router_summary()})"))
 
     def _router_summary(self) -> str:
         recent = "; ".join(f"{e['event']}: {e['detail']}" for e in self.events
@@ -448,16 +436,25 @@ class EngineMonitor:
     async def wait_serving(self) -> None:
         """Return once some engine serves; raise EnginesDown when none does and none can come
         back, or none came back within `wait_for_engine_s`."""
+        await self._wait_until(
+            lambda: bool(self.engines.workers()),
+            lambda: bool(self._restarting or self.awaiting_weights),
+            lambda: EnginesDown(f"every engine is down and none can be restarted ({self._summary()})"),
+            lambda: EnginesDown(f"no engine served for {self.cfg.wait_for_engine_s:.0f} s "
+                                f"({self._summary()})"))
+
+    async def _wait_until(self, ready: Callable[[], bool], coming_back: Callable[[], bool],
+                          gone: Callable[[], EnginesDown], late: Callable[[], EnginesDown]) -> None:
+        """Wait for `ready()`, woken by every change of the engine set or the router; `gone()`
+        is raised when nothing is `coming_back()`, `late()` after `wait_for_engine_s`."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.cfg.wait_for_engine_s
-        while not self.engines.workers():
-            if not self._restarting and not self.awaiting_weights:
-                raise EnginesDown(f"every engine is down and none can be restarted "
-                                  f"({self._summary()})")
+        while not ready():
+            if not coming_back():
+                raise gone()
             left = deadline - loop.time()
             if left <= 0:
-                raise EnginesDown(f"no engine served for {self.cfg.wait_for_engine_s:.0f} s "
-                                  f"({self._summary()})")
+                raise late()
             self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), left)

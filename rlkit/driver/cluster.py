@@ -20,7 +20,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from rlkit.common.errors import ActorDeath, ProcessDied, actor_death
+from rlkit.common.errors import ActorDeath, ProcessDied, actor_death, find_user_error
 from rlkit.config.schema import Recipe
 from rlkit.driver.actors import EngineActor, RolloutActor
 from rlkit.driver.local_ray import LocalRay
@@ -270,6 +270,8 @@ class Cluster:
         does not answer within the wait and counts as alive)."""
         if isinstance(error, ProcessDied):
             return error
+        if find_user_error(error) is not None:  # an error the user can fix (a bad data file)
+            return None
         names = self._actor_names()
         death = actor_death(error)
         if death is None or death.actor_id not in names:
@@ -298,6 +300,8 @@ class Cluster:
 
         actors = [a for a in [self.rollout_actor, *(self.trainer.workers if self.trainer else []),
                               *self.engines] if a is not None]
+        if not actors or not ray.is_initialized():  # stopped already: a Ray call would start one
+            return None
         refs = [a.__ray_ready__.remote() for a in actors]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
         for ref in ready:

@@ -56,8 +56,8 @@ def _cluster(rollout, workers):
     return c
 
 
-def test_the_dead_actor_a_call_names_is_the_process_that_died(ray_session):
-    ray = ray_session
+def _rollout_actor_dead(ray):
+    """A run's cluster whose rollout actor died (its death seen by a call), and a live rank."""
     rollout = ray.remote(RolloutActor).remote()
     rank = ray.remote(TrainWorker).remote()
     pid = ray.get(rollout.pid.remote())
@@ -65,9 +65,15 @@ def test_the_dead_actor_a_call_names_is_the_process_that_died(ray_session):
     rollout.die.remote()
     with pytest.raises(ray.exceptions.RayActorError) as err:
         ray.get(rollout.pid.remote())
-    death = actor_death(err.value)
+    return c, rank, pid, err.value
+
+
+def test_the_dead_actor_a_call_names_is_the_process_that_died(ray_session):
+    ray = ray_session
+    c, rank, pid, error = _rollout_actor_dead(ray)
+    death = actor_death(error)
     assert death is not None and death.pid == pid and death.class_name == "RolloutActor"
-    died = c.died(err.value, "the rollout")
+    died = c.died(error, "the rollout")
     assert isinstance(died, ProcessDied) and died.exit_code == 1
     assert str(died).startswith(f"the rollout actor (pid {pid}) died during the rollout (its process "
                                 "is gone, Ray's exit type ")
@@ -80,13 +86,7 @@ def test_a_death_found_elsewhere_first_is_named_by_asking_the_run_s_actors(ray_s
     failing for it (a rank's broken collective): Ray's error names no dead actor; the run's
     actors are asked, and the dead one is named."""
     ray = ray_session
-    rollout = ray.remote(RolloutActor).remote()
-    rank = ray.remote(TrainWorker).remote()
-    pid = ray.get(rollout.pid.remote())
-    c = _cluster(rollout, [rank])
-    rollout.die.remote()
-    with pytest.raises(ray.exceptions.RayActorError):  # dead now
-        ray.get(rollout.pid.remote())
+    c, rank, pid, _ = _rollout_actor_dead(ray)
     with pytest.raises(ray.exceptions.RayTaskError) as err:
         ray.get(rank.collective.remote())
     assert actor_death(err.value) is None
@@ -107,3 +107,22 @@ def test_an_actor_the_run_no_longer_holds_is_named_by_its_kind(ray_session):
         ray.get(rank.pid.remote())
     died = _cluster(None, []).died(err.value, "start-up")
     assert str(died).startswith(f"a trainer rank (pid {pid}) died during start-up (")
+
+
+def test_no_death_is_looked_for_in_an_error_the_user_can_fix_or_a_stopped_run():
+    """A bad data file is not a death; and once the run's Ray is stopped, nothing is asked: a
+    Ray call then starts a new Ray (and writes ~/.ray/auth_token, as a failed start did)."""
+    ray = pytest.importorskip("ray")
+    from rlkit.data.errors import DataError
+
+    class FromRay(Exception):  # what Ray raises (a task's error, a lost object)
+        pass
+
+    FromRay.__module__ = "ray.exceptions"
+    started = ray.is_initialized()
+    c = _cluster(None, [])
+    wrapped = FromRay("task failed")
+    wrapped.cause = DataError("prompts.jsonl: no such file")
+    assert c.died(wrapped, "start-up") is None
+    assert c.died(FromRay("object lost"), "the rollout") is None
+    assert ray.is_initialized() == started
