@@ -111,6 +111,8 @@ CASES = [
          who="trainer rank 0", during="the optimizer step"),
     Case("trainer rank 0", "sync", TRAINER_FAULT_ENV, "action=kill,phase=sync,step=2,hold=1",
          who="trainer rank 0", during="the weight sync"),
+    Case("trainer rank 0", "first_sync", TRAINER_FAULT_ENV, "action=kill,phase=sync,step=1,hold=1",
+         who="trainer rank 0", during="the weight sync", step=1, checkpoint=None),
     Case("trainer rank 0", "checkpoint", TRAINER_FAULT_ENV, "action=kill,phase=checkpoint,step=1,hold=1",
          who="trainer rank 0", during="the checkpoint save", step=1, checkpoint=None),
     Case("trainer rank 1", "train", TRAINER_FAULT_ENV, "action=kill,phase=train,step=2,rank=1,hold=1",
