@@ -18,6 +18,7 @@ class LoadRolloutActor(RolloutActor):
         # neither, only the attributes its other methods read.
         self.router = None
         self.client = None
+        self.faults = None  # no test-only fault switch here
         self.service = build_service(samples, batch_size, seed)
         self.service.hand = ray_handed  # groups leave as object references, as in a run
         self._rss = PeakRss()
