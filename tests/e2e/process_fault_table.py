@@ -82,11 +82,12 @@ def run_case(root: Path, case: Case, timeout_s: float = 300) -> dict:
         while read_fired(folder) is None and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
         if read_fired(folder) is not None and proc.poll() is None:  # release what holds there
-            if case.kill_held:
+            if case.kill_held:  # the armed one keeps holding: the victim dies meanwhile
                 for pid in descendants(proc.pid):
                     if _cmdline(pid).startswith(case.kill_held):
                         os.kill(pid, signal.SIGKILL)
-            (folder / RELEASE).touch()
+            else:
+                (folder / RELEASE).touch()
         try:
             _, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
