@@ -46,13 +46,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from typing import Any, Callable, Protocol
+from typing import Any, Awaitable, Callable, Protocol, TypeVar
 
 from rlkit.common.errors import UserError
 from rlkit.rollout.config import HealthConfig
 from rlkit.rollout.engine_api import EngineError, Engines
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 ROUTER = "router"  # the router's name in the events (engines are named by their URL or id)
 
 
@@ -129,7 +130,6 @@ class EngineMonitor:
         self.router_counts: Counter[str] = Counter()
         self._router_timeouts = 0
         self._router_probing: asyncio.Future | None = None
-        self._router_restarts = 0
         self._router_task: asyncio.Task | None = None
         self._router_restarting = False  # a restart is pending or under way
         # One at a time: a router restart and each change of the engine set at the router, so
@@ -286,28 +286,35 @@ class EngineMonitor:
 
     async def _restart(self, worker: str, slot: str) -> None:
         assert self.restarter is not None
+        new = await self._restarted(worker, slot, lambda: self.restarter.restart(worker))
+        if new is None:
+            self._notify()
+            return
+        self._slot[new] = slot
+        self._record("restarted", new, f"was {worker}")
+        if self.needs_weights:
+            self.awaiting_weights.append(new)
+            self._notify()
+        else:
+            await self.admit([new])
+
+    async def _restarted(self, name: str, slot: str, attempt: Callable[[], Awaitable[T]]) -> T | None:
+        """Restart attempts for an engine's slot or the router (ROUTER), within max_restarts
+        for it, each after the backoff (doubling): the first attempt's result, each failed one
+        counted (restart_failed); None, counted as gave_up, when none is left."""
         delay = self.cfg.restart_backoff_s
         while self._restarts[slot] < self.cfg.max_restarts:
             self._restarts[slot] += 1
             await asyncio.sleep(delay)
             delay *= 2
             try:
-                new = await self.restarter.restart(worker)
+                return await attempt()
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - counted, then the next attempt
-                self._record("restart_failed", worker, f"{type(e).__name__}: {e}")
-                continue
-            self._slot[new] = slot
-            self._record("restarted", new, f"was {worker}")
-            if self.needs_weights:
-                self.awaiting_weights.append(new)
-                self._notify()
-            else:
-                await self.admit([new])
-            return
-        self._record("gave_up", worker, f"{self.cfg.max_restarts} restarts used")
-        self._notify()
+                self._record("restart_failed", name, f"{type(e).__name__}: {e}")
+        self._record("gave_up", name, f"{self.cfg.max_restarts} restarts used")
+        return None
 
     async def admit(self, workers: list[str]) -> None:
         """Restarted engines hold the current weights now: route to them again."""
@@ -383,36 +390,29 @@ class EngineMonitor:
         self.router_lost += 1
         self._record("lost", ROUTER, why)
         await self.router.abort_routed()
-        if self._router_restarts < self.cfg.max_restarts:
+        if self._restarts[ROUTER] < self.cfg.max_restarts:
             self._router_restarting = True
             self._router_task = asyncio.ensure_future(self._restart_router())
         else:
-            self._record("gave_up", ROUTER, f"restarts used: {self._router_restarts} of "
+            self._record("gave_up", ROUTER, f"restarts used: {self._restarts[ROUTER]} of "
                          f"{self.cfg.max_restarts}")
         self._notify()
 
     async def _restart_router(self) -> None:
         assert self.router is not None
+        router = self.router
+
+        async def attempt() -> tuple[str, int]:
+            async with self._admin:  # the engine set cannot change until the router has it
+                workers = self.engines.workers()
+                url = await router.restart(workers)
+                self._router_timeouts = 0
+                self.routing = True
+            return url, len(workers)
+
         try:
-            delay = self.cfg.restart_backoff_s
-            while self._router_restarts < self.cfg.max_restarts:
-                self._router_restarts += 1
-                await asyncio.sleep(delay)
-                delay *= 2
-                async with self._admin:  # the engine set cannot change until the router has it
-                    workers = self.engines.workers()
-                    try:
-                        url = await self.router.restart(workers)
-                    except asyncio.CancelledError:
-                        raise
-                    except Exception as e:  # noqa: BLE001 - counted, then the next attempt
-                        self._record("restart_failed", ROUTER, f"{type(e).__name__}: {e}")
-                        continue
-                    self._router_timeouts = 0
-                    self.routing = True
-                self._record("restarted", ROUTER, f"at {url}, in front of {len(workers)} engines")
-                return
-            self._record("gave_up", ROUTER, f"{self.cfg.max_restarts} restarts used")
+            if (started := await self._restarted(ROUTER, ROUTER, attempt)) is not None:
+                self._record("restarted", ROUTER, f"at {started[0]}, in front of {started[1]} engines")
         finally:
             self._router_restarting = False  # before the news: a waiter reads it at once
             self._notify()
@@ -429,7 +429,7 @@ class EngineMonitor:
     def _router_summary(self) -> str:
         recent = "; ".join(f"{e['event']}: {e['detail']}" for e in self.events
                            if e["worker"] == ROUTER)
-        return (f"restarts tried: {self._router_restarts} of rollout.health.max_restarts="
+        return (f"restarts tried: {self._restarts[ROUTER]} of rollout.health.max_restarts="
                 f"{self.cfg.max_restarts}; {recent}")
 
     # -- engines serving -----------------------------------------------------------------------

@@ -300,18 +300,26 @@ def test_sim_a_hung_router_is_found_by_the_watch():
     assert monitor.metrics()["router/restarts"] == 1
 
 
-def test_sim_no_restart_left_parks_every_group_with_router_down():
-    buf, sim, router, monitor, mgr = make(health=HEALTH.model_copy(update={"max_restarts": 0}))
+def router_down_step(sim, mgr, match: str) -> tuple[float, Exception]:
+    """The router killed 0.5 s into a step that cannot get it back: RouterDown matching `match`;
+    the virtual time the step ended at, and the error."""
 
     async def main():
+        loop = asyncio.get_running_loop()
         inject = asyncio.ensure_future(after(0.5, sim.kill_router))
-        with pytest.raises(RouterDown, match="the router is down and cannot be restarted"):
+        with pytest.raises(RouterDown, match=match) as e:
             await mgr.run_step(8, 0)
         await inject
         await mgr.close()
         await sim.aclose()
+        return loop.time(), e.value
 
-    run_virtual(main)
+    return run_virtual(main)
+
+
+def test_sim_no_restart_left_parks_every_group_with_router_down():
+    buf, sim, router, monitor, mgr = make(health=HEALTH.model_copy(update={"max_restarts": 0}))
+    router_down_step(sim, mgr, "the router is down and cannot be restarted")
     st = buf.stats()
     assert st["in_flight"] == 0 and st["partial"] == 8 and st["dropped"] == 0 and st["balanced"]
     parked = buf.acquire(8)
@@ -321,21 +329,9 @@ def test_sim_no_restart_left_parks_every_group_with_router_down():
     assert router_events(monitor) == ["lost", "gave_up"]
 
 
-
 def test_sim_every_router_restart_failing_ends_in_router_down_at_once():
     buf, sim, router, monitor, mgr = make(fail=5)  # max_restarts=2: both fail
-
-    async def main():
-        loop = asyncio.get_running_loop()
-        inject = asyncio.ensure_future(after(0.5, sim.kill_router))
-        with pytest.raises(RouterDown, match="cannot be restarted.*restart_failed") as e:
-            await mgr.run_step(8, 0)
-        await inject
-        await mgr.close()
-        await sim.aclose()
-        return loop.time(), e.value
-
-    ended, error = run_virtual(main)
+    ended, error = router_down_step(sim, mgr, "cannot be restarted.*restart_failed")
     # lost at 0.5, then backoff 1 + start 0.5 + backoff 2 + start 0.5: not wait_for_engine_s
     assert ended < 10 and "max_restarts=2" in str(error)
     assert router_events(monitor) == ["lost", "restart_failed", "restart_failed", "gave_up"]
@@ -343,20 +339,10 @@ def test_sim_every_router_restart_failing_ends_in_router_down_at_once():
     assert st["in_flight"] == 0 and st["partial"] == 8 and st["dropped"] == 0 and st["balanced"]
 
 
-
 def test_sim_a_router_not_back_within_wait_for_engine_s_is_router_down():
     buf, sim, router, monitor, mgr = make(
         router_start_s=500.0, health=HEALTH.model_copy(update={"wait_for_engine_s": 30.0}))
-
-    async def main():
-        inject = asyncio.ensure_future(after(0.5, sim.kill_router))
-        with pytest.raises(RouterDown, match="was not back within 30 s"):
-            await mgr.run_step(8, 0)
-        await inject
-        await mgr.close()
-        await sim.aclose()
-
-    run_virtual(main)
+    router_down_step(sim, mgr, "was not back within 30 s")
     assert buf.stats()["dropped"] == 0 and buf.stats()["partial"] == 8
 
 
