@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import time
 from collections import Counter
@@ -36,22 +35,12 @@ import pytest
 
 from rlkit.common.fault_switch import (
     ENGINE_FAULT_ENV,
-    RELEASE,
     ROLLOUT_FAULT_ENV,
     ROUTER_FAULT_ENV,
     TRAINER_FAULT_ENV,
     read_fired,
 )
-from tests.e2e.test_interrupt import listening_ports
-from tests.e2e.test_trainer_crash import (
-    ROOT,
-    assert_nothing_left,
-    buffer_state,
-    cmdline,
-    process_tree,
-    train_cmd,
-    trained,
-)
+from tests.e2e.test_trainer_crash import ROOT, buffer_state, held_run, train_cmd, trained
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -143,34 +132,6 @@ def reference(tmp_path_factory) -> dict[tuple[str, ...], Counter]:
     return groups  # type: ignore[return-value]
 
 
-def _held_run(cmd: list[str], env: dict, folder: Path,
-              kill_held: str | None = None) -> tuple[subprocess.CompletedProcess, dict]:
-    """Start the run in a session of its own; once its armed process holds at the fault's point,
-    record the run's process tree and ports, release it (or SIGKILL the process `kill_held`
-    names), wait for the end, and check that nothing of the run is left (process, session
-    member, listening port). Returns the run and the fault's record (its victim's pid)."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 600
-    while read_fired(folder) is None and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
-    fired = read_fired(folder)
-    assert proc.poll() is None and fired is not None, proc.communicate()
-    tree = process_tree(proc.pid)
-    assert fired["pid"] in tree, [cmdline(p) for p in tree]
-    ports = listening_ports(set(tree))
-    if kill_held is not None:
-        victims = [p for p in tree if cmdline(p).startswith(kill_held)]
-        assert len(victims) == 1, [cmdline(p) for p in tree]
-        os.kill(victims[0], signal.SIGKILL)
-        fired = {**fired, "pid": victims[0]}
-    else:
-        (folder / RELEASE).touch()  # it dies now
-    stdout, stderr = proc.communicate(timeout=600)
-    assert_nothing_left(proc.pid, tree, ports)
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr), fired
-
-
 def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -203,7 +164,7 @@ def test_a_process_killed_at_a_phase(case: Case, tmp_path, reference):
         print(f"{case.id}: survived in {time.monotonic() - t0:.0f} s")
         return
 
-    killed, fired = _held_run(cmd, env, folder, case.kill_held)
+    killed, fired = held_run(cmd, env, folder, case.kill_held)
     assert killed.returncode == 1, killed.stderr
     assert "Traceback" not in killed.stderr, killed.stderr
     line = [x for x in killed.stderr.splitlines() if x.startswith("rlkit: ")]

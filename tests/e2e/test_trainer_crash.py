@@ -20,11 +20,13 @@ mid-rollout under `partial`), and every other phase and process kind.
 import gzip
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -103,32 +105,54 @@ def trainer_fault(env: dict, folder: Path, step: int) -> dict:
     return {**env, TRAINER_FAULT_ENV: f"action=kill,step={step},hold=1,dir={folder}"}
 
 
-def run_killing_the_trainer(cmd: list[str], env: dict, run_dir: Path, folder: Path,
-                            at_step: int) -> tuple[subprocess.CompletedProcess, int]:
-    """Start the run in a session of its own with its TrainWorker armed (`trainer_fault`) to
-    die as it begins step `at_step`'s batch; once it holds there, record the run's process tree
-    and ports, release it, wait for the run to end, and check that nothing of it is left: no
-    process of its tree (as it was before the kill) or of its session, no port it listened on.
-    Returns the finished run and the killed pid."""
+def held_run(cmd: list[str], env: dict, folder: Path, kill_held: str | None = None,
+             live: Callable[[dict, dict, set[int]], None] | None = None,
+             ) -> tuple[subprocess.CompletedProcess, dict]:
+    """Start the run in a session of its own; once its armed process holds at the fault's point
+    (its switch's hold=1), record the run's process tree and ports (`live(fired, tree, ports)`
+    checks the live run), release it (or SIGKILL the process `kill_held` names, the armed one
+    holding on), wait for the end, and check that nothing of the run is left: no process of its
+    tree (as it was before the kill) or of its session, no port it listened on. Returns the run
+    and the fault's record (its victim's pid)."""
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 400
+    deadline = time.monotonic() + 600
     while read_fired(folder) is None and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
     fired = read_fired(folder)
     assert proc.poll() is None and fired is not None, proc.communicate()
-    assert fired["step"] == at_step
-    marker = run_dir / "checkpoints" / f"step_{at_step - 1:06d}" / "state.json"
-    assert marker.exists()  # the steps before it are checkpointed
     tree = process_tree(proc.pid)
-    workers = [pid for pid in tree if cmdline(pid).startswith("ray::TrainWorker")]
-    assert workers == [fired["pid"]], [cmdline(p) for p in tree]
+    assert fired["pid"] in tree, [cmdline(p) for p in tree]
     ports = listening_ports(set(tree))
-    assert ports, "no listening port found in the run's processes"
-    (folder / RELEASE).touch()  # it SIGKILLs itself now
-    stdout, stderr = proc.communicate(timeout=300)
+    if live is not None:
+        live(fired, tree, ports)
+    if kill_held is not None:
+        victims = [p for p in tree if cmdline(p).startswith(kill_held)]
+        assert len(victims) == 1, [cmdline(p) for p in tree]
+        os.kill(victims[0], signal.SIGKILL)
+        fired = {**fired, "pid": victims[0]}
+    else:
+        (folder / RELEASE).touch()  # it dies now
+    stdout, stderr = proc.communicate(timeout=600)
     assert_nothing_left(proc.pid, tree, ports)
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr), fired["pid"]
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr), fired
+
+
+def run_killing_the_trainer(cmd: list[str], env: dict, run_dir: Path, folder: Path,
+                            at_step: int) -> tuple[subprocess.CompletedProcess, int]:
+    """`held_run` with the TrainWorker armed (`trainer_fault`) to die as it begins step
+    `at_step`'s batch, the live run checked first: the steps before it checkpointed, the one
+    rank the armed one. Returns the finished run and the killed pid."""
+    def live(fired: dict, tree: dict, ports: set[int]) -> None:
+        assert fired["step"] == at_step
+        marker = run_dir / "checkpoints" / f"step_{at_step - 1:06d}" / "state.json"
+        assert marker.exists()  # the steps before it are checkpointed
+        workers = [pid for pid in tree if cmdline(pid).startswith("ray::TrainWorker")]
+        assert workers == [fired["pid"]], [cmdline(p) for p in tree]
+        assert ports, "no listening port found in the run's processes"
+
+    ran, fired = held_run(cmd, env, folder, live=live)
+    return ran, fired["pid"]
 
 
 def assert_nothing_left(sid: int, tree: dict, ports: set[int]) -> None:
