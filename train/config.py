@@ -284,6 +284,13 @@ class TrainConfig(BaseModel):
         description="Pack several samples of a micro-batch into one row (block-diagonal causal "
         "attention, no padding between them); false gives one padded row per sample.",
     )
+    share_prompts: bool = Field(
+        True,
+        description="With packing: the samples of a micro-batch that start with the same prompt "
+        "(a GRPO group's) hold it once in their row, each response attending to it and to its "
+        "own tokens only. The same logprobs and gradients up to float rounding, with the prompt's "
+        "forward and backward done once per group instead of once per sample (train/packing.py).",
+    )
     pack_row_tokens: int = Field(
         0,
         ge=0,

@@ -33,23 +33,27 @@ def hf_response_logprobs(model, tokens: torch.Tensor, prompt_length: int, temper
 
 
 def random_batch(n: int, *, seed: int = 0, vocab: int = 512, advantages=None, policy_version: int = 0,
-                 response_lengths=None):
+                 response_lengths=None, group_size: int = 0):
     """A TrainBatch of n samples with random tokens and varied prompt/response lengths
-    (`response_lengths`: given per sample instead)."""
+    (`response_lengths`: given per sample instead; `group_size` k > 0: samples i // k share
+    one prompt, as a GRPO group's do)."""
     from rlkit.train.batch import TrainBatch, TrainSample
 
     g = torch.Generator().manual_seed(seed)
     samples = []
+    prompt = torch.empty(0, dtype=torch.long)
     for i in range(n):
-        p = int(torch.randint(2, 9, (1,), generator=g))
+        if not group_size or i % group_size == 0:
+            prompt = torch.randint(0, vocab, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g)
+        p = int(prompt.numel())
         r = int(torch.randint(1, 14, (1,), generator=g)) if response_lengths is None else int(response_lengths[i])
         mask = (torch.rand(r, generator=g) > 0.15).float()
         mask[0] = 1.0
         samples.append(
             TrainSample(
                 index=i,
-                group_id=i // 4,
-                tokens=torch.randint(0, vocab, (p + r,), generator=g),
+                group_id=i // (group_size or 4),
+                tokens=torch.cat([prompt, torch.randint(0, vocab, (r,), generator=g)]),
                 prompt_length=p,
                 loss_mask=mask,
                 rollout_logprobs=-3.0 - torch.rand(r, generator=g),

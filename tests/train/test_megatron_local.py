@@ -58,6 +58,41 @@ def test_parity_llama_untied_and_temperature(tiny_llama_dir):
         assert max_parity_diff(trainer, hf, random_batch(7, seed=2), temperature) < PARITY_ATOL
 
 
+@pytest.mark.parametrize("model", ["qwen2-tied", "llama-untied-t0.7"])
+def test_shared_prompts_give_the_unshared_logprobs(tiny_qwen2_dir, tiny_llama_dir, model):
+    """Groups of 3 share a prompt, held once per row (train/packing.py): every response token's
+    logprob still matches transformers run on that sample alone."""
+    from transformers import AutoModelForCausalLM
+
+    from rlkit.train.megatron.trainer import MegatronTrainer
+
+    path, temperature = (tiny_qwen2_dir, 1.0) if model == "qwen2-tied" else (tiny_llama_dir, 0.7)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    trainer = MegatronTrainer.single_process(path, TrainConfig(device="cpu", micro_batch_size=6),
+                                             temperature=temperature)
+    batch = random_batch(11, seed=5, group_size=3)
+    assert trainer._pack(batch.samples[:6]).shared > 0
+    assert max_parity_diff(trainer, hf, batch, temperature) < PARITY_ATOL
+
+
+def test_shared_prompts_train_as_the_unshared_step(tiny_qwen2_dir):
+    """The step's gradient on groups sharing their prompt is the gradient with every sample's
+    prompt in its own row (float summation order aside)."""
+    batch = random_batch(12, seed=7, group_size=4)
+    grads, stats = [], []
+    for share in (True, False):
+        trainer = make_trainer(tiny_qwen2_dir, share_prompts=share, micro_batch_size=8)
+        stats.append(trainer.accumulate(batch))
+        grads.append(trainer.finalize_grads_for_test())
+        if share:  # two groups of 4 per micro-batch: each prompt held once, not 4 times
+            packed = trainer._pack(batch.samples[:8])
+            assert packed.shared == 3 * sum(s.prompt_length for s in batch.samples[:8:4])
+    assert stats[0]["denominator"] == stats[1]["denominator"] and stats[0]["samples"] == 12
+    for name, g in grads[0].items():
+        assert g.abs().max() > 0, name
+        assert torch.allclose(g, grads[1][name], atol=1e-7, rtol=1e-4), name
+
+
 @pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean"])
 def test_streamed_accumulation_equals_one_synchronous_batch(tiny_qwen2_dir, aggregation):
     algo = {"loss_aggregation": aggregation, "off_policy_correction": "tis", "entropy_coef": 0.01}

@@ -56,3 +56,20 @@ def test_thd_layout_is_one_unpadded_row_with_cu_seqlens():
         assert torch.equal(getattr(thd, field), getattr(dense, field)), field
     with pytest.raises(ValueError, match="layout"):
         pack_samples([a], [2], layout="bshd")
+
+
+def test_shared_prompt_is_held_once_and_siblings_never_see_each_other():
+    prompt = torch.tensor([7, 8, 9])
+    a, b, c = torch.cat([prompt, torch.tensor([1, 2])]), torch.cat([prompt, torch.tensor([3])]), torch.tensor([5, 6, 4])
+    p = pack_samples([a, b, c], [3, 3, 2], share_prompts=True)
+    assert p.shared == 3 and p.tokens == 12 and p.input_ids.shape == (2, 6)  # [7 8 9 1 2 3], [5 6 4]
+    assert p.input_ids[0].tolist() == [7, 8, 9, 1, 2, 3]
+    assert p.position_ids[0].tolist() == [0, 1, 2, 3, 4, 3]  # b's response continues the prompt
+    seen = ~p.attention_mask[0, 0]
+    assert seen[5].tolist() == [True, True, True, False, False, True]  # b: the prompt and itself
+    assert seen[4].tolist() == [True, True, True, True, True, False]
+    # a's tokens 1, 2 from positions 2 and 3; b's token 3 from the prompt's last position, 2
+    assert p.logit_index.tolist() == [2, 3, 2, 6 + 1] and p.target_ids.tolist() == [1, 2, 3, 4]
+    assert p.sample_ids.tolist() == [0, 0, 1, 2]
+    unshared = pack_samples([a, b, c], [3, 3, 2])
+    assert unshared.shared == 0 and unshared.tokens == 12

@@ -180,26 +180,24 @@ class MegatronTrainer:
             self.config.pack_row_tokens,
             pack=self.config.packing,
             layout=self.attention_layout,
+            share_prompts=self.config.share_prompts,
         )
 
     def _forward(self, packed: PackedRows, *, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
         dev = self.device
-        packed_seq_params = None
         if packed.cu_seqlens is not None:  # THD (TransformerEngine only; see attention_layout)
             from megatron.core.packed_seq_params import PackedSeqParams
 
             cu = packed.cu_seqlens.to(dev)
-            packed_seq_params = PackedSeqParams(
-                qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                max_seqlen_q=packed.max_seqlen, max_seqlen_kv=packed.max_seqlen,
-            )
-        logits = self.model(
-            input_ids=packed.input_ids.to(dev),
-            position_ids=packed.position_ids.to(dev),
-            attention_mask=None if packed.attention_mask is None else packed.attention_mask.to(dev),
-            packed_seq_params=packed_seq_params,
-        )  # [R, S, V / TP]
-        rows = logits.reshape(-1, logits.shape[-1]).index_select(0, packed.logit_index.to(dev))
+            logits = self.model(
+                input_ids=packed.input_ids.to(dev), position_ids=packed.position_ids.to(dev),
+                attention_mask=None, packed_seq_params=PackedSeqParams(
+                    qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                    max_seqlen_q=packed.max_seqlen, max_seqlen_kv=packed.max_seqlen),
+            )  # [R, S, V / TP]
+            rows = logits.reshape(-1, logits.shape[-1]).index_select(0, packed.logit_index.to(dev))
+        else:
+            rows = self._response_logits(packed)
         if self.temperature != 1.0:
             rows = rows.float() / self.temperature
         return vocab_parallel_logprobs(
@@ -209,6 +207,28 @@ class MegatronTrainer:
             group=self._tp_group,
             with_entropy=with_entropy,
         )
+
+    def _response_logits(self, packed: PackedRows) -> torch.Tensor:
+        """[T, V / TP]: the logits that predict the T response tokens, and no others.
+
+        GPTModel's forward (embedding, decoder, output layer) with two changes. RoPE comes from
+        each token's `position_ids`, where GPTModel takes its slot in the row: a shared prompt's
+        responses continue its positions (train/packing.py). And the output layer runs on the T
+        positions that predict a response token, not on every slot: the prompts' logits are
+        never used (on the default recipe they are 60% of the slots, and the output layer a
+        fifth of a 135M model's work per token)."""
+        m, dev = self.module, self.device
+        ids, pos = packed.input_ids.to(dev), packed.position_ids.to(dev)
+        hidden = m.embedding(input_ids=ids, position_ids=pos)  # [S, R, H]
+        table = m.rotary_pos_emb(int(pos.max()) + 1)  # [P, 1, 1, D]: megatron's own frequencies
+        rope = table[:, 0, 0, :][pos].transpose(0, 1).unsqueeze(2)  # [S, R, 1, D]
+        hidden = m.decoder(hidden_states=hidden, attention_mask=packed.attention_mask.to(dev),
+                           rotary_pos_emb=rope)  # [S, R, H]
+        rows = hidden.transpose(0, 1).reshape(-1, hidden.shape[-1]).index_select(
+            0, packed.logit_index.to(dev))
+        weight = m.shared_embedding_or_output_weight() if m.share_embeddings_and_output_weights else None
+        logits, _ = m.output_layer(rows.unsqueeze(1), weight=weight)  # [T, 1, V / TP]
+        return logits.squeeze(1)
 
     @contextlib.contextmanager
     def _weights(self, policy: Policy) -> Iterator[None]:
@@ -271,6 +291,7 @@ class MegatronTrainer:
             self._samples += len(mb)
             self._tokens += packed.tokens
             self._slots += packed.slots
+            self._shared += packed.shared
             stats["samples"] += len(mb)
             stats["tokens"] += packed.tokens
             stats["denominator"] += terms.denominator
@@ -346,7 +367,7 @@ class MegatronTrainer:
         present = [1.0 if k in self._metric_sums else 0.0 for k in self._metric_keys]
         counters = torch.tensor(  # on the device: NCCL reduces CUDA tensors only
             [self._samples, self._tokens, self._slots, self._micro_batch_count,
-             self._empty_micro_batches, self._rejected_samples, *self._metric_sums_vector(),
+             self._empty_micro_batches, self._rejected_samples, self._shared, *self._metric_sums_vector(),
              *present, *self._mismatch.tolist()],
             dtype=torch.float64,
             device=self.device,
@@ -363,10 +384,10 @@ class MegatronTrainer:
         if applied:
             self.step_count += 1
         counters = counters.cpu()
-        samples, tokens, slots, micro_batches, empty, rejected = (float(x) for x in counters[:6])
+        samples, tokens, slots, micro_batches, empty, rejected, shared = (float(x) for x in counters[:7])
         n_keys = len(self._metric_keys)
-        sums, seen = counters[6 : 6 + n_keys], counters[6 + n_keys : 6 + 2 * n_keys]
-        mismatch = counters[6 + 2 * n_keys :]
+        sums, seen = counters[7 : 7 + n_keys], counters[7 + n_keys : 7 + 2 * n_keys]
+        mismatch = counters[7 + 2 * n_keys :]
         metrics = {
             f"train/{k}": float(v) / global_denominator if global_denominator > 0 else 0.0
             for k, v, flag in zip(self._metric_keys, sums, seen)
@@ -379,7 +400,9 @@ class MegatronTrainer:
                 "train/step_applied": float(applied),
                 "train/samples": samples,
                 "train/tokens": tokens,
-                "train/padding_fraction": 1.0 - tokens / slots if slots else 0.0,
+                "train/padding_fraction": 1.0 - (tokens - shared) / slots if slots else 0.0,
+                # prompt tokens not run again: the siblings of a group share one copy
+                "train/shared_prompt_tokens": shared,
                 "train/micro_batches": micro_batches,  # over every DP replica, empty ones too
                 "train/empty_micro_batches": empty,
                 "train/loss_denominator": global_denominator,
@@ -419,6 +442,7 @@ class MegatronTrainer:
         self._samples = 0
         self._tokens = 0
         self._slots = 0
+        self._shared = 0
         self._micro_batch_count = 0
         self._empty_micro_batches = 0
         self._rejected_samples = 0
