@@ -14,3 +14,7 @@ MODES: dict[str, str] = {
              "versions behind",
 }
 MODE_NAMES: tuple[str, ...] = tuple(MODES)
+
+# Modes whose engines generate while the trainer trains (async only with max_staleness >= 1:
+# with 0 it is sync, step for step). The trainer's CPU threads follow it (cluster.train_threads).
+OVERLAPS_TRAINING: dict[str, bool] = {"sync": False, "stream": True, "async": True}

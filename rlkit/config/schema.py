@@ -99,7 +99,18 @@ class ClusterConfig(BaseModel):
         1.0,
         gt=0,
         description="CPUs reserved for each trainer rank in its placement bundle (with its GPU "
-        "on GPU machines); on CPU it is also the rank's torch thread count (rounded down, >= 1).",
+        "on GPU machines); on CPU it is also the rank's torch thread count (rounded down, >= 1) "
+        "when train_threads is 0 and generation overlaps training.",
+    )
+    train_threads: int = Field(
+        0,
+        ge=0,
+        description="Torch threads of each trainer rank on CPU. 0 (default): where generation "
+        "never overlaps training on one node (sync mode, async with rollout.max_staleness 0, "
+        "colocated) the engines wait while the trainer works, so the ranks share the node's "
+        "cores (cores // ranks); in stream and overlapping async the rank keeps "
+        "cpus_per_train_worker threads beside the engines' (more would oversubscribe the cores "
+        "they generate on). N > 0: N threads in every mode.",
     )
     placement: Literal["disaggregated", "colocated"] = Field(
         "disaggregated",

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from rlkit.common.errors import ActorDeath, ProcessDied, actor_death, find_user_error
+from rlkit.config.modes import OVERLAPS_TRAINING
 from rlkit.config.schema import Recipe
 from rlkit.driver.actors import EngineActor, RolloutActor
 from rlkit.driver.local_ray import LocalRay
@@ -36,6 +37,7 @@ from rlkit.driver.placement import (
     plan_colocated,
     plan_placement,
     resolve_address,
+    trainer_threads,
 )
 from rlkit.rollout.engines.config import EngineConfig
 
@@ -243,6 +245,7 @@ class Cluster:
                 num_cpus_per_worker=(r.cluster.cpus_per_train_worker if self.plan.colocated
                                      else rank_bundle.get("CPU", 0.0)),
                 num_gpus_per_worker=rank_bundle.get("GPU", 0.0) * self.plan.gpu_share,
+                threads_per_worker=self.train_threads(),
                 scheduling=[self._strategy(self.trainer_groups[g], b) for g, b in self.plan.trainer_slots()],
                 control_token=token,
                 loopback=not self.multi_node,  # one node: the ranks' rendezvous on 127.0.0.1
@@ -256,6 +259,15 @@ class Cluster:
                 raise died from None
             raise
         return self
+
+    def train_threads(self) -> int:
+        """Torch threads of each trainer rank (rlkit.driver.placement.trainer_threads)."""
+        r = self.recipe
+        overlaps = OVERLAPS_TRAINING[r.mode] and not (r.mode == "async" and r.rollout.max_staleness == 0)
+        return trainer_threads(
+            train_threads=r.cluster.train_threads, reserved_cpus=r.cluster.cpus_per_train_worker,
+            overlaps=overlaps and r.cluster.placement != "colocated", one_node=not self.multi_node,
+            ranks=r.train.parallelism.tensor * r.train.parallelism.data, cores=os.cpu_count() or 1)
 
     # -- a process of the run that died --------------------------------------------------------
     def died(self, error: BaseException, during: str) -> ProcessDied | None:

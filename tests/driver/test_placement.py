@@ -166,3 +166,15 @@ def test_colocated_puts_exactly_one_engine_on_each_rank_s_gpu(tp, dp, per_node):
     assert sorted(p.engine_slots) == sorted(p.trainer_slots())  # one engine per rank's bundle
     assert all(b["GPU"] == 1.0 for g in p.trainer for b in g.bundles)
     assert p.gpu_share * 2 <= 1.0  # the rank and the engine fit the one GPU
+
+
+def test_the_trainer_takes_the_nodes_cores_only_where_the_engines_wait():
+    from rlkit.driver.placement import trainer_threads
+
+    one = dict(train_threads=0, reserved_cpus=1.0, one_node=True, cores=2)
+    assert trainer_threads(**one, overlaps=False, ranks=1) == 2  # sync: the engines wait
+    assert trainer_threads(**one, overlaps=True, ranks=1) == 1  # stream/async: beside them
+    assert trainer_threads(**{**one, "cores": 16}, overlaps=False, ranks=4) == 4
+    assert trainer_threads(**{**one, "one_node": False}, overlaps=False, ranks=1) == 1
+    assert trainer_threads(**{**one, "train_threads": 3}, overlaps=True, ranks=1) == 3
+    assert trainer_threads(**{**one, "reserved_cpus": 4.0}, overlaps=False, ranks=1) == 4
