@@ -31,6 +31,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "faults"), "rlkit.bench.faults", "engine faults injected vs survived vs data lost, simulated"),
     (("bench", "ranker"), "rlkit.bench.ranker", "length rankers' recall of the long tail"),
     (("bench", "learn"), "rlkit.bench.learn", "held-out accuracy of off-policy modes vs sync, same samples, over seeds"),
+    (("bench", "peer"), "rlkit.bench.peer", "the same GRPO job in TRL's GRPOTrainer and in rlkit, side by side"),
 ]
 
 
