@@ -241,6 +241,20 @@ def bench_learn(c: Ctx) -> None:
     assert "| partial+tis | 1 |" in printed
 
 
+def bench_peer(c: Ctx) -> None:
+    """rlkit's side only, one step, no evaluation: TRL (installed on demand from PyPI) and the
+    evaluations are the bench's own slow test, tests/bench/test_bench_peer.py."""
+    out = c.tmp / "peer"
+    printed = c.run("bench", "peer", "--model", "tiny", "--steps", "1", "--prompts", "2",
+                    "--samples", "2", "--max-new-tokens", "8", "--runs", "sync", "--no-eval",
+                    "--out", str(out), "rollout.engine.num_engines=1")
+    r = c.report(out, "peer")
+    sync = r["runs"]["sync"]
+    assert sync["state"] == "ok" and [s["step"] for s in sync["steps"]] == [1]
+    assert sync["memory"]["peak_pss_bytes"] > 0 and sync["same_prompts_as_trl"] == [True]
+    assert "| seconds per step, median |" in printed
+
+
 @dataclass
 class TinyRun:
     path: Path  # the run folder
@@ -314,6 +328,7 @@ SMOKE: dict[tuple[str, ...], tuple[Callable[[Ctx], None], tuple]] = {
     ("eval",): (evaluate, HEAVY),
     ("bench", "e2e"): (bench_e2e, HEAVY),
     ("bench", "learn"): (bench_learn, HEAVY),
+    ("bench", "peer"): (bench_peer, HEAVY),
 }
 
 
