@@ -266,24 +266,21 @@ def test_a_gone_process_is_an_empty_tree():
 # -- the command, scaled down ---------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.integration
-def test_trl_and_rlkit_sync_side_by_side_on_the_tiny_model(tmp_path, capsys):
-    """Both runs give per-step rows and memory; TRL ran or says why it was skipped; every model
-    is evaluated. TRL comes from the cache (installed there once, reused)."""
+def test_trl_on_the_tiny_model_trains_and_it_and_the_base_model_are_evaluated(tmp_path, capsys):
+    """TRL's side, with the evaluations: per-step rows, memory, the TRL model and the base model
+    scored; or TRL says why it was skipped. TRL comes from the cache (installed there once,
+    reused). rlkit's side, one sync step, is the CLI smoke row (tests/commands/test_cli_smoke.py):
+    both together took 126-158 s of CI, each alone under 40 s."""
     out = tmp_path / "peer"
     rc = main(["bench", "peer", "--model", "tiny", "--steps", "2", "--prompts", "2", "--samples",
-               "2", "--max-new-tokens", "8", "--runs", "trl,sync", "--eval-rows", "4",
-               "--eval-engines", "1", "--out", str(out), "rollout.engine.num_engines=1"])
+               "2", "--max-new-tokens", "8", "--runs", "trl", "--eval-rows", "2",
+               "--eval-engines", "1", "--out", str(out)])
     printed = capsys.readouterr().out
     assert rc == 0, printed
     report = json.loads((out / "peer.json").read_text())
     assert (out / "peer.md").read_text().strip() == printed.strip()
-    sync, trl = report["runs"]["sync"], report["runs"]["trl"]
-    assert sync["state"] == "ok" and [s["step"] for s in sync["steps"]] == [1, 2]
-    assert sync["same_prompts_as_trl"] == [True, True]  # sync trains on TRL's feed, step by step
-    assert sync["memory"]["peak_pss_bytes"] > 0 and sync["memory"]["peak_processes"] > 3
-    assert sync["summary"]["step_s"] > 0 and sync["summary"]["completions_per_s"] > 0
-    assert 0 <= sync["eval"]["pass@1"] <= 1 and sync["eval"]["n"] == 4
-    assert report["base_eval"]["n"] == 4
+    trl = report["runs"]["trl"]
+    assert report["base_eval"]["n"] == 2
     if trl["state"] == "skipped":
         assert trl["reason"] and f"skipped: {trl['reason']}"[:40] in printed
     else:
@@ -292,6 +289,6 @@ def test_trl_and_rlkit_sync_side_by_side_on_the_tiny_model(tmp_path, capsys):
         assert all(s["seconds"] > 0 and s["rollout_seconds"] > 0 for s in trl["steps"])
         assert trl["memory"]["peak_rss_bytes"] > 0 and trl["memory"]["peak_processes"] == 1
         assert trl["trl"]["settings"]["per_device_train_batch_size"] == 4
-        assert trl["eval"]["n"] == 4
+        assert trl["eval"]["n"] == 2 and 0 <= trl["eval"]["pass@1"] <= 1
         assert "| completions/s vs TRL | 1.00x |" in printed
     assert "**Settings that could not be matched.**" in printed

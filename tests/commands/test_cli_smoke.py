@@ -243,7 +243,8 @@ def bench_learn(c: Ctx) -> None:
 
 def bench_peer(c: Ctx) -> None:
     """rlkit's side only, one step, no evaluation: TRL (installed on demand from PyPI) and the
-    evaluations are the bench's own slow test, tests/bench/test_bench_peer.py."""
+    evaluations are the bench's own slow test, tests/bench/test_bench_peer.py. The sync run
+    trains on the prompts fed to TRL, in the same order."""
     out = c.tmp / "peer"
     printed = c.run("bench", "peer", "--model", "tiny", "--steps", "1", "--prompts", "2",
                     "--samples", "2", "--max-new-tokens", "8", "--runs", "sync", "--no-eval",
