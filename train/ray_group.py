@@ -27,6 +27,7 @@ import torch
 from rlkit.common.control_token import CONTROL_TOKEN_ENV
 from rlkit.common.errors import actor_death
 from rlkit.common.weight_update import PublisherFailed, WeightUpdate
+from rlkit.common.memory import release_free_memory
 from rlkit.train.fault import trainer_fault
 from rlkit.train.batch import TrainBatch
 from rlkit.train.config import TrainConfig
@@ -140,6 +141,9 @@ class TrainWorker:
         self._fault_at("train")
         batch, self.batch = self.batch, None
         metrics = batch.finish()
+        # the step's activations (about 1 GiB for SmolLM2) go back to the system before the
+        # weight sync and the rollout, when the engines hold their own peaks (rlkit/common/memory.py)
+        release_free_memory()
         return {**metrics, **self.trainer.free_device()} if colocated else metrics
 
     def publish_weights(self, update: WeightUpdate) -> dict[str, float] | None:

@@ -42,6 +42,7 @@ from typing import Any, Callable
 
 import torch
 
+from rlkit.common.memory import release_free_memory
 from rlkit.rollout.engines.builtin.kv_cache import SlotKVCache, prefill_mask
 from rlkit.rollout.engines.builtin.requests import DecodeParams, DecodeRequest
 from rlkit.rollout.engines.builtin.sampler import RowSampling, sample
@@ -221,6 +222,7 @@ class BatchedDecoder:
         # stuck decoder leaves it) and the prompt tokens prefilled so far (never reset, unlike
         # `stats`).
         self.moved_at = time.time()
+        self._trimmed = True  # free heap pages handed back since the decoder last worked
         self.prefilled_tokens = 0
         self._layer_hooks = [layer.register_forward_hook(self._layer_done)
                              for layer in _decoder_layers(model)]
@@ -373,9 +375,12 @@ class BatchedDecoder:
                 self._report_progress()
                 if (self._pause_mode is not None or self.asleep
                         or (not self._running and not self._waiting)):
+                    if not self._trimmed:  # once idle: the rollout's KV growth and prefill logits
+                        self._shrink_idle()
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
+                self._trimmed = False
                 with torch.inference_mode():
                     self._admit()
                     if self._running:
@@ -622,6 +627,16 @@ class BatchedDecoder:
         for _, future in commands:
             if future.set_running_or_notify_cancel():
                 future.set_exception(DecoderError(message))
+
+    def _shrink_idle(self) -> None:
+        """Nothing is generating: the KV cache goes back to its first size when no row is cached
+        and the heap's free pages to the system (rlkit/common/memory.py). In sync mode on one
+        machine the trainer trains now, and its peak adds to what the engines hold; the next
+        rollout grows the cache again (doubling, as from start-up)."""
+        if not self._running and not self.cache.released and not self.cache.lengths:
+            self.cache = self._new_cache(slots=4, capacity=256)
+        release_free_memory()
+        self._trimmed = True
 
     def _new_cache(self, slots: int, capacity: int) -> SlotKVCache:
         return SlotKVCache(num_layers=self._num_layers, kv_heads=self._kv_heads,
