@@ -368,3 +368,20 @@ def test_loads_timestamp_moves_with_each_layer_of_a_forward_and_not_while_stuck(
             g.remove()
         d.stop()
     assert d._layer_hooks == []  # the shared model keeps no hook of this decoder
+
+
+def test_an_idle_decoder_gives_its_kv_growth_back_and_generates_the_same_after(decoder, tiny_model):
+    """Once nothing runs, the KV cache returns to its first size (sync mode trains now, on the
+    same machine: rlkit/common/memory.py); the next requests grow it again and decode as
+    before."""
+    first = decoder.memory_state()["kv_cache_bytes"]
+    prompts = [[3 + i] * 40 for i in range(8)]
+    run(decoder, [req(f"long{i}", p, max_new_tokens=300, temperature=0.0) for i, p in enumerate(prompts)])
+    deadline = time.monotonic() + 60
+    while decoder.memory_state()["kv_cache_bytes"] != first:  # the decoder thread shrinks it
+        assert time.monotonic() < deadline, "the idle decoder kept its grown KV cache"
+        time.sleep(0.01)
+    assert decoder.cache.slots == 4 and decoder.cache.capacity == 256
+    again = run(decoder, [req(f"g{i}", p, temperature=0.0) for i, p in enumerate(PROMPTS)])
+    for p, r in zip(PROMPTS, again):
+        assert r.output_ids == greedy_reference(tiny_model, p, 12)
