@@ -19,6 +19,7 @@ replicas does not change the gradient.
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -148,7 +149,11 @@ class TrainWorker:
 
     def publish_weights(self, update: WeightUpdate) -> dict[str, float] | None:
         self._fault_at("sync")
-        return self.trainer.publish_weights(update)
+        out = self.trainer.publish_weights(update)
+        # the HF tensors built for the engines, freed now, go back too before the rollout (in a
+        # thread: nothing here waits for it)
+        threading.Thread(target=release_free_memory, name="release-free-memory", daemon=True).start()
+        return out
 
     def free_device(self) -> dict[str, float]:
         return self.trainer.free_device()
