@@ -220,7 +220,8 @@ class MegatronTrainer:
         m, dev = self.module, self.device
         ids, pos = packed.input_ids.to(dev), packed.position_ids.to(dev)
         hidden = m.embedding(input_ids=ids, position_ids=pos)  # [S, R, H]
-        table = m.rotary_pos_emb(int(pos.max()) + 1)  # [P, 1, 1, D]: megatron's own frequencies
+        # megatron's own frequencies [P, 1, 1, D], as long as the CPU positions say (no device sync)
+        table = m.rotary_pos_emb(int(packed.position_ids.max()) + 1)
         rope = table[:, 0, 0, :][pos].transpose(0, 1).unsqueeze(2)  # [S, R, 1, D]
         hidden = m.decoder(hidden_states=hidden, attention_mask=packed.attention_mask.to(dev),
                            rotary_pos_emb=rope)  # [S, R, H]
