@@ -60,21 +60,11 @@ def own_address() -> str | None:
 
 
 def descendants(root: int) -> list[int]:
-    """Every process descended from `root` (not `root`), from /proc."""
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(d.name))
-    out, todo = [], [root]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
+    """Every process descended from `root` (not `root`), from /proc (the walk `rlkit bench peer`
+    measures memory with)."""
+    from rlkit.bench.peer import process_tree as tree
+
+    return tree(root)[1:]
 
 
 def process_tree(root: int) -> dict[int, str]:
