@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from rlkit.bench.report import add_out_argument, out_folder, write_report
+from rlkit.rollout.engines.process import log_tail, spawn
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "recipes"
@@ -214,40 +215,19 @@ class MemorySampler:
 
 def run_measured(cmd: Sequence[str], log: Path, env: dict[str, str] | None = None,
                  interval: float = 0.5) -> dict[str, Any]:
-    """Run `cmd` (output to `log`), sampling its process tree's memory: rc, wall_s, memory."""
-    with open(log, "wb") as out:
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(list(cmd), stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-        try:
-            with MemorySampler(proc.pid, interval) as sampler:
-                rc = proc.wait()
-        except BaseException:  # Ctrl-C: take the run's whole process group down with it
-            _kill_group(proc)
-            raise
+    """Run `cmd` (output to `log`, a fresh one), sampling its process tree's memory: rc, wall_s,
+    memory. In its own process group, stopped as the engines are (rollout/engines/process.py)."""
+
+    log.unlink(missing_ok=True)  # spawn appends
+    t0 = time.perf_counter()
+    proc = spawn(Path(cmd[0]).name, cmd, log_path=log, env=env)
+    try:
+        with MemorySampler(proc.pid, interval) as sampler:
+            rc = proc.process.wait()
         wall = time.perf_counter() - t0
+    finally:  # Ctrl-C: the run's whole group goes down with it; at the end, what outlived it
+        proc.stop(30)
     return {"rc": rc, "wall_s": wall, "memory": sampler.result()}
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    import signal
-
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except OSError:
-            pass
-
-
-def log_tail(log: Path, lines: int = 3) -> str:
-    try:
-        text = log.read_text(errors="replace").strip().splitlines()
-    except OSError:
-        return ""
-    return " | ".join(x.strip() for x in text[-lines:])
 
 
 # -- TRL: installed on demand ---------------------------------------------------------------------
