@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from rlkit.driver.loop import LoopState, OnEval, OnStep, Run
 from rlkit.driver.rollout_box import Handed
@@ -65,9 +65,13 @@ class LocalTrainerBox:
 
 
 def run_local(recipe: "Recipe", service: RolloutService, trainer: "Trainer", on_step: OnStep,
-              state: LoopState | None = None, on_eval: OnEval | None = None) -> LoopState:
+              state: LoopState | None = None, on_eval: OnEval | None = None, *,
+              loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None) -> LoopState:
     """Run `recipe.mode`'s loop over an in-process rollout service and trainer; the service's
-    evaluator (if any) runs when `recipe.eval` says, reporting to `on_eval`."""
+    evaluator (if any) runs when `recipe.eval` says, reporting to `on_eval`. `loop_factory`
+    (default asyncio's) picks the event loop: tests that compare two runs exactly pass
+    rlkit.sim.clock.VirtualTimeLoop, so that engines that tick on timers progress by virtual
+    time and a busy machine cannot change what a step generated."""
     from rlkit.driver.modes import MODES
 
     colocated = recipe.cluster.placement == "colocated"
@@ -82,4 +86,5 @@ def run_local(recipe: "Recipe", service: RolloutService, trainer: "Trainer", on_
             await run.push_weights(run.state.version)
         return await MODES[recipe.mode](run)
 
-    return asyncio.run(main())
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        return runner.run(main())

@@ -19,6 +19,7 @@ from rlkit.driver.local import run_local
 from rlkit.driver.loop import LoopState, step_recorder
 from rlkit.driver.modes import MODES
 from rlkit.driver.rollout_service import RolloutService
+from rlkit.sim.clock import VirtualTimeLoop
 from rlkit.tracking import Tracker
 from tests.manager.fakes import FakeEngines
 
@@ -211,9 +212,13 @@ def mode_recipe(tmp_path, mode, *extra, steps=4):
     ])
 
 
-def run_mode(tmp_path, mode, *extra, steps=4, length=tail, trainer_cls=None, prompts=40):
+def run_mode(tmp_path, mode, *extra, steps=4, length=tail, trainer_cls=None, prompts=40,
+             virtual=False):
     """The real loop on fake engines; `trainer_cls` (default RecordingTrainer) records what it
-    was given."""
+    was given. `virtual`: on a virtual-time loop, where the fakes' ticks are timers that no
+    busy machine can delay, so two runs that should generate the same samples do (only for
+    modes where nothing generates while the trainer's thread works: its real seconds would let
+    the virtual clock run on)."""
     r = mode_recipe(tmp_path / mode, mode, *extra, steps=steps)
     engines = FakeEngines(length)
     source = ListPromptSource(records_from_token_lists([[1, i] for i in range(prompts)]), shuffle=False)
@@ -224,7 +229,8 @@ def run_mode(tmp_path, mode, *extra, steps=4, length=tail, trainer_cls=None, pro
     service = RolloutService.from_config(r.rollout, source, engines, score)
     trainer = (trainer_cls or RecordingTrainer)(engines)
     tracker = Tracker(r.tracking, tmp_path / mode, "t", {})
-    state = run_local(r, service, trainer, step_recorder(r, tracker, service, trainer, tmp_path / mode))
+    state = run_local(r, service, trainer, step_recorder(r, tracker, service, trainer, tmp_path / mode),
+                      loop_factory=VirtualTimeLoop if virtual else None)
     tracker.close()
     rows = [json.loads(x) for x in (tmp_path / mode / "metrics.jsonl").read_text().splitlines()]
     return state, trainer, service, rows
@@ -240,8 +246,8 @@ def test_the_modes_registry_is_the_recipe_s_list():
 @pytest.mark.parametrize("policy", [[], ["rollout.policy=partial", "rollout.max_staleness=20",
                                          "train.algorithm.off_policy_correction=tis"]])
 def test_stream_trains_the_same_batches_as_sync(tmp_path, policy):
-    _, sync, _, sync_rows = run_mode(tmp_path, "sync", *policy)
-    state, stream, service, rows = run_mode(tmp_path, "stream", *policy)
+    _, sync, _, sync_rows = run_mode(tmp_path, "sync", *policy, virtual=True)
+    state, stream, service, rows = run_mode(tmp_path, "stream", *policy, virtual=True)
     assert (state.step, state.version) == (4, 4)
     assert stream.steps == sync.steps  # same samples, same versions, step by step
     assert [v for _, v, _ in stream.synced] == [1, 2, 3, 4]
@@ -253,8 +259,8 @@ def test_stream_trains_the_same_batches_as_sync(tmp_path, policy):
 
 
 def test_async_with_bound_zero_is_sync_step_for_step(tmp_path):
-    _, sync, _, sync_rows = run_mode(tmp_path, "sync", "rollout.max_staleness=0")
-    _, asyn, _, rows = run_mode(tmp_path, "async", "rollout.max_staleness=0")
+    _, sync, _, sync_rows = run_mode(tmp_path, "sync", "rollout.max_staleness=0", virtual=True)
+    _, asyn, _, rows = run_mode(tmp_path, "async", "rollout.max_staleness=0", virtual=True)
     assert asyn.steps == sync.steps
     assert asyn.synced == sync.synced
     assert [r["async/overlapped"] for r in rows] == [0.0] * 4
