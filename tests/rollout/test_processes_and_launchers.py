@@ -62,9 +62,53 @@ def test_stopping_an_engine_stops_its_core_process(tiny_model_dir):
     engine = start_hf_server(str(tiny_model_dir), EngineConfig(startup_timeout_s=120), threads=1)
     family = [psutil.Process(engine.pid), *psutil.Process(engine.pid).children(recursive=True)]
     assert len(family) >= 2  # the HTTP process and the engine core
+    # only the core has torch: the HTTP process tokenizes without it (hf_server.hide_torch)
+    assert not _maps_torch(engine.pid) and any(_maps_torch(p.pid) for p in family[1:])
     engine.stop()
     gone, alive = psutil.wait_procs(family, timeout=10)
     assert alive == []
+
+
+def _maps_torch(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return "libtorch" in f.read()
+
+
+_TEXTS = ["What is 12+7? Answer:", "<|im_start|>user\nSolve 3 * (4 - 1).<|im_end|>\n",
+          "  leading spaces,\ttabs\nand\n\nnewlines", "unicode: é ü 中文 😀", "x" * 300,
+          "the sum of 1234567 and 89 is 1234656."]
+_ENCODE = """
+import json, sys
+from rlkit.rollout.engines.builtin.hf_server import hide_torch
+hide_torch()
+from rlkit.rollout.engines.builtin.detokenizer import load_tokenizer
+tok = load_tokenizer(sys.argv[1])
+texts = json.loads(sys.stdin.read())
+ids = [tok.encode(t) for t in texts]
+print(json.dumps({"ids": ids, "text": [tok.decode(i) for i in ids],
+                  "raw": [tok.decode(i, skip_special_tokens=False) for i in ids],
+                  "torch": "torch" in sys.modules and sys.modules["torch"] is not None}))
+"""
+
+
+def test_the_http_process_tokenizes_without_torch_exactly_as_with_it(tiny_model_dir):
+    """transformers may rewrite a tokenizer.json (Qwen2's pre-tokenizer): loaded with torch
+    hidden it must still be the same tokenizer, ids and text."""
+    import json
+    import subprocess
+    import sys
+
+    from rlkit.rollout.engines.builtin.detokenizer import load_tokenizer
+
+    out = subprocess.run([sys.executable, "-c", _ENCODE, str(tiny_model_dir)], input=json.dumps(_TEXTS),
+                         capture_output=True, text=True, timeout=120, check=True)
+    got = json.loads(out.stdout)
+    tok = load_tokenizer(str(tiny_model_dir))
+    ids = [tok.encode(t) for t in _TEXTS]
+    assert got["torch"] is False
+    assert got["ids"] == ids
+    assert got["text"] == [tok.decode(i) for i in ids]
+    assert got["raw"] == [tok.decode(i, skip_special_tokens=False) for i in ids]
 
 
 def test_sglang_command_line():

@@ -713,6 +713,17 @@ async def _serve(server: EngineServer, host: str, port: int, port_file: str | No
         await server.core.stop()
 
 
+def hide_torch() -> None:
+    """This process speaks HTTP and text only, yet transformers imports torch whenever it is
+    installed: about 0.3 GiB of every engine's memory for nothing. Hidden (a None entry in
+    sys.modules is Python's way to block an import, and what transformers' find_spec sees), the
+    tokenizer loads without it, tokenizing the same. The core process is spawned, a fresh
+    interpreter, and imports torch as usual; an in-process server (tests) is left alone."""
+    if "torch" not in sys.modules:
+        sys.modules["torch"] = None  # type: ignore[assignment]
+        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # "PyTorch was not found"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_arg_parser().parse_args(argv)
     try:  # before loading anything: a refused start should be quick and plain
@@ -722,6 +733,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("aiohttp.server").addFilter(_IgnoreHttp2Probes())
+    hide_torch()
     server = EngineServer(args)
     asyncio.run(_serve(server, args.host, args.port, args.port_file, args.startup_timeout_s,
                        args.parent_pid))
