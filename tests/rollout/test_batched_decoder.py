@@ -381,7 +381,7 @@ def test_an_idle_decoder_gives_its_kv_growth_back_and_generates_the_same_after(d
     while decoder.memory_state()["kv_cache_bytes"] != first:  # the decoder thread shrinks it
         assert time.monotonic() < deadline, "the idle decoder kept its grown KV cache"
         time.sleep(0.01)
-    assert decoder.cache.slots == 4 and decoder.cache.capacity == 256
+    assert decoder.cache.slots == 4 and decoder.cache.capacity == 64
     again = run(decoder, [req(f"g{i}", p, temperature=0.0) for i, p in enumerate(PROMPTS)])
     for p, r in zip(PROMPTS, again):
         assert r.output_ids == greedy_reference(tiny_model, p, 12)

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlkit.rollout.engines.builtin.kv_cache import SlotKVCache, prefill_mask
+from rlkit.rollout.engines.builtin.kv_cache import GROW_COLUMNS, SlotKVCache, prefill_mask
 from rlkit.rollout.engines.builtin.sampler import RowSampling, sample
 
 
@@ -48,7 +48,7 @@ def _rows(c: SlotKVCache) -> list[list[float]]:
 @given(st.lists(st.tuples(st.sampled_from(["join", "leave", "step"]), st.integers(1, 9)),
                 min_size=1, max_size=40))
 def test_rows_survive_any_sequence_of_joins_leaves_and_steps(ops):
-    c, model, counter = _cache(), [], [0.0]
+    c, model, counter, peak = _cache(), [], [0.0], 0
 
     def fresh(n):
         counter[0] += 1
@@ -76,6 +76,9 @@ def test_rows_survive_any_sequence_of_joins_leaves_and_steps(ops):
             for row, t in zip(model, new[:, 0, 0, 0].tolist()):
                 row.append(t)
         assert _rows(c) == model
+        # the capacity follows the longest row (+ a column, + a quarter): no doubling past it
+        peak = max(peak, max(map(len, model), default=0) + 1)
+        assert c.capacity <= max(4, -(-(peak + max(peak // 4, 2 * GROW_COLUMNS)) // GROW_COLUMNS) * GROW_COLUMNS)
         assert c.padded_tokens == (c.end - c.start) * len(model) - sum(map(len, model))
 
 

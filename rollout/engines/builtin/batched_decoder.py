@@ -6,7 +6,7 @@ Requests join and leave the batch between decode steps:
   token budget), then runs ONE decode step for every running request;
 - a request that finishes (stop token, length) or is aborted leaves the batch at once and its
   KV rows are reused by the next admission;
-- the KV cache is `SlotKVCache`: preallocated, left-padded, grown by doubling.
+- the KV cache is `SlotKVCache`: preallocated, left-padded, grown to what the rows need.
 
 The HTTP side talks to this only through the thread-safe methods `submit`, `abort`, `pause`,
 `resume`, `flush`, `call` and `loads`; the decoder reports progress once per loop iteration by
@@ -190,7 +190,7 @@ class BatchedDecoder:
         self._kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
         self._head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
         self._num_layers = text_config.num_hidden_layers
-        self.cache = self._new_cache(slots=4, capacity=256)
+        self.cache = self._new_cache(slots=4, capacity=64)
 
         self._lock = threading.Lock()  # guards the queues and flags below
         self._wake = threading.Event()
@@ -632,9 +632,9 @@ class BatchedDecoder:
         """Nothing is generating: the KV cache goes back to its first size when no row is cached
         and the heap's free pages to the system (rlkit/common/memory.py). In sync mode on one
         machine the trainer trains now, and its peak adds to what the engines hold; the next
-        rollout grows the cache again (doubling, as from start-up)."""
+        rollout grows the cache again, as from start-up."""
         if not self._running and not self.cache.released and not self.cache.lengths:
-            self.cache = self._new_cache(slots=4, capacity=256)
+            self.cache = self._new_cache(slots=4, capacity=64)
         release_free_memory()
         self._trimmed = True
 
@@ -674,7 +674,7 @@ class BatchedDecoder:
             return False
         if self.cache.released:  # nothing to free, and nothing may be allocated while released
             return True
-        self.cache = self._new_cache(slots=4, capacity=256)
+        self.cache = self._new_cache(slots=4, capacity=64)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         return True

@@ -23,6 +23,9 @@ import torch
 from transformers.cache_utils import Cache
 
 
+GROW_COLUMNS = 16  # capacity grows in multiples of this many columns, by two of them at least
+
+
 class SlotKVCache(Cache):
     """KV cache for `B` left-padded rows sharing one write column (see module docstring)."""
 
@@ -35,7 +38,7 @@ class SlotKVCache(Cache):
         dtype: torch.dtype,
         device: torch.device | str,
         slots: int = 4,
-        capacity: int = 256,
+        capacity: int = 64,
     ) -> None:
         super().__init__(layers=[])
         self.num_layers = num_layers
@@ -109,14 +112,17 @@ class SlotKVCache(Cache):
         if fits and self.batch_size == 0:
             self.end = min_end  # nothing live: just move the write column
             return
-        # Compact the live region to the left edge (one copy of live data, amortised by the
-        # doubling below), keeping `end` >= min_end.
+        # Compact the live region to the left edge, keeping `end` >= min_end. The capacity
+        # follows what the rows need (their longest context and the new columns) with a quarter
+        # more, instead of doubling past it: the KV cache is most of what an engine grows by,
+        # and the quarter keeps compactions (one copy of the live region) a quarter-width apart.
         live = self.end - self.start
         new_end = max(min_end, live)
-        slots = self.slots if rows <= self.slots else max(rows, 2 * self.slots)
+        slots = self.slots if rows <= self.slots else max(rows, self.slots + max(4, self.slots // 4))
+        want = new_end + columns
         capacity = self.capacity
-        while new_end + columns > capacity:
-            capacity *= 2
+        if want + want // 4 > capacity:
+            capacity = -(-(want + max(want // 4, 2 * GROW_COLUMNS)) // GROW_COLUMNS) * GROW_COLUMNS
         self._reshape(slots, capacity, new_end - self.end)
 
     # -- rows ----------------------------------------------------------------------------------
