@@ -101,7 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "trained model and the base model; 0: all of them; -1: no evaluation")
     parser.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation")
     parser.add_argument("--eval-engines", type=int, default=None, metavar="N",
-                        help="engines of each `rlkit eval` (default: its recipe's, 2); greedy "
+                        help="engines of each `rlkit eval` (default: its recipe's); greedy "
                         "decoding gives the same answers on any number")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads of TRL's process (default: this machine's cores)")
