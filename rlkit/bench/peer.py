@@ -58,8 +58,9 @@ UNMATCHED: list[tuple[str, str]] = [
      "a step, trains on the first P to complete and carries the rest over: another prompt "
      "sequence, by design."),
     ("threads and processes", "TRL is one process with --threads torch threads. rlkit runs its "
-     "own layout on the same cores: engine processes (1 torch thread each), a megatron-core "
-     "trainer actor under Ray, reward workers. Each framework keeps its own layout."),
+     "own layout on the same cores: the recipe's engine (one process with the cores' torch "
+     "threads), a megatron-core trainer actor under Ray, reward workers. Each framework keeps "
+     "its own layout."),
     ("gradient checkpointing", "TRL's GRPOConfig defaults it on; it is off here because rlkit's "
      "trainer does no activation recompute. A TRL user on defaults gets a slower train phase."),
     ("off-policy correction", "the rlkit recipes set off_policy_correction tis; TRL corrects only "
