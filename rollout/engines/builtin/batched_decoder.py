@@ -190,7 +190,7 @@ class BatchedDecoder:
         self._kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
         self._head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
         self._num_layers = text_config.num_hidden_layers
-        self.cache = self._new_cache(slots=4, capacity=64)
+        self.cache = self._new_cache()
 
         self._lock = threading.Lock()  # guards the queues and flags below
         self._wake = threading.Event()
@@ -634,14 +634,15 @@ class BatchedDecoder:
         machine the trainer trains now, and its peak adds to what the engines hold; the next
         rollout grows the cache again, as from start-up."""
         if not self._running and not self.cache.released and not self.cache.lengths:
-            self.cache = self._new_cache(slots=4, capacity=64)
+            self.cache = self._new_cache()
         release_free_memory()
         self._trimmed = True
 
-    def _new_cache(self, slots: int, capacity: int) -> SlotKVCache:
+    def _new_cache(self, **shape: int) -> SlotKVCache:
+        """A cache of `shape` (slots, capacity); none given: SlotKVCache's first, small size,
+        which it grows from (start-up, and back to it when idle or released)."""
         return SlotKVCache(num_layers=self._num_layers, kv_heads=self._kv_heads,
-                           head_dim=self._head_dim, dtype=self.dtype, device=self.device,
-                           slots=slots, capacity=capacity)
+                           head_dim=self._head_dim, dtype=self.dtype, device=self.device, **shape)
 
     # -- commands (run on the decoder thread) ------------------------------------------------
     def _pause(self, mode: PauseMode) -> int:
@@ -674,7 +675,7 @@ class BatchedDecoder:
             return False
         if self.cache.released:  # nothing to free, and nothing may be allocated while released
             return True
-        self.cache = self._new_cache(slots=4, capacity=64)
+        self.cache = self._new_cache()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         return True
