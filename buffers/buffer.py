@@ -234,18 +234,31 @@ class RolloutBuffer:
                 self._sweep_ready()  # before the step counts them toward its target
 
     # -- producer side ------------------------------------------------------------------
-    def acquire(self, k: int) -> list[Group]:
+    def acquire(self, k: int, *, must_limit: int | None = None) -> list[Group]:
         """Up to k groups to generate: partial groups first (oldest first), then fresh prompts
         (held-back ones first).
 
-        Returns fewer than k when the partial queue runs dry and there is no source, or when
-        every row the source offers is out already (fewer rows than live groups).
+        `must_limit`: hand out at most this many groups that must finish in this step (see
+        must_finish); the others stay queued, and no fresh prompt is drawn once fresh groups
+        must finish too (one version ahead under a lag bound of 1). A policy that over-provisions
+        passes the batch slots left, so it never waits for more last-chance groups than the
+        trainer takes next: a surplus one would lag past the bound and be restarted.
+
+        Returns fewer than k when the partial queue runs dry and there is no source, when every
+        row the source offers is out already (fewer rows than live groups), or at must_limit.
         """
         with self._lock:
-            out = self._pop_fit(self._partial, k)
+            out = self._pop_fit(self._partial, k, must_limit)
             for g in out:
                 self._hand_out(g)
+            if must_limit is not None:
+                must_limit -= sum(self._must_finish(g) for g in out)
+            fresh_must = self._must_finish(None)
             while len(out) < k and self.source is not None:
+                if fresh_must and must_limit is not None and must_limit <= 0:
+                    break
+                if fresh_must and must_limit is not None:
+                    must_limit -= 1
                 g = self._new_group()
                 if g is None:
                     break
@@ -719,13 +732,17 @@ class RolloutBuffer:
         must complete in this step, since resumed in the next one (one version later) some of its
         tokens would lag past the bound and be restarted. Its oldest token decides; a group
         without tokens is judged by the version its tokens get now (the engines')."""
+        with self._lock:
+            return self._must_finish(group)
+
+    def _must_finish(self, group: Group | None) -> bool:
+        """must_finish with the lock held; None stands for a fresh group (no tokens yet)."""
         if self.max_token_lag is None:
             return False
-        with self._lock:
-            oldest = group.oldest_version()
-            if oldest is None:
-                oldest = self._producer_version
-            return self._producing_for + 1 - oldest > self.max_token_lag
+        oldest = None if group is None else group.oldest_version()
+        if oldest is None:
+            oldest = self._producer_version
+        return self._producing_for + 1 - oldest > self.max_token_lag
 
     def _restart_lagging(self, group: Group, consumer: int) -> int:
         """The token-lag bound (max_token_lag) for a group about to be resumed or queued as
@@ -761,17 +778,26 @@ class RolloutBuffer:
         self._counts[f"{why}_restart_tokens"] += tokens
         return tokens
 
-    def _pop_fit(self, queue: _OldestFirst, k: int) -> list[Group]:
+    def _pop_fit(self, queue: _OldestFirst, k: int, must_limit: int | None = None) -> list[Group]:
         """Up to k groups from a queue, oldest first, each through the staleness rule and the
-        token-lag bound."""
+        token-lag bound; past `must_limit` groups that must finish, those stay queued."""
         out: list[Group] = []
+        kept: list[Group] = []
         while len(out) < k:
             group = queue.pop()
             if group is None:
                 break
-            if self._enforce_staleness(group, self._producing_for) != "dropped":
-                self._restart_lagging(group, self._producing_for)
-                out.append(group)
+            if self._enforce_staleness(group, self._producing_for) == "dropped":
+                continue
+            self._restart_lagging(group, self._producing_for)
+            if must_limit is not None and self._must_finish(group):
+                if must_limit <= 0:
+                    kept.append(group)
+                    continue
+                must_limit -= 1
+            out.append(group)
+        for group in kept:  # still in this queue's place: only the heap entry was popped
+            queue.push(group)
         return out
 
     def _discard(self, samples: list[Sample]) -> int:

@@ -689,7 +689,9 @@ class RolloutConfig(BaseModel):
         "trained is restarted from its prompt instead (its tokens discarded, counted in "
         "rollout/lag_restarts and rollout/lag_restart_tokens), and so is a ready sample still "
         "untrained when the trainer's version moves past it. Async mode generates one version "
-        "ahead, so 0 there admits no overlap (sync, step for step).",
+        "ahead, so 0 there admits no overlap (sync, step for step). With partial rollouts a "
+        "step waits for the groups on their last chance, at most its target of them: in async "
+        "mode under a bound of 1 every group is, so over_provision has no effect there.",
     )
     max_resume_log_ratio: float | None = Field(
         None,

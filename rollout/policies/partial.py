@@ -8,7 +8,11 @@ the long tail no longer holds the step, and none of its work is thrown away.
 Under rollout.max_token_lag a group whose samples could not be resumed in the next step
 without restarting one (its oldest token would then lag past the bound) must finish in this
 one: the step waits for it after its target, instead of parking it and throwing its tokens
-away next step (the buffer hands the oldest groups to the trainer first).
+away next step (the buffer hands the oldest groups to the trainer first). At most the step's
+target of them are launched (buffer.acquire's must_limit): one more would complete as a surplus
+that the next batch trains a version later, past the bound. One version ahead (async) under a
+bound of 1 every fresh group is on its last chance, so the step launches no more than its
+target: over-provisioning cannot keep tokens that the bound would throw away.
 
 Adaptive over-provisioning (with a ranker) replaces the fixed factor: groups are launched one
 at a time while the predicted work in flight is too little to keep the engines at their
@@ -23,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from rlkit.rollout.dispatch import InFlightSizer
+from rlkit.rollout.manager import EventKind
 
 if TYPE_CHECKING:
     from rlkit.buffers.group import Group
@@ -39,8 +44,11 @@ class PartialPolicy:
     max_factor: float = 2.0
     name: str = "partial"
     pass_rate: float = 1.0  # share of complete groups the filter kept, recently (adaptive)
-    # groups of this step launched on their last chance under rollout.max_token_lag
+    # groups of this step launched on their last chance under rollout.max_token_lag: those
+    # still running, the ids of all, and how many hold a slot of the batch (running or complete)
     _must: list["Group"] = field(default_factory=list, init=False, repr=False)
+    _must_ids: set[int] = field(default_factory=set, init=False, repr=False)
+    _must_slots: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.over_provision < 1.0:
@@ -51,13 +59,15 @@ class PartialPolicy:
     async def run(self, step: Step) -> None:
         in_flight = math.ceil(self.over_provision * step.target)
         adaptive = self.sizer is not None and step.ranker is not None
-        self._must = []
+        self._must, self._must_ids, self._must_slots = [], set(), 0
         while step.completed < step.target or self._waiting(step):
             if adaptive:
                 self._fill(step)
             else:
-                self._launch(step, step.buffer.acquire(in_flight - step.completed - step.running))
-            await step.next_event()
+                self._launch(step, self._acquire(step, in_flight - step.completed - step.running))
+            event = await step.next_event()
+            if event.kind is not EventKind.COMPLETED and event.group.group_id in self._must_ids:
+                self._must_slots -= 1  # filtered, dropped or parked: its slot is free again
         if adaptive:
             self._learn_pass_rate(step)
         await step.stop(park="partial")
@@ -76,13 +86,20 @@ class PartialPolicy:
             if step.completed + step.running >= lo and self.sizer.enough(
                     step.running_groups(), need, n, busy):
                 break
-            groups = step.buffer.acquire(1)
+            groups = self._acquire(step, 1)
             if not groups:
                 break
             self._launch(step, groups)
 
+    def _acquire(self, step: Step, k: int) -> list[Group]:
+        """Up to k groups, last-chance ones only while the batch has slots for them."""
+        return step.buffer.acquire(k, must_limit=step.target - self._must_slots)
+
     def _launch(self, step: Step, groups: list[Group]) -> None:
-        self._must += [g for g in groups if step.buffer.must_finish(g)]
+        must = [g for g in groups if step.buffer.must_finish(g)]
+        self._must += must
+        self._must_ids.update(g.group_id for g in must)
+        self._must_slots += len(must)
         step.launch_all(groups)
 
     def _waiting(self, step: Step) -> bool:

@@ -274,3 +274,27 @@ class LagMachine(RuleBasedStateMachine):
 TestLagMachine = LagMachine.TestCase
 TestLagMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None,
                                    suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_acquire_hands_out_no_more_last_chance_groups_than_its_limit():
+    buf = make_buffer(n=1, rows=9, max_staleness=100, max_token_lag=1)
+    older = buf.acquire(3)
+    for g in older:
+        g.samples[0].start_request()
+        g.samples[0].append([7] * 3, [-0.5] * 3, 0)
+        buf.requeue(g)
+    buf.set_version(1)
+    buf.set_producer_version(1)
+    buf.begin_production(1)  # the parked tokens (version 0) lag 2 at version 2: last chance
+    got = buf.acquire(5, must_limit=2)
+    # two last-chance groups, oldest first, then fresh ones (they may wait a step); the third
+    # stays parked where it was
+    assert got[:2] == older[:2] and len(got) == 5
+    assert [buf.must_finish(g) for g in got] == [True, True, False, False, False]
+    assert buf.queued(Place.PARTIAL) == [older[2]]
+    buf.begin_production(2)  # one version ahead: fresh groups are on their last chance too
+    assert buf.acquire(5, must_limit=0) == []  # the parked one stays, no prompt is drawn
+    again = buf.acquire(5, must_limit=2)
+    assert again[0] is older[2] and len(again) == 2
+    # its version-0 tokens would lag 2 at version 2: restarted as it left the queue (counted)
+    assert buf.stats()["lag_restarts"] == 1 and buf.stats()["balanced"]

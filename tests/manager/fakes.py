@@ -42,6 +42,12 @@ class FakeEngines:
             load[w] += 1
         return load
 
+    async def probe(self, worker: str, timeout_s: float, *, generate: bool = True) -> str | None:
+        return None  # in-process: always answers (the health monitor's periodic probe)
+
+    async def progress(self, worker: str, timeout_s: float) -> int | None:
+        return None
+
     async def abort_all(self) -> None:
         self.aborts += 1
         self._aborted.update(self._running)

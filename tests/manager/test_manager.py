@@ -303,3 +303,49 @@ async def test_a_group_the_staleness_rule_drops_on_arrival_is_not_part_of_the_ba
     assert stats["dropped_by_reason"] == {"stale": 4} and stats["ready"] == 2
     assert [g.group_id for g in buf.take_nowait(2)] == [4, 5]
     assert stats["balanced"]
+
+
+async def test_partial_under_a_lag_bound_waits_for_no_more_last_chance_groups_than_its_target():
+    """One version ahead (async) under max_token_lag=1 every group is on its last chance: a
+    surplus one would be trained a version later, past the bound, and restarted. The step
+    launches only its target of them, over_provision notwithstanding, and completes exactly
+    those (before, it launched 4 for a target of 2, waited for all and left 2 to restart)."""
+    buf = RolloutBuffer(
+        ListPromptSource(records_from_token_lists([[1, i] for i in range(20)]), shuffle=False),
+        n_samples_per_prompt=2, max_staleness=5, max_token_lag=1)
+    mgr = RolloutManager(buf, FakeEngines(lambda s: 8), PartialPolicy(over_provision=2.0),
+                         SamplingConfig(max_new_tokens=100), RewardScheduler(constant_reward))
+    buf.begin_production(1)  # engines at version 0, trained at 1: fresh tokens lag 2 there
+    r = await mgr.run_step(target=2, version=0)
+    assert (r.groups_launched, len(r.completed)) == (2, 2)
+    buf.set_version(1)
+    assert len(buf.take_nowait(2)) == 2 and buf.count(Place.READY) == 0
+    buf.set_producer_version(1)
+    buf.begin_production(2)
+    r = await mgr.run_step(target=2, version=1)
+    assert (r.groups_launched, len(r.completed)) == (2, 2)
+    stats = buf.stats()
+    assert stats["lag_restarts"] == 0 and stats["discarded_tokens"] == 0 and stats["balanced"]
+
+
+async def test_partial_over_provisions_groups_that_may_wait_a_step_under_the_bound():
+    """In sync mode a fresh group may be resumed once: over-provisioning is kept, the tail
+    parked; next step the parked groups are on their last chance and are waited for."""
+    def tail(sample):
+        return 200 if sample.group_id in (0, 1) else 8
+
+    buf = RolloutBuffer(
+        ListPromptSource(records_from_token_lists([[1, i] for i in range(20)]), shuffle=False),
+        n_samples_per_prompt=2, max_staleness=5, max_token_lag=1)
+    mgr = RolloutManager(buf, FakeEngines(tail), PartialPolicy(over_provision=2.0),
+                         SamplingConfig(max_new_tokens=300), RewardScheduler(constant_reward))
+    r = await mgr.run_step(target=3, version=0)
+    assert r.groups_launched == 6 and {g.group_id for g in buf.queued(Place.PARTIAL)} == {0, 1}
+    buf.take_nowait(3)
+    for v in (1,):
+        buf.set_version(v)
+        buf.set_producer_version(v)
+        buf.begin_production(v)
+    r = await mgr.run_step(target=3, version=1)
+    assert {0, 1} <= set(r.completed)  # waited for: resumed again, their version-0 tokens lag 2
+    assert buf.stats()["lag_restarts"] == 0 and buf.stats()["balanced"]
