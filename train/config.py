@@ -235,6 +235,47 @@ class WeightSyncConfig(BaseModel):
     )
 
 
+class LoraConfig(BaseModel):
+    """LoRA (train/megatron/lora.py): low-rank adapters on the linear layers, the base frozen."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rank: int = Field(
+        0, ge=0, le=1024,
+        description="Adapter rank r; 0: off (every parameter trained). The optimizer then holds "
+        "the adapters alone, and the KL reference (algorithm.kl_coef) is the base model with the "
+        "adapters off, with no copy of the weights kept.",
+    )
+    alpha: float = Field(
+        32.0, gt=0,
+        description="Scale numerator: the adapter adds (alpha / rank) B A x to the layer's output "
+        "(PEFT's lora_alpha).",
+    )
+    dropout: float = Field(
+        0.0, ge=0, lt=1,
+        description="Dropout on the adapters' input while training (PEFT's lora_dropout). Above 0 "
+        "the trainer's logprobs of a sample differ from the engine's by the dropout's noise.",
+    )
+    targets: list[Literal["qkv", "proj", "fc1", "fc2"]] = Field(
+        default_factory=lambda: ["qkv", "proj", "fc1", "fc2"],
+        min_length=1,
+        description="Layers adapted, megatron's names: qkv (q/k/v projections, one fused "
+        "column-parallel layer: one A shared by q, k and v), proj (attention output), fc1 (gate "
+        "and up projections, fused), fc2 (down projection).",
+    )
+    sync: Literal["merged"] = Field(
+        "merged",
+        description="What the engines receive after each step: 'merged', the full weights with "
+        "W + (alpha / rank) B A, as without LoRA (sending the adapter alone is not built yet).",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> "LoraConfig":
+        if len(set(self.targets)) != len(self.targets):
+            raise ValueError(f"targets: a layer named twice in {self.targets}")
+        return self
+
+
 class TrainConfig(BaseModel):
     """Training side (Megatron-core)."""
 
@@ -298,7 +339,9 @@ class TrainConfig(BaseModel):
         "(never more work than padding). Larger rows mean fewer of them, but attention cost grows "
         "with the square of the row length.",
     )
-    seed: int = Field(1234, description="Seed of the trainer's torch/python RNGs.")
+    seed: int = Field(1234, description="Seed of the trainer's torch/python RNGs (and of the "
+                      "LoRA adapters' initialisation).")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters (off by default).")
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":

@@ -72,6 +72,7 @@ class Checkpointed(Protocol):
     def module(self) -> torch.nn.Module: ...  # the bare GPTModel
     def megatron_state(self) -> dict[str, torch.Tensor]: ...
     def _load_megatron_state(self, state: dict[str, torch.Tensor]) -> None: ...
+    def lora_merge_plan(self) -> dict[str, list]: ...
     def discard_gradients(self) -> None: ...
 
 
@@ -219,7 +220,8 @@ def _save_dist(trainer: Checkpointed, path: Path) -> dict[str, list]:
     if not _all_ok(trainer, failure is None):
         raise CheckpointError(f"{tmp}: cannot write ({_why(failure) if failure else 'failed on rank 0'})")
     state = _sharded_state(trainer, is_loading=False)
-    keys = _dist_keys(state["model"], megatron_param_names(trainer.arch))
+    adapters = [a for merge in trainer.lora_merge_plan().values() for a in merge[:2]]
+    keys = _dist_keys(state["model"], megatron_param_names(trainer.arch) + adapters)
     try:
         dist_checkpointing.save(state, str(tmp), sharded_strategy=_sync_torch_dist_strategy())
     except _dcp_errors() as e:  # torch reports a failed write on every rank
@@ -373,6 +375,9 @@ def save_checkpoint(trainer: Checkpointed, path: Path) -> None:
             "source_model": str(trainer.model_path),
             "dtype": str(trainer.dtype).removeprefix("torch."),
             "dist_keys": keys,
+            # LoRA: each adapted weight's [A, B, scale] (their tensors are in dist_keys); export
+            # merges W + scale B A
+            "lora": trainer.lora_merge_plan() or None,
         }
         _replace(meta_file, lambda tmp: tmp.write_text(json.dumps(meta, indent=2)))
     if _world(trainer):
@@ -486,7 +491,11 @@ def checkpoint_hf_shards(path: Path) -> tuple[dict, list[dict[str, torch.Tensor]
     meta = read_meta(path)
     if meta["format_version"] == LEGACY_FORMAT_VERSION:
         return meta, [_load(path / f"model_tp{t:02d}.pt", "model shard") for t in range(meta["tensor_parallel"])]
-    return meta, [read_dist_model(path, meta)]
+    state = read_dist_model(path, meta)
+    for name, (a, b, scale) in (meta.get("lora") or {}).items():  # a LoRA run: merged weights
+        delta = (state.pop(b).double() @ state.pop(a).double()) * scale
+        state[name] = (state[name].double() + delta).to(state[name].dtype)
+    return meta, [state]
 
 
 def read_dist_model(path: Path, meta: dict | None = None) -> dict[str, torch.Tensor]:

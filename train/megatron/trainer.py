@@ -92,6 +92,16 @@ class MegatronTrainer:
             ),
             module,
         )
+        # LoRA (train.lora): adapters added, the base frozen, before DDP sizes its gradient
+        # buffers and the optimizer takes the trainable parameters (the adapters only)
+        self.lora: dict[str, Any] = {}
+        if config.lora.rank > 0:
+            from rlkit.train.megatron.lora import apply_lora
+
+            lc = config.lora
+            self.lora = apply_lora(module, rank=lc.rank, alpha=lc.alpha, dropout=lc.dropout,
+                                   targets=list(lc.targets), seed=config.seed,
+                                   tp_rank=self.rank.tp_rank, tp_size=self.rank.tp_size)
         self.model = DistributedDataParallel(
             config=module.config,
             ddp_config=DistributedDataParallelConfig(
@@ -101,7 +111,7 @@ class MegatronTrainer:
         )
         self.optimizer = build_optimizer(self.model, config.optimizer, self.device, self.dtype)
         self._reference: dict[str, torch.Tensor] | None = None
-        if config.algorithm.kl_coef > 0:
+        if config.algorithm.kl_coef > 0 and not self.lora:  # with LoRA: the adapters off
             self._reference = {n: p.detach().clone() for n, p in self.module.named_parameters()}
 
         self._sender = None  # WeightSender, on the rank that talks to engines
@@ -137,9 +147,16 @@ class MegatronTrainer:
         return {n: p.detach() for n, p in self.module.named_parameters()}
 
     def _load_megatron_state(self, state: dict[str, torch.Tensor], module: torch.nn.Module | None = None) -> None:
+        from rlkit.train.megatron.lora import is_adapter_parameter
+
         module = module if module is not None else self.module
         params = dict(module.named_parameters())
-        expected = set(megatron_param_names(self.arch))
+        adapters = {n for n in params if is_adapter_parameter(n)}
+        if adapters and adapters & set(state):  # a checkpoint of this LoRA run: adapters too
+            expected = set(megatron_param_names(self.arch)) | adapters
+        else:  # the base model (HF weights; adapters are added after it, or B = 0 already)
+            params = {n: p for n, p in params.items() if n not in adapters}
+            expected = set(megatron_param_names(self.arch))
         if set(params) != expected:
             raise RuntimeError(
                 "GPTModel parameters do not match the converter's names: "
@@ -152,6 +169,15 @@ class MegatronTrainer:
                 if tuple(src.shape) != tuple(p.shape):
                     raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != model {tuple(p.shape)}")
                 p.copy_(src.to(device=p.device, dtype=p.dtype))
+
+    def lora_merge_plan(self) -> dict[str, list]:
+        """For checkpoints and export: each adapted weight's [A name, B name, scale]."""
+        prefix = {a: n for n, a in self.lora.items()}
+        plan: dict[str, list] = {}
+        for name, adapter in self.module.named_modules():
+            if adapter in prefix:
+                plan[prefix[adapter]] = [f"{name}.a", f"{name}.b", adapter.scale]
+        return plan
 
     @property
     def attention_weight(self) -> float:
@@ -235,6 +261,12 @@ class MegatronTrainer:
     def _weights(self, policy: Policy) -> Iterator[None]:
         if policy == "current":
             yield
+            return
+        if self.lora:  # the reference is the base model: the adapters off
+            from rlkit.train.megatron.lora import disabled
+
+            with disabled(self.lora):
+                yield
             return
         if self._reference is None:
             raise ValueError("reference logprobs need train.algorithm.kl_coef > 0 (no reference kept)")
@@ -478,6 +510,8 @@ class MegatronTrainer:
         tp = self.rank.tp_size
         for name in megatron_param_names(self.arch):
             local = params[name].detach()
+            if name in self.lora:  # merged: W + (alpha / r) B A, this rank's shard of it
+                local = local + self.lora[name].delta().detach().to(local.dtype)
             if tp > 1:
                 shards = [torch.empty_like(local) for _ in range(tp)]
                 dist.all_gather(shards, local.contiguous(), group=self._tp_group)
