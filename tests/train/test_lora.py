@@ -157,3 +157,27 @@ def test_tp2_lora_trains_as_tp1(ray_cluster, tiny_qwen2_dir, tmp_path):
         assert diff(resumed.logprobs(batch), group.logprobs(batch)) < 1e-5
     finally:
         group.shutdown()
+
+
+def test_the_peft_export_loads_with_peft_and_gives_the_trainer_s_logprobs(tiny_qwen2_dir, tmp_path):
+    """adapter_config.json + adapter_model.safetensors: q/k/v share the fused layer's A (B cut as
+    the converter cuts the weight), gate/up likewise; PEFT loads it onto the HF base model."""
+    import json
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    batch = random_batch(6, seed=9)
+    trainer = make_trainer(tiny_qwen2_dir, LORA)
+    for _ in range(2):
+        trainer.accumulate(batch)
+        trainer.step()
+    folder = trainer.export_adapter(tmp_path / "adapter")
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"]) == (4, 8.0)
+    assert sorted(config["target_modules"]) == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    base = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(folder)).eval()
+    theirs = [hf_response_logprobs(model, s.tokens, s.prompt_length) for s in batch.samples]
+    assert diff(trainer.logprobs(batch), theirs) < 1e-4

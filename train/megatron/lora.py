@@ -159,3 +159,66 @@ def disabled(adapters: dict[str, LoraAdapter]) -> Iterator[None]:
     finally:
         for a in adapters.values():
             a.enabled = True
+
+
+# -- PEFT layout (engines that load adapters, `rlkit export --adapter`) --------------------------
+# each target's HF modules, in the order the converter splits a fused weight
+HF_MODULES: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"), "proj": ("o_proj",),
+    "fc1": ("gate_proj", "up_proj"), "fc2": ("down_proj",),
+}
+
+
+def target_of(weight_name: str) -> str:
+    """The recipe target of an adapted megatron weight name."""
+    for target, (_, attr, _) in TARGETS.items():
+        if f".{attr}.weight" in weight_name:
+            return target
+    raise ValueError(f"{weight_name!r} is no LoRA target")
+
+
+def adapter_to_hf(weight_name: str, a_shards, b_shards, arch) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(HF module name, A, B) for one adapted megatron weight from every TP rank's shards (in rank
+    order). A fused layer's adapter becomes one per HF module sharing A (qkv: q, k, v; fc1: gate,
+    up), its B cut as the converter cuts the weight; a row layer's A is put back together."""
+    from rlkit.train.convert import megatron_param_to_hf
+
+    if TARGETS[target_of(weight_name)][2] == "column":
+        a = a_shards[0]
+        return [(n.removesuffix(".weight"), a, b)
+                for n, b in megatron_param_to_hf(weight_name, list(b_shards), arch)]
+    b = b_shards[0]
+    return [(n.removesuffix(".weight"), a, b)
+            for n, a in megatron_param_to_hf(weight_name, list(a_shards), arch)]
+
+
+def peft_tensor_names(module: str) -> tuple[str, str]:
+    """PEFT's names of an HF module's A and B (as adapter_model.safetensors holds them)."""
+    return (f"base_model.model.{module}.lora_A.weight", f"base_model.model.{module}.lora_B.weight")
+
+
+def peft_config(*, rank: int, alpha: float, dropout: float, targets: list[str],
+                base_model: str) -> dict:
+    """PEFT's adapter_config.json for these adapters (also SGLang's config_dict)."""
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
+        "lora_dropout": dropout, "bias": "none", "fan_in_fan_out": False,
+        "target_modules": [m for t in targets for m in HF_MODULES[t]],
+        "base_model_name_or_path": base_model, "inference_mode": True,
+    }
+
+
+def write_peft_folder(path, tensors: dict[str, torch.Tensor], config: dict):
+    """adapter_config.json + adapter_model.safetensors: what `peft.PeftModel.from_pretrained`
+    loads onto the base model."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({n: t.detach().cpu().clone() for n, t in tensors.items()},  # shared A: one copy each
+              str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return folder

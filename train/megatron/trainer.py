@@ -520,6 +520,50 @@ class MegatronTrainer:
             if self.rank.tp_rank == 0:
                 yield from megatron_param_to_hf(name, shards, self.arch)
 
+    def iter_adapter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The LoRA adapters in PEFT's names and HF's layout (one A and B per HF module). Collective
+        over the TP group like iter_hf_weights: only TP rank 0 receives tensors."""
+        import torch.distributed as dist
+
+        from rlkit.train.megatron.lora import adapter_to_hf, peft_tensor_names
+
+        tp = self.rank.tp_size
+        for name, adapter in self.lora.items():
+            shards = []
+            for t in (adapter.a.detach(), adapter.b.detach()):
+                if tp > 1:
+                    parts = [torch.empty_like(t) for _ in range(tp)]
+                    dist.all_gather(parts, t.contiguous(), group=self._tp_group)
+                    shards.append(parts)
+                else:
+                    shards.append([t])
+            if self.rank.tp_rank == 0:
+                for module, a, b in adapter_to_hf(name, shards[0], shards[1], self.arch):
+                    name_a, name_b = peft_tensor_names(module)
+                    yield name_a, a.contiguous()
+                    yield name_b, b.contiguous()
+
+    def peft_config(self) -> dict:
+        from rlkit.train.megatron.lora import peft_config
+
+        lc = self.config.lora
+        if not self.lora:
+            raise ValueError("no LoRA adapters: train.lora.rank is 0")
+        return peft_config(rank=lc.rank, alpha=lc.alpha, dropout=lc.dropout,
+                           targets=list(lc.targets), base_model=str(self.model_path))
+
+    def export_adapter(self, path: str | Path) -> Path | None:
+        """Write the adapters as a PEFT folder (collective over TP; TP rank 0 of DP replica 0
+        writes it)."""
+        from rlkit.train.megatron.lora import write_peft_folder
+
+        config = self.peft_config()
+        with self.colocation.on_device():
+            tensors = dict(self.iter_adapter_tensors())
+        if self.rank.dp_rank != 0 or self.rank.tp_rank != 0:
+            return None
+        return write_peft_folder(path, tensors, config)
+
     def _sender_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]] | None:
         """The HF weight stream on DP rank 0 / TP rank 0 (None elsewhere). The other TP ranks of
         DP replica 0 take part in its all-gathers here; consume the stream on TP rank 0."""
