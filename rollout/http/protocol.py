@@ -121,6 +121,7 @@ class GenerateRequest(BaseModel):
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
     model: str | None = None  # the router forwards an OpenAI-style model name
+    lora_path: str | None = None  # SGLang's: the name of a loaded LoRA adapter to generate with
 
     @model_validator(mode="before")
     @classmethod
@@ -488,6 +489,32 @@ class AbortRequest(BaseModel):
 class PauseGenerationRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     mode: PauseMode = "abort"  # SGLang's default; rlkit's client always sends it explicitly
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    """`POST /load_lora_adapter` (SGLang's LoadLoRAAdapterReqInput): a PEFT folder by path."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+
+
+class LoadLoraAdapterFromTensorsRequest(BaseModel):
+    """`POST /load_lora_adapter_from_tensors` (SGLang's LoadLoRAAdapterFromTensorsReqInput): the
+    PEFT config and one serialized copy of the tensors per TP rank, as update_weights_from_tensor."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    lora_name: str
+    config_dict: dict[str, Any]
+    serialized_named_tensors: list[str]
+    load_format: str | None = None
+    pinned: bool = False
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    lora_name: str
 
 
 class UpdateWeightsFromDiskRequest(BaseModel):

@@ -44,7 +44,7 @@ import torch
 
 from rlkit.common.memory import release_free_memory
 from rlkit.rollout.engines.builtin.kv_cache import SlotKVCache, prefill_mask
-from rlkit.rollout.engines.builtin.requests import DecodeParams, DecodeRequest
+from rlkit.rollout.engines.builtin.requests import DecodeRequest
 from rlkit.rollout.engines.builtin.sampler import RowSampling, sample
 from rlkit.rollout.http.protocol import FinishReason, PauseMode
 
@@ -226,6 +226,16 @@ class BatchedDecoder:
         self.prefilled_tokens = 0
         self._layer_hooks = [layer.register_forward_hook(self._layer_done)
                              for layer in _decoder_layers(model)]
+        # LoRA adapters (lora_adapters.AdapterSet), set by the engine core; each forward binds
+        # its rows' adapters first
+        self.adapters: Any = None
+
+    def lora_in_use(self, name: str) -> int:
+        """Requests running, being admitted or queued that name LoRA adapter `name` (decoder
+        thread, or under call())."""
+        with self._lock:
+            queued = sum(r.lora == name for r in self._waiting)
+        return queued + sum(r.lora == name for r in (*self._running, *self._admitting))
 
     def reset_stats(self) -> dict[str, Any]:
         """The statistics so far; counting starts again (runs between two steps)."""
@@ -446,6 +456,11 @@ class BatchedDecoder:
                 ):
                     break
                 self._waiting.popleft()
+                if r.lora is not None and (self.adapters is None or r.lora not in self.adapters.adapters):
+                    # unloaded between the HTTP side's check and now: answered, never run
+                    self._finish(r, FinishReason.abort(
+                        f"LoRA adapter {r.lora!r} is not loaded", status_code=400))
+                    continue
                 admitted.append(r)
                 reserved += self._reserved_tokens(r)
                 width = max(width, n)
@@ -472,6 +487,8 @@ class BatchedDecoder:
         # the last position samples; a request scoring its input needs the positions from its
         # logprob_start_len on (each predicts the next input token)
         keep = max([1] + [lengths[i] - requests[i].logprob_start_len for i in scored])
+        if self.adapters is not None:
+            self.adapters.bind([r.lora for r in requests])
         out = self.model(
             input_ids=ids.to(self.device),
             position_ids=positions.to(self.device),
@@ -524,6 +541,8 @@ class BatchedDecoder:
         ids = torch.tensor(self._pending_tokens, dtype=torch.long, device=self.device)[:, None]
         positions = torch.tensor(self.cache.lengths, dtype=torch.long, device=self.device)[:, None]
         mask = self.cache.decode_mask()
+        if self.adapters is not None:
+            self.adapters.bind([r.lora for r in self._running])
         out = self.model(
             input_ids=ids,
             position_ids=positions,

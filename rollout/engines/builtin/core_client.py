@@ -167,7 +167,8 @@ class EngineCoreClient:
         try:
             self._send(("submit", DecodeRequest(rid=request.rid, input_ids=request.input_ids,
                                                 params=request.params, stream=request.stream,
-                                                logprob_start_len=request.logprob_start_len)))
+                                                logprob_start_len=request.logprob_start_len,
+                                                lora=request.lora)))
         except CoreDied:
             del self.requests[request.rid]
             raise

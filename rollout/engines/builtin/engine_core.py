@@ -56,6 +56,7 @@ class CoreConfig:
     stream_interval: int = 1  # tokens per streamed chunk: the core reports no more often
     log_level: str = "warning"
     weights_cpu_backup: bool = False  # keep a host copy of released weights (SGLang's flag)
+    max_loaded_loras: int = 8  # LoRA adapters held at once (SGLang's --max-loaded-loras)
 
 
 class EngineCore:
@@ -90,6 +91,9 @@ class EngineCore:
             on_progress=self._report,
             weights_cpu_backup=config.weights_cpu_backup,
         )
+        from rlkit.rollout.engines.builtin.lora_adapters import AdapterSet
+
+        self.decoder.adapters = AdapterSet(self.model, max_loaded=config.max_loaded_loras)
         self.groups: dict[str, Any] = {}
         # Blocking command work (joining a group, receiving a bucket, reading a checkpoint) runs
         # here, so the pipe keeps being read and decoding goes on meanwhile.
@@ -114,6 +118,7 @@ class EngineCore:
             "max_total_tokens": self.decoder.max_total_tokens,
             "max_prefill_tokens": self.decoder.max_prefill_tokens,
             "pid": os.getpid(),
+            "max_loaded_loras": self.config.max_loaded_loras,
         }
 
     def _eos_ids(self) -> set[int]:
@@ -268,6 +273,40 @@ class EngineCore:
             return self._apply(tensors, version, abort_all, flush)
         finally:
             tensors.clear()  # unmap now: the trainer frees the bucket once we answer
+
+    # -- LoRA adapters (lora_adapters.py): loaded and unloaded between two decode steps ----------
+    def cmd_load_lora_from_tensors(self, lora_name: str, config_dict: dict[str, Any],
+                                   serialized_named_tensors: list[str], load_format: str | None) -> dict:
+        from rlkit.rollout.engines.builtin.tensor_receiver import tensors_from_request
+
+        tensors = tensors_from_request(serialized_named_tensors, tp_rank=0, load_format=load_format)
+        return self._load_lora(lora_name, config_dict, tensors)
+
+    def cmd_load_lora(self, lora_name: str, lora_path: str) -> dict:
+        """A PEFT folder (adapter_config.json + adapter_model.safetensors)."""
+        import json
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        folder = Path(lora_path)
+        try:
+            config = json.loads((folder / "adapter_config.json").read_text())
+            tensors = load_file(str(folder / "adapter_model.safetensors"))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{lora_path}: not a PEFT adapter folder ({e})") from None
+        return self._load_lora(lora_name, config, tensors.items())
+
+    def _load_lora(self, name: str, config: dict[str, Any], tensors: Any) -> dict:
+        adapters = self.decoder.adapters
+        self.decoder.call(lambda: adapters.load(name, config, tensors)).result()
+        return adapters.info()
+
+    def cmd_unload_lora(self, lora_name: str) -> dict:
+        adapters = self.decoder.adapters
+        self.decoder.call(
+            lambda: adapters.unload(lora_name, self.decoder.lora_in_use(lora_name))).result()
+        return adapters.info()
 
     def cmd_init_group(self, master_address: str, master_port: int, rank: int, world_size: int,
                        group_name: str, backend: str) -> str:

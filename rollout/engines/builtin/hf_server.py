@@ -49,6 +49,9 @@ from rlkit.rollout.http.protocol import (
     DestroyWeightsUpdateGroupRequest,
     GenerateRequest,
     InitWeightsUpdateGroupRequest,
+    LoadLoraAdapterFromTensorsRequest,
+    LoadLoraAdapterRequest,
+    UnloadLoraAdapterRequest,
     PauseGenerationRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
@@ -149,8 +152,10 @@ class EngineServer:
             weight_group_timeout_s=args.weight_group_timeout_s,
             stream_interval=args.stream_interval, log_level=args.log_level,
             weights_cpu_backup=args.enable_weights_cpu_backup,
+            max_loaded_loras=args.max_loaded_loras,
         ))
         self.weight_version = args.weight_version  # mirrors the core's (set only through it)
+        self.loras: dict[str, str] = {}  # loaded LoRA adapters: name -> path ('__tensor__')
         self.update_session_open = False
         self.control_token = control_token_from_env()  # read once, at start (rollout.http.auth)
         self.public_url = ""  # set once bound; sent as X-Engine-Url so clients behind the
@@ -195,6 +200,9 @@ class EngineServer:
         r.add_post("/end_weight_update", self.end_weight_update)
         r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
         r.add_post("/update_weight_version", self.update_weight_version)
+        r.add_post("/load_lora_adapter", self.load_lora_adapter)
+        r.add_post("/load_lora_adapter_from_tensors", self.load_lora_adapter_from_tensors)
+        r.add_post("/unload_lora_adapter", self.unload_lora_adapter)
         for method in ("GET", "POST"):  # SGLang serves both
             r.add_route(method, "/release_memory_occupation", self.release_memory_occupation)
             r.add_route(method, "/resume_memory_occupation", self.resume_memory_occupation)
@@ -357,8 +365,11 @@ class EngineServer:
             stop_strings=tuple(sp.stop_strings()), ignore_eos=sp.ignore_eos,
             seed=sp.sampling_seed,
         )
+        if req.lora_path is not None and req.lora_path not in self.loras:
+            raise RequestError(f"LoRA adapter {req.lora_path!r} is not loaded (loaded: "
+                               f"{sorted(self.loras) or 'none'})")
         return RemoteRequest(rid=rid, input_ids=input_ids, params=params, stream=req.stream,
-                             logprob_start_len=start)
+                             logprob_start_len=start, lora=req.lora_path)
 
     def _payload(self, r: RemoteRequest, req: GenerateRequest, upto: int, since: int,
                  finished: bool, text: str) -> dict[str, Any]:
@@ -569,6 +580,47 @@ class EngineServer:
         await self._set_version(req.weight_version)
         return self._result(True, f"Succeeded to update model weights from tensors. {message}")
 
+    # -- LoRA adapters (SGLang's endpoints and LoRAUpdateOutput answers) -------------------------
+    def _lora_result(self, ok: bool, error: str | None = None) -> web.Response:
+        return web.json_response(
+            {"success": ok, "error_message": error, "loaded_adapters": dict(self.loras)},
+            status=200 if ok else 400)
+
+    async def _lora_call(self, name: str, command: str, **kwargs: Any) -> web.Response:
+        try:
+            await self.core.call(command, **kwargs)
+        except CoreError as e:
+            return self._lora_result(False, str(e))
+        return self._lora_result(True)
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        req = LoadLoraAdapterRequest.model_validate(await self._body(request))
+        response = await self._lora_call(req.lora_name, "load_lora", lora_name=req.lora_name,
+                                         lora_path=req.lora_path)
+        if response.status == 200:
+            self.loras[req.lora_name] = req.lora_path
+            return self._lora_result(True)
+        return response
+
+    async def load_lora_adapter_from_tensors(self, request: web.Request) -> web.Response:
+        req = LoadLoraAdapterFromTensorsRequest.model_validate(await self._body(request))
+        response = await self._lora_call(
+            req.lora_name, "load_lora_from_tensors", lora_name=req.lora_name,
+            config_dict=req.config_dict, serialized_named_tensors=req.serialized_named_tensors,
+            load_format=req.load_format)
+        if response.status == 200:
+            self.loras[req.lora_name] = "__tensor__"  # SGLang's lora_path for tensor loads
+            return self._lora_result(True)
+        return response
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        req = UnloadLoraAdapterRequest.model_validate(await self._body(request))
+        response = await self._lora_call(req.lora_name, "unload_lora", lora_name=req.lora_name)
+        if response.status == 200:
+            self.loras.pop(req.lora_name, None)
+            return self._lora_result(True)
+        return response
+
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         req = InitWeightsUpdateGroupRequest.model_validate(await self._body(request))
         try:
@@ -663,6 +715,14 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="keep a host copy of the weights on /release_memory_occupation and "
                    "restore it on resume (SGLang's flag; on a CPU engine the copy takes the "
                    "memory the release frees)")
+    # SGLang's LoRA flags: adapters are always servable here (no pre-sized LoRA memory pool), so
+    # --enable-lora, --max-lora-rank and --lora-target-modules are accepted and need nothing
+    p.add_argument("--enable-lora", action="store_true", help="(SGLang's flag; always on here)")
+    p.add_argument("--max-lora-rank", type=int, default=None, help="(SGLang's flag; not needed here)")
+    p.add_argument("--lora-target-modules", nargs="*", default=None,
+                   help="(SGLang's flag; each adapter names its own modules here)")
+    p.add_argument("--max-loaded-loras", type=int, default=8,
+                   help="LoRA adapters held at once (SGLang's flag); loading one more is refused")
     p.add_argument("--startup-timeout-s", type=float, default=600.0)
     p.add_argument("--parent-pid", type=int, default=None,
                    help="exit when this process (the launcher) is gone: no orphaned engines")

@@ -42,6 +42,7 @@ class DecodeRequest:
     # SGLang's logprob_start_len: >= 0 scores the input tokens after that position at prefill
     # (what a resumed partial rollout asks to re-score its parked tokens under new weights)
     logprob_start_len: int = -1
+    lora: str | None = None  # the loaded LoRA adapter it runs under (None: the base model)
     input_logprobs: list[float | None] | None = None  # set once, by the first prefill
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)

@@ -1,0 +1,148 @@
+"""LoRA adapters in the built-in engine over real HTTP (SGLang's endpoints): an adapter loaded from
+tensors (the trainer's in-memory path) or from a PEFT folder answers with the merged model's
+logprobs; two adapters and the base model serve requests by name in one batch; an adapter a
+request still names cannot be unloaded; unknown adapters and bad tensors are refused with the
+reason."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+import aiohttp
+import pytest
+import torch
+
+from rlkit.rollout.engines.config import EngineConfig, RouterConfig
+from rlkit.rollout.engines.fleet import EngineFleet
+from rlkit.train.megatron.lora import peft_tensor_names, write_peft_folder
+from rlkit.train.weight_sync.in_memory import serialize_named_tensors
+from tests.rollout.helpers import LOGPROB_TOLERANCE, teacher_forced_logprobs
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+ENGINE = EngineConfig(num_engines=1, cpu_threads=1, max_running_requests=16, startup_timeout_s=120)
+MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PROMPT = [5, 9, 13, 17, 21]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir, tmp_path_factory):
+    with EngineFleet(str(tiny_model_dir), ENGINE, RouterConfig(),
+                     log_dir=tmp_path_factory.mktemp("lora-logs")) as f:
+        yield f.worker_urls[0], f
+
+
+def random_adapter(model, seed: int, rank: int = 4, alpha: float = 8.0):
+    """PEFT tensors for every layer's linear modules, B not zero (a trained adapter)."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in MODULES:
+            a_name, b_name = peft_tensor_names(name)
+            tensors[a_name] = torch.randn(rank, module.in_features, generator=g) * 0.3
+            tensors[b_name] = torch.randn(module.out_features, rank, generator=g) * 0.3
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": MODULES}
+    return config, tensors
+
+
+def merged(model, config, tensors):
+    """The base model with W + (alpha / r) B A: what an adapter request must sample from."""
+    import copy
+
+    out = copy.deepcopy(model)
+    modules = dict(out.named_modules())
+    scale = config["lora_alpha"] / config["r"]
+    with torch.no_grad():
+        for name in {n.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for n in tensors}:
+            a_name, b_name = peft_tensor_names(name)
+            modules[name].weight += scale * tensors[b_name] @ tensors[a_name]
+    return out
+
+
+async def post(session, url, path, body):
+    async with session.post(url + path, json=body) as r:
+        return r.status, await r.json()
+
+
+async def generate(session, url, lora=None, max_new=12, ignore_eos=False):
+    body = {"input_ids": PROMPT, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": max_new, "temperature": 1.0,
+                                "ignore_eos": ignore_eos}}
+    if lora is not None:
+        body["lora_path"] = lora
+    return await post(session, url, "/generate", body)
+
+
+async def holds_a_request(session, url) -> bool:
+    async with session.get(url + "/v1/loads") as r:
+        load = (await r.json())["loads"][0]
+    return load["num_running_reqs"] + load["num_waiting_reqs"] > 0
+
+
+def tokens_and_logprobs(answer):
+    pairs = answer["meta_info"]["output_token_logprobs"]
+    return [t for _, t, _ in pairs], [lp for lp, _, _ in pairs]
+
+
+def check_sampled_from(model, answer):
+    ids, lps = tokens_and_logprobs(answer)
+    ref = teacher_forced_logprobs(model, PROMPT, ids)
+    return max(abs(a - b) for a, b in zip(ref, lps))
+
+
+async def test_adapters_by_name_beside_the_base_model(engine, tiny_model, tmp_path):
+    url, _ = engine
+    cfg1, t1 = random_adapter(tiny_model, 1)
+    cfg2, t2 = random_adapter(tiny_model, 2)
+    folder = write_peft_folder(tmp_path / "two", t2, cfg2)
+    keep = list(t1.items())  # the shared-memory handles must outlive the load
+    body = {"lora_name": "policy@v1", "config_dict": cfg1, "serialized_named_tensors": [
+        base64.b64encode(serialize_named_tensors(keep)).decode()]}
+    async with aiohttp.ClientSession() as s:
+        status, out = await post(s, url, "/load_lora_adapter_from_tensors", body)
+        assert (status, out["success"]) == (200, True), out
+        status, out = await post(s, url, "/load_lora_adapter",
+                                 {"lora_name": "policy@v2", "lora_path": str(folder)})
+        assert (status, out["success"]) == (200, True), out
+        assert out["loaded_adapters"] == {"policy@v1": "__tensor__", "policy@v2": str(folder)}
+        # one batch: base, adapter 1 and adapter 2 requests at once
+        answers = await asyncio.gather(*(generate(s, url, lora) for lora in
+                                         (None, "policy@v1", "policy@v2") * 3))
+    for (status, answer), model in zip(answers, [tiny_model, merged(tiny_model, cfg1, t1),
+                                                 merged(tiny_model, cfg2, t2)] * 3):
+        assert status == 200
+        assert check_sampled_from(model, answer) < LOGPROB_TOLERANCE
+    # and not from the base model (the adapters change the distribution)
+    assert check_sampled_from(tiny_model, answers[1][1]) > 1e-2
+
+
+async def test_an_adapter_in_use_cannot_be_unloaded_and_unknown_ones_are_refused(engine, tiny_model):
+    url, _ = engine
+    cfg, t = random_adapter(tiny_model, 3)
+    keep = list(t.items())
+    body = {"lora_name": "busy", "config_dict": cfg, "serialized_named_tensors": [
+        base64.b64encode(serialize_named_tensors(keep)).decode()]}
+    async with aiohttp.ClientSession() as s:
+        assert (await post(s, url, "/load_lora_adapter_from_tensors", body))[0] == 200
+        status, out = await post(s, url, "/load_lora_adapter_from_tensors", body)
+        assert status == 400 and "already loaded" in out["error_message"]
+        long = asyncio.create_task(generate(s, url, "busy", max_new=400, ignore_eos=True))
+        while not await holds_a_request(s, url):  # a condition: the engine has it
+            await asyncio.sleep(0.01)
+        status, out = await post(s, url, "/unload_lora_adapter", {"lora_name": "busy"})
+        assert status == 400 and "named by 1 running or queued request" in out["error_message"]
+        assert (await long)[0] == 200
+        status, out = await post(s, url, "/unload_lora_adapter", {"lora_name": "busy"})
+        assert (status, "busy" in out["loaded_adapters"]) == (200, False)
+        status, out = await generate(s, url, "busy")
+        assert status == 400 and "not loaded" in str(out)
+        status, out = await post(s, url, "/unload_lora_adapter", {"lora_name": "busy"})
+        assert status == 400 and "not loaded" in out["error_message"]
+        # tensors that do not fit the model are refused with what is wrong
+        a_name, b_name = peft_tensor_names("model.layers.0.self_attn.q_proj")
+        bad = [(a_name, torch.zeros(4, 3)), (b_name, torch.zeros(64, 4))]
+        status, out = await post(s, url, "/load_lora_adapter_from_tensors", {
+            "lora_name": "bad", "config_dict": cfg, "serialized_named_tensors": [
+                base64.b64encode(serialize_named_tensors(bad)).decode()]})
+        assert status == 400 and "do not fit" in out["error_message"]
