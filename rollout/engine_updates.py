@@ -43,7 +43,8 @@ class UpdateControl(Protocol):
 
     blocks: bool
 
-    def open(self, urls: Sequence[str], version: int, *, colocated: bool = False) -> WeightUpdate: ...
+    def open(self, urls: Sequence[str], version: int, *, colocated: bool = False,
+             adapter: str | None = None) -> WeightUpdate: ...
     def close(self, update: WeightUpdate) -> None: ...
     def fail(self, update: WeightUpdate) -> None: ...
     def release(self, urls: Sequence[str]) -> dict[str, float]: ...
@@ -74,8 +75,17 @@ class EngineUpdates:
     def _on_all(self, engines: Sequence[EngineControl], step: str, call, done=None) -> list:
         return fan_out(self._pool, engines, step, call, self.timeout_s, done)
 
-    def open(self, urls: Sequence[str], version: int, *, colocated: bool = False) -> WeightUpdate:
-        """Pause (or start waking) these engines and open the update of `version` on them."""
+    def open(self, urls: Sequence[str], version: int, *, colocated: bool = False,
+             adapter: str | None = None) -> WeightUpdate:
+        """Pause (or start waking) these engines and open the update of `version` on them.
+        `adapter`: a LoRA adapter update (the adapter is loaded beside the base and the ones in
+        use, and only new requests name it): nothing pauses, flushes or opens a session."""
+        if adapter is not None:
+            if any(u in self.sleeping for u in urls):
+                raise WeightSyncError("a LoRA adapter update cannot wake sleeping engines (their "
+                                      "base weights were released); colocated runs sync merged")
+            return WeightUpdate(version, tuple(urls), self.method, self.folder, False, colocated,
+                                frozenset(), adapter)
         engines = [self.control(u) for u in urls]
         waking = frozenset(u for u in urls if u in self.sleeping)
         awake = [e for e in engines if e.url not in self.sleeping]
@@ -115,6 +125,8 @@ class EngineUpdates:
     def close(self, update: WeightUpdate) -> None:
         """The weights are in: end the session; the woken engines take their KV cache (and
         CUDA graphs) back, the others continue."""
+        if update.adapter is not None:  # nothing was paused (see open)
+            return
         engines = [self.control(u) for u in update.engines]
         if update.method in SESSION_METHODS:
             self._on_all(engines, "end_weight_update", lambda e: e.end_update())
@@ -130,13 +142,29 @@ class EngineUpdates:
     def fail(self, update: WeightUpdate) -> None:
         """The publish failed: end the session wherever one opened (the update sent again to
         the engines left must be able to begin); the engines stay paused."""
-        if update.method not in SESSION_METHODS:
+        if update.method not in SESSION_METHODS or update.adapter is not None:
             return
         for url in update.engines:
             try:
                 self.control(url).end_update()
             except Exception:  # noqa: BLE001 - a dead engine cannot be told; others may refuse
                 pass
+
+    def unload_adapters(self, urls: Sequence[str], names: Sequence[str]) -> list[str]:
+        """LoRA adapter sync: unload these adapters (no request of this run names them any more)
+        from these engines. Those every engine unloaded (or did not hold: a restarted engine);
+        an engine that refuses one (a request still names it) keeps it for the next try."""
+        done = []
+        for name in names:
+            ok = True
+            for url in urls:
+                try:
+                    self.control(url).unload_lora(name)
+                except Exception as e:  # noqa: BLE001 - an engine's refusal is per adapter
+                    ok = ok and "not loaded" in str(e)
+            if ok:
+                done.append(name)
+        return done
 
     def release(self, urls: Sequence[str]) -> dict[str, float]:
         """Colocated: put these idle engines to sleep, releasing every tag; an engine already
@@ -176,15 +204,20 @@ class StatelessEngines:
     folder: str | None = None
     sleeping: dict[str, str] = field(default_factory=dict)
 
-    def open(self, urls: Sequence[str], version: int, *, colocated: bool = False) -> WeightUpdate:
+    def open(self, urls: Sequence[str], version: int, *, colocated: bool = False,
+             adapter: str | None = None) -> WeightUpdate:
         waking = frozenset(u for u in urls if u in self.sleeping)
-        return WeightUpdate(version, tuple(urls), self.method, self.folder, True, colocated, waking)
+        return WeightUpdate(version, tuple(urls), self.method, self.folder, True, colocated, waking,
+                            adapter)
 
     def close(self, update: WeightUpdate) -> None:
         self.forget(update.engines)
 
     def fail(self, update: WeightUpdate) -> None:
         pass
+
+    def unload_adapters(self, urls: Sequence[str], names: Sequence[str]) -> list[str]:
+        return list(names)
 
     def release(self, urls: Sequence[str]) -> dict[str, float]:
         self.sleeping.update((u, "asleep") for u in urls)

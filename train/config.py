@@ -235,6 +235,14 @@ class WeightSyncConfig(BaseModel):
     )
 
 
+# The HF modules each LoRA target (megatron's fused layer) stands for, in the order the converter
+# splits the fused weight: PEFT's target_modules, SGLang's --lora-target-modules.
+LORA_HF_MODULES: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"), "proj": ("o_proj",),
+    "fc1": ("gate_proj", "up_proj"), "fc2": ("down_proj",),
+}
+
+
 class LoraConfig(BaseModel):
     """LoRA (train/megatron/lora.py): low-rank adapters on the linear layers, the base frozen."""
 
@@ -263,10 +271,16 @@ class LoraConfig(BaseModel):
         "column-parallel layer: one A shared by q, k and v), proj (attention output), fc1 (gate "
         "and up projections, fused), fc2 (down projection).",
     )
-    sync: Literal["merged"] = Field(
-        "merged",
-        description="What the engines receive after each step: 'merged', the full weights with "
-        "W + (alpha / rank) B A, as without LoRA (sending the adapter alone is not built yet).",
+    sync: Literal["adapter", "merged"] = Field(
+        "adapter",
+        description="What the engines receive after each step. 'adapter': the adapter alone, "
+        "loaded beside the base as `policy@v<version>` (in memory under weight_sync.method "
+        "tensor, else as a PEFT folder on disk; SGLang's /load_lora_adapter endpoints, which the "
+        "built-in engine serves too); new requests name it, and an adapter no request names "
+        "any more is unloaded. Nothing pauses: requests in flight finish under the adapter they "
+        "began with. 'merged': the full weights with W + (alpha / rank) B A, as without LoRA (an "
+        "engine that serves no adapters; colocated runs, whose engines release their base "
+        "weights while asleep). The metrics row's sync/adapter says which one ran.",
     )
 
     @model_validator(mode="after")

@@ -46,6 +46,7 @@ class EngineControl(Protocol):
     def end_update(self) -> None: ...
     def release_memory(self, tags: Sequence[str] | None = None) -> dict[str, Any]: ...
     def resume_memory(self, tags: Sequence[str] | None = None) -> dict[str, Any]: ...
+    def unload_lora(self, name: str) -> None: ...  # the rollout side's: it knows what is in use
 
 
 class EngineWeights(Protocol):
@@ -65,6 +66,8 @@ class EngineWeights(Protocol):
         group_name: str, version: int,
     ) -> None: ...
     def update_from_tensor(self, body: dict[str, Any]) -> None: ...
+    def load_lora_from_tensors(self, body: dict[str, Any]) -> None: ...
+    def load_lora(self, name: str, path: str) -> None: ...
     def destroy_group(self, group_name: str) -> None: ...
 
 
@@ -212,6 +215,17 @@ class HttpEngine:
         """Weights in memory: SGLang's /update_weights_from_tensor, the body made by
         train/weight_sync/in_memory.py (handles to the trainer's shared or CUDA memory)."""
         self._post("/update_weights_from_tensor", body)
+
+    # LoRA adapters (SGLang's endpoints; the built-in engine serves the same)
+    def load_lora_from_tensors(self, body: dict[str, Any]) -> None:
+        """`{"lora_name", "config_dict", "serialized_named_tensors", "load_format"}`."""
+        self._post("/load_lora_adapter_from_tensors", body)
+
+    def load_lora(self, name: str, path: str) -> None:
+        self._post("/load_lora_adapter", {"lora_name": name, "lora_path": path})
+
+    def unload_lora(self, name: str) -> None:
+        self._post("/unload_lora_adapter", {"lora_name": name})
 
     def destroy_group(self, group_name: str) -> None:
         self._post("/destroy_weights_update_group", {"group_name": group_name})

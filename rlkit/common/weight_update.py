@@ -27,9 +27,24 @@ class WeightUpdate:
     flush: bool = True
     colocated: bool = False  # the turn to generation: the trainer frees its device after sending
     waking: frozenset[str] = frozenset()  # engines this update wakes from sleep (colocated)
+    # LoRA adapter sync (train.lora.sync: adapter): the trainer sends its adapter alone, loaded
+    # under this name (`policy@v12`) beside the base and the adapters still in use; requests
+    # name it from then on. None: the full weights.
+    adapter: str | None = None
 
     def flushes(self, url: str) -> bool:
         return self.flush and url not in self.waking
+
+
+def adapter_name(version: int) -> str:
+    """The name the adapter of policy `version` is loaded under on the engines."""
+    return f"policy@v{version}"
+
+
+def adapter_version(name: str) -> int | None:
+    """The policy version an adapter name carries (None: not one of rlkit's)."""
+    head, sep, tail = name.rpartition("@v")
+    return int(tail) if sep and head == "policy" and tail.isdigit() else None
 
 
 class WeightPublisher(Protocol):

@@ -178,6 +178,17 @@ class Recipe(BaseModel):
             self._check_colocated()
         if ws.method == "auto":  # by placement: on the same device in memory, else a broadcast
             ws.method = self._colocated_method() if self.cluster.placement == "colocated" else "distributed"
+        lora = self.train.lora
+        if lora.rank > 0 and lora.sync == "adapter" and self.rollout.engine.kind == "sglang":
+            # SGLang serves adapters only when started for them (srt/server_args.py's LoRA
+            # flags); the built-in engine always does. A value the recipe sets is kept.
+            from rlkit.train.config import LORA_HF_MODULES as HF_MODULES
+
+            args = self.rollout.engine.sglang_args
+            args.setdefault("enable_lora", True)
+            args.setdefault("max_lora_rank", lora.rank)
+            args.setdefault("lora_target_modules", [m for t in lora.targets for m in HF_MODULES[t]])
+            args.setdefault("max_loaded_loras", 4)
         if ws.pause_mode == "auto":  # in async a sync meets requests in flight: keep them
             ws.pause_mode = "retract" if self.mode == "async" else "abort"
         if algo.loss_aggregation == "sequence_mean_token_sum_norm" and algo.loss_norm_length == 0:
@@ -210,6 +221,11 @@ class Recipe(BaseModel):
             # SGLang frees nothing on release_memory_occupation unless started with it
             # (srt/arg_groups/fields/exec_.py: torch_memory_saver); an explicit false is kept.
             engine.sglang_args.setdefault("enable_memory_saver", True)
+        if self.train.lora.rank > 0 and self.train.lora.sync == "adapter":
+            raise ValueError(
+                "train.lora.sync 'adapter' cannot serve cluster.placement 'colocated': the "
+                "engines release their base weights while the trainer trains, and an adapter "
+                "update does not send them back. Set train.lora.sync: merged")
         if self.train.weight_sync.method == "distributed":
             raise ValueError(
                 "train.weight_sync.method 'distributed' cannot serve cluster.placement "

@@ -139,6 +139,8 @@ class RolloutActor:
                                                   self.evaluator, hand=ray_handed,
                                                   episodes=self.episodes, updates=updates,
                                                   router=RouterProcessHandle(self.router, self.client))
+        lora = r.train.lora
+        self.service.adapter_sync = lora.rank > 0 and lora.sync == "adapter"
 
     async def hand_off_to(self, attention_weight: float) -> None:
         """The trainer is up: ready groups leave split by its data-parallel replicas, placed

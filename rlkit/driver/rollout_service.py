@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from rlkit.buffers import Group, PromptSource, RolloutBuffer, load_buffer, save_buffer
-from rlkit.common.weight_update import PublisherFailed, WeightPublisher
+from rlkit.common.weight_update import PublisherFailed, WeightPublisher, adapter_name
 from rlkit.driver.rollout_box import Handed, RolloutResult, handed_of, lag_record
 from rlkit.rollout.config import RolloutConfig
 from rlkit.rollout.engine_api import Engines
@@ -49,6 +49,11 @@ class RolloutService:
         # The engines' state around weight updates (rollout/engine_updates.py): HTTP control in
         # a run; engines with no state to hold (fakes, simulated) otherwise.
         self.updates: UpdateControl = updates if updates is not None else StatelessEngines()
+        # LoRA adapter sync (train.lora.sync: adapter, set by the driver): each update loads the
+        # trainer's adapter as `policy@v<version>` and new requests name it; `_adapters` are
+        # those loaded and not yet unloaded (an adapter goes once no request names it)
+        self.adapter_sync = False
+        self._adapters: list[str] = []
         self._told_restarted: set[str] = set()  # restarted engines whose sleep was forgotten
         self._current: asyncio.Task | None = None
         self._untrained: list[Group] = []  # handed to the trainer since the last weight sync
@@ -203,9 +208,12 @@ class RolloutService:
         current version). `colocated`: the turn to generation (the sleeping engines wake).
         Metrics: the trainer's, and how long the engines were paused."""
 
+        adapter = adapter_name(version) if self.adapter_sync else None
+
         async def push(targets: list[str]) -> dict[str, float]:
             t0 = asyncio.get_running_loop().time()
-            update = await self._control("open", targets, version, colocated=colocated)
+            update = await self._control("open", targets, version, colocated=colocated,
+                                         adapter=adapter)
             try:
                 metrics = await publisher.publish(update)
             except BaseException:
@@ -223,10 +231,26 @@ class RolloutService:
             self._hold(False)
         if not restarted_only:
             await self.set_version(version)
+            if adapter is not None:
+                metrics = {**metrics, **await self._switch_adapter(adapter)}
         if restarted and self.manager.health is not None:
             await self.manager.health.admit(restarted)
         self._told_restarted -= set(restarted)  # serving now: a later restart is news again
         return metrics
+
+    async def _switch_adapter(self, adapter: str) -> dict[str, float]:
+        """New requests name `adapter` (just loaded everywhere); adapters that no request in
+        flight names any more are unloaded (one still named stays, and goes at a later update).
+        Metrics: the adapters loaded now."""
+        self.engines.adapter = adapter
+        if adapter not in self._adapters:
+            self._adapters.append(adapter)
+        in_use = getattr(self.engines, "adapters_in_use", dict)()
+        stale = [a for a in self._adapters if a != adapter and not in_use.get(a)]
+        if stale:
+            gone = await self._control("unload_adapters", self.engines.workers(), stale)
+            self._adapters = [a for a in self._adapters if a not in gone]
+        return {"sync/adapters_loaded": float(len(self._adapters))}
 
     async def sleep_engines(self) -> dict[str, float]:
         """Colocated, the turn to training: the engines (idle: the step's rollout is over)

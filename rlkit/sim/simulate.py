@@ -153,8 +153,9 @@ class SimEngineUpdates:
     state: StatelessEngines = field(default_factory=StatelessEngines)
     blocks = False  # in virtual time: nothing may wait in a thread
 
-    def open(self, urls: Sequence[str], version: int, *, colocated: bool = False) -> WeightUpdate:
-        return self.state.open(urls, version, colocated=colocated)
+    def open(self, urls: Sequence[str], version: int, *, colocated: bool = False,
+             adapter: str | None = None) -> WeightUpdate:
+        return self.state.open(urls, version, colocated=colocated, adapter=adapter)
 
     def close(self, update: WeightUpdate) -> None:
         self.state.close(update)
@@ -162,6 +163,9 @@ class SimEngineUpdates:
 
     def fail(self, update: WeightUpdate) -> None:
         pass
+
+    def unload_adapters(self, urls: Sequence[str], names: Sequence[str]) -> list[str]:
+        return list(names)
 
     async def release(self, urls: Sequence[str]) -> dict[str, float]:
         if self.colocation is None:

@@ -149,7 +149,7 @@ class GenerateRequest(BaseModel):
         """JSON body as a client sends it: the core sampling fields always, other fields only
         when they differ from SGLang's defaults."""
         body: dict[str, Any] = {}
-        for key in ("text", "input_ids", "rid", "model"):
+        for key in ("text", "input_ids", "rid", "model", "lora_path"):
             if getattr(self, key) is not None:
                 body[key] = getattr(self, key)
         sp = self.sampling_params.model_dump(exclude_defaults=True)

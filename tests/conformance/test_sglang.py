@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from rlkit.config import load_recipe
 from rlkit.rollout.engines.sglang_launcher import sglang_auth_flags
 
 SGLANG_VERSION = "0.5.23"
@@ -123,6 +124,11 @@ async def _record_rlkit_calls(staged) -> list[list]:
         resumed.interrupt()
         worker.generate.append(answer_sse(stream))
         await client.generate(resumed, samplings[1], max_new_tokens=6, version=0, worker=worker.url)
+        client.adapter = "policy@v3"  # LoRA adapter sync: requests name the adapter (lora_path)
+        worker.generate.append(answer_sse(stream))
+        await client.generate(Sample(index=2, group_id=0, prompt_ids=[1, 2, 3]), samplings[0],
+                              max_new_tokens=8, version=0, worker=worker.url)
+        client.adapter = None
         worker.generate.append(answer_json(json.loads((FIXTURES / "generate_normal.json").read_text())))
         assert await client.probe(worker.url, 10) is None  # the health monitor's one-token /generate
         await client.abort("some-rid")
@@ -140,7 +146,15 @@ async def _record_rlkit_calls(staged) -> list[list]:
                      ctl.end_update, lambda: ctl.destroy_group("g"),
                      lambda: ctl.update_from_tensor(staged.body(tp_size=2, version=4)),
                      lambda: ctl.release_memory(["kv_cache", "weights"]), lambda: ctl.resume_memory(["weights"]),
-                     lambda: ctl.resume_memory(["kv_cache", "cuda_graph"]), lambda: ctl.release_memory(None)):
+                     lambda: ctl.resume_memory(["kv_cache", "cuda_graph"]), lambda: ctl.release_memory(None),
+                     # LoRA adapter sync (train/weight_sync/sender.py publish_adapter, the rollout
+                     # side's unload): the tensor body as the sender builds it
+                     lambda: ctl.load_lora_from_tensors({
+                         "lora_name": "policy@v3", "config_dict": {"peft_type": "LORA", "r": 8},
+                         "load_format": None, "serialized_named_tensors":
+                             staged.body(tp_size=2, version=None)["serialized_named_tensors"]}),
+                     lambda: ctl.load_lora("policy@v3", "/runs/weights/policy-v3"),
+                     lambda: ctl.unload_lora("policy@v3")):
             await asyncio.to_thread(call)
     finally:
         await client.close()
@@ -191,6 +205,11 @@ def _argvs(monkeypatch, package: Path) -> list[list]:
          0, None, {"tp_size": 1, "dtype": "float16", "incremental_streaming_output": False}),
         ("fp32, kv cap", EngineConfig(dtype="float32", max_total_tokens=65536), 0, None,
          {"tp_size": 1, "dtype": "float32", "max_total_tokens": 65536}),
+        # LoRA adapter sync: the flags the recipe derives from train.lora for SGLang
+        ("lora", load_recipe(None, ["train.lora.rank=8", "train.lora.targets=[qkv, fc2]",
+                                    "rollout.engine.kind=sglang"]).rollout.engine, 0, None,
+         {"tp_size": 1, "enable_lora": True, "max_lora_rank": 8, "max_loaded_loras": 4,
+          "lora_target_modules": ["q_proj", "k_proj", "v_proj", "down_proj"]}),
     ]
     out = []
     for name, config, index, base, expect in configs:
@@ -243,7 +262,7 @@ def test_rlkit_speaks_sglangs_own_schema_routes_auth_and_flags(sglang_site, tmp_
         assert any(n.startswith(kind) for n in names), kind
     bodies = [p for _, p, b in cases["calls"] if isinstance(b, dict) and p != "/generate"]
     assert sum(n.startswith("body ") for n in names) == len(bodies) >= 18
-    assert sum(n.startswith("/generate body") for n in names) == 4  # 3 generations + the probe
+    assert sum(n.startswith("/generate body") for n in names) == 5  # 4 generations + the probe
     assert sum(n.endswith("holds the token") for n in names) == len(cases["argvs"])
 
     # what SGLang's own code builds, read by rlkit's parsers

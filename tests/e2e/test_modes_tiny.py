@@ -98,10 +98,13 @@ def test_a_mode_with_a_policy_end_to_end(tmp_path, monkeypatch, mode, recipe, ep
 
 
 def test_async_partial_resumed_mid_run_continues_and_trains_nothing_twice(tmp_path, monkeypatch):
+    """With LoRA (train.lora, adapter sync): each update sends the adapter alone, loaded on the
+    engines as policy@v<version> beside the ones requests in flight still name; the checkpoint
+    holds the adapters and the resumed run loads its version's adapter before generating."""
     monkeypatch.setenv("RLKIT_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "runs"
     base = [f"run.output_dir={out}", "tracking.progress=false", "checkpoint.every_steps=1",
-            "mode=async", "rollout.max_staleness=1"]
+            "mode=async", "rollout.max_staleness=1", "train.lora.rank=4", "train.lora.alpha=8"]
     r = load_recipe(ROOT / "recipes" / "grpo_tiny_ci.yaml", [*base, "run.num_steps=2"])
     train(r)
     run_dir = out / r.run.name
@@ -117,4 +120,9 @@ def test_async_partial_resumed_mid_run_continues_and_trains_nothing_twice(tmp_pa
     assert last["step"] == 3 and last["buffer/balanced"] and last["batch/max_staleness"] <= 1
     ids = trained_groups(run_dir)
     assert len(ids) == len(set(ids)) == 3 * r.rollout.batch_size  # nothing trained twice
+    # every sync sent the adapter alone (A and B of 4 layers x 2 tiny layers, fp32: 32 KiB),
+    # and adapters no request named any more were unloaded
+    synced = rows(run_dir)
+    assert all(m["sync/adapter"] == 1.0 and 0 < m["sync/bytes"] <= 64 * 1024 for m in synced), synced
+    assert all(1 <= m["sync/adapters_loaded"] <= 2 for m in synced)
     assert processes_with(str(Path(os.environ["RLKIT_CACHE"]) / "models" / "tiny")) == []

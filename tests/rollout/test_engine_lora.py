@@ -146,3 +146,42 @@ async def test_an_adapter_in_use_cannot_be_unloaded_and_unknown_ones_are_refused
             "lora_name": "bad", "config_dict": cfg, "serialized_named_tensors": [
                 base64.b64encode(serialize_named_tensors(bad)).decode()]})
         assert status == 400 and "do not fit" in out["error_message"]
+
+
+@pytest.mark.parametrize("method", ["tensor", "disk"])
+async def test_the_trainer_s_adapter_sync_serves_the_trainer_s_policy(engine, tiny_model_dir, tmp_path,
+                                                                      method):
+    """Adapter-only sync from the megatron trainer (train.lora.sync: adapter): in memory or as a
+    PEFT folder, loaded as policy@v<version>; a request naming it samples what the trainer's
+    policy gives (its logprobs of the sampled tokens, fp32), a few KB instead of the model."""
+    from rlkit.common.weight_update import WeightUpdate, adapter_name
+    from rlkit.train.batch import TrainBatch, TrainSample
+    from rlkit.train.config import TrainConfig
+    from rlkit.train.megatron.trainer import MegatronTrainer
+    from tests.train.helpers import random_batch
+
+    url, _ = engine
+    trainer = MegatronTrainer.single_process(tiny_model_dir, TrainConfig.model_validate({
+        "device": "cpu", "micro_batch_size": 4, "optimizer": {"lr": 1e-2},
+        "lora": {"rank": 4, "alpha": 8.0}}))
+    for seed in (1, 2):  # B and A both off their start
+        trainer.accumulate(random_batch(6, seed=seed))
+        trainer.step()
+    version = 7 if method == "tensor" else 8
+    metrics = trainer.publish_weights(WeightUpdate(
+        version, (url,), method, folder=str(tmp_path), adapter=adapter_name(version)))
+    assert metrics["sync/adapter"] == 1.0
+    full = sum(p.numel() * p.element_size() for p in trainer.module.parameters())
+    assert 0 < metrics["sync/bytes"] < 0.2 * full
+    async with aiohttp.ClientSession() as s:
+        status, answer = await generate(s, url, adapter_name(version), max_new=16)
+        assert status == 200
+        status, out = await post(s, url, "/unload_lora_adapter", {"lora_name": adapter_name(version)})
+        assert status == 200
+    ids, lps = tokens_and_logprobs(answer)
+    sample = TrainSample(index=0, group_id=0, tokens=torch.tensor(PROMPT + ids),
+                         prompt_length=len(PROMPT), loss_mask=torch.ones(len(ids)),
+                         rollout_logprobs=torch.tensor(lps), advantage=0.0, reward=0.0,
+                         min_version=version, max_version=version)
+    ours = trainer.logprobs(TrainBatch([sample], version))[0]
+    assert float((ours - torch.tensor(lps)).abs().max()) < LOGPROB_TOLERANCE

@@ -58,6 +58,9 @@ class RecordingEngine:
     def update_from_tensor(self, body): self._rec("tensor", body.get("weight_version"))
     def release_memory(self, tags=None): self._rec("release", tags); return {}
     def resume_memory(self, tags=None): self._rec("resume", tags); return {}
+    def load_lora_from_tensors(self, body): self._rec("load_lora", body["lora_name"])
+    def load_lora(self, name, path): self._rec("load_lora", name)
+    def unload_lora(self, name): self._rec("unload_lora", name)
 
 
 def test_bucketize_respects_the_byte_budget():
@@ -104,7 +107,7 @@ def test_the_trainer_never_changes_an_engine_s_state(tmp_path):
     assert log and not [c for c in log if c[1] in ("pause", "flush", "continue", "begin", "end",
                                                     "release", "resume")]
     assert set(CONTROL_CALLS) == {"pause", "flush_cache", "continue_generation", "begin_update",
-                                  "end_update", "release_memory", "resume_memory"}
+                                  "end_update", "release_memory", "resume_memory", "unload_lora"}
 
 
 @pytest.mark.integration

@@ -162,11 +162,7 @@ def disabled(adapters: dict[str, LoraAdapter]) -> Iterator[None]:
 
 
 # -- PEFT layout (engines that load adapters, `rlkit export --adapter`) --------------------------
-# each target's HF modules, in the order the converter splits a fused weight
-HF_MODULES: dict[str, tuple[str, ...]] = {
-    "qkv": ("q_proj", "k_proj", "v_proj"), "proj": ("o_proj",),
-    "fc1": ("gate_proj", "up_proj"), "fc2": ("down_proj",),
-}
+from rlkit.train.config import LORA_HF_MODULES as HF_MODULES  # noqa: E402 - names only
 
 
 def target_of(weight_name: str) -> str:

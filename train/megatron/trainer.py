@@ -601,7 +601,13 @@ class MegatronTrainer:
         moved: dict[str, float] = {}
         after_send = self.colocation.publishing(moved) if update.colocated else None
         report = None
-        weights = self._sender_hf_weights() if update.engines else None
+        if update.adapter is not None:  # LoRA adapter sync: the adapter alone
+            report = self._publish_adapter(update, ws) if update.engines else None
+            if after_send is not None:
+                after_send()
+            weights = None
+        else:
+            weights = self._sender_hf_weights() if update.engines else None
         if weights is not None:
             sender = self._weight_sender()
             method = update.method
@@ -612,12 +618,14 @@ class MegatronTrainer:
             report = sender.publish(
                 update, weights, method=method, after_send=after_send,
                 write=lambda p, w: save_hf_folder(p, w, self.hf_config, side_files_from=self.model_path))
-        elif after_send is not None:  # this rank's part (the TP all-gathers) is done, or no engine
-            after_send()
+        elif after_send is not None and update.adapter is None:  # this rank's part (the TP
+            after_send()  # all-gathers) is done, or no engine
         self.version = update.version
         if self.rank.rank != 0:
             return None
         out = dict(moved)
+        if self.lora:  # which LoRA sync ran (train.lora.sync): the adapter alone, or merged
+            out["sync/adapter"] = float(update.adapter is not None)
         if report is not None:
             out.update({"sync/bytes": float(report.bytes), "sync/buckets": float(report.buckets),
                         "sync/send_seconds": report.seconds_paused,
@@ -625,6 +633,25 @@ class MegatronTrainer:
         if update.colocated:
             self.colocation.generating(out)
         return out
+
+    def _publish_adapter(self, update: WeightUpdate, ws):
+        """The LoRA adapter into an adapter update (collective over TP: the gathers; DP rank 0 /
+        TP rank 0 sends): in memory when the update's method is `tensor`, else a PEFT folder."""
+        from rlkit.train.megatron.lora import write_peft_folder
+
+        if not self.lora:
+            raise ValueError(f"update {update.version} names adapter {update.adapter!r}, but this "
+                             "trainer has no LoRA adapters (train.lora.rank is 0)")
+        config = self.peft_config()
+        tensors = list(self.iter_adapter_tensors()) if self.rank.dp_rank == 0 else []
+        if self.rank.dp_rank != 0 or self.rank.tp_rank != 0:
+            return None
+        method = "tensor" if update.method == "tensor" else "disk"
+        if method == "disk" and update.folder is None and ws.disk_dir:
+            update = dataclasses.replace(update, folder=str(ws.disk_dir))
+        return self._weight_sender().publish_adapter(
+            update, tensors, config, method=method,
+            write=lambda p: write_peft_folder(p, dict(tensors), config))
 
     def free_device(self) -> dict[str, float]:
         """Colocated, the end of training: gradients and optimizer state leave the device."""

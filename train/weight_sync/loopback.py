@@ -15,6 +15,8 @@ from typing import Any, Sequence
 
 import torch
 
+from rlkit.common.engine_http import WeightSyncError
+
 
 def _receiver_main(conn, tp_rank: int) -> None:
     import torch.distributed as dist
@@ -87,6 +89,14 @@ class LoopbackControl:
     def update_from_tensor(self, body) -> None: self._ask("tensor", len(body.get("serialized_named_tensors", ())))
     def release_memory(self, tags=None) -> dict: return self._ask("release", tags) or {}
     def resume_memory(self, tags=None) -> dict: return self._ask("resume", tags) or {}
+
+    # loopback receivers hold plain weights: LoRA adapters are the HTTP engines' (lora_adapters.py)
+    def load_lora_from_tensors(self, body) -> None: self._no_lora()
+    def load_lora(self, name: str, path: str) -> None: self._no_lora()
+    def unload_lora(self, name: str) -> None: self._no_lora()
+
+    def _no_lora(self) -> None:
+        raise WeightSyncError("loopback engines serve no LoRA adapters (train.lora.sync: merged)")
 
     def update_from_disk(self, model_path: str, version: int, *, flush_cache: bool = True) -> None:
         self._ask("disk", model_path, version, flush_cache)

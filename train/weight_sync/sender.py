@@ -163,6 +163,59 @@ class WeightSender:
             return self.sync_distributed(update, weights, after_send=after_send)
         raise WeightSyncError(f"unknown weight sync method {method!r}")
 
+    # -- LoRA adapters ---------------------------------------------------------------------------
+    def publish_adapter(self, update: WeightUpdate, tensors: NamedTensors, config: dict, *,
+                        method: str, write: Callable[[Path], None] | None = None) -> SyncReport:
+        """The LoRA adapter alone (PEFT names and `config`), loaded on every engine of `update`
+        as `update.adapter`: in memory (method 'tensor': one bucket of handles, SGLang's
+        /load_lora_adapter_from_tensors) or as a PEFT folder `write(path)` writes under the
+        update's folder (any other method: /load_lora_adapter). The base weights stay."""
+        name = update.adapter
+        if name is None:
+            raise WeightSyncError("publish_adapter: the update names no adapter")
+        engines = self._engines(update.engines)
+        named = [(n, t.detach()) for n, t in tensors]
+        nbytes = sum(t.numel() * t.element_size() for _, t in named)
+        t0 = time.perf_counter()
+        report = SyncReport(method=f"adapter-{method}", version=update.version,
+                            engines=len(engines), tensors=len(named), bytes=nbytes, buckets=1)
+        if method == "tensor":
+            from rlkit.train.weight_sync.in_memory import stage_bucket
+
+            staged = stage_bucket(named, "cuda_ipc" if named and named[0][1].is_cuda else "shared_memory")
+            try:
+                sizes = self._on_all(engines, "server_info (tp_size)", lambda e: e.tp_size())
+                bodies = [{"lora_name": name, "config_dict": config, "load_format": None,
+                           "serialized_named_tensors": staged.body(tp_size=n, version=None)[
+                               "serialized_named_tensors"]} for n in sizes]
+                report.seconds_stage = time.perf_counter() - t0
+                t_sent = time.perf_counter()
+                self._wait([(e, self._pool.submit(e.load_lora_from_tensors, b))
+                            for e, b in zip(engines, bodies)], "load_lora_adapter_from_tensors")
+            finally:
+                staged.release()
+        else:
+            if write is None or update.folder is None:
+                raise WeightSyncError("an adapter update by disk needs a folder (the rollout side "
+                                      "names one in a run; elsewhere set train.weight_sync.disk_dir)")
+            path = Path(update.folder) / name.replace("@", "-")
+            if path.exists():
+                shutil.rmtree(path)
+            write(path)
+            report.seconds_stage = time.perf_counter() - t0
+            t_sent = time.perf_counter()
+            self._on_all(engines, "load_lora_adapter",
+                         lambda e: e.load_lora(name, str(path.resolve())))
+            # the engines hold it in memory now; the folder before last goes (the last stays
+            # for an engine restarted before the next update)
+            self._adapter_folders = [*getattr(self, "_adapter_folders", []), path][-2:]
+            for old in Path(update.folder).glob("policy-v*"):
+                if old not in self._adapter_folders:
+                    shutil.rmtree(old, ignore_errors=True)
+        t_end = time.perf_counter()
+        report.seconds_total, report.seconds_paused = t_end - t0, t_end - t_sent
+        return report
+
     # -- disk ----------------------------------------------------------------------------------
     def sync_from_disk(
         self,
