@@ -31,6 +31,9 @@ class WeightUpdate:
     # under this name (`policy@v12`) beside the base and the adapters still in use; requests
     # name it from then on. None: the full weights.
     adapter: str | None = None
+    # train.weight_sync.verify: the trainer also answers with its logprobs of the probe sequence
+    # (`sync/probe_ids`, `sync/probe_logprobs`), which the rollout side has every engine score
+    probe: bool = False
 
     def flushes(self, url: str) -> bool:
         return self.flush and url not in self.waking
@@ -52,6 +55,11 @@ class WeightPublisher(Protocol):
     weights, as `update.version`, into the update; metrics (the sync's, the memory moved)."""
 
     async def publish(self, update: WeightUpdate) -> dict[str, float]: ...
+
+
+class WeightsMismatch(RuntimeError):
+    """After a sync an engine does not serve the trainer's policy (train.weight_sync.verify):
+    a sync that did not arrive, or arrived wrong. The run stops; the message has the numbers."""
 
 
 class PublisherFailed(RuntimeError):

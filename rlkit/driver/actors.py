@@ -141,6 +141,9 @@ class RolloutActor:
                                                   router=RouterProcessHandle(self.router, self.client))
         lora = r.train.lora
         self.service.adapter_sync = lora.rank > 0 and lora.sync == "adapter"
+        if ws.verify:  # every sync checked on a probe (rollout_service.RolloutService._verify)
+            self.service.verify_tolerance = ws.verify_tolerance
+            self.service.verify_temperature = r.rollout.sampling.temperature
 
     async def hand_off_to(self, attention_weight: float) -> None:
         """The trainer is up: ready groups leave split by its data-parallel replicas, placed

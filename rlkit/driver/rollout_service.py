@@ -10,12 +10,13 @@ trainer (`hand`: the groups themselves in process, Ray object references in the 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from rlkit.buffers import Group, PromptSource, RolloutBuffer, load_buffer, save_buffer
-from rlkit.common.weight_update import PublisherFailed, WeightPublisher, adapter_name
+from rlkit.common.weight_update import PublisherFailed, WeightPublisher, WeightsMismatch, adapter_name
 from rlkit.driver.rollout_box import Handed, RolloutResult, handed_of, lag_record
 from rlkit.rollout.config import RolloutConfig
 from rlkit.rollout.engine_api import Engines
@@ -54,6 +55,11 @@ class RolloutService:
         # those loaded and not yet unloaded (an adapter goes once no request names it)
         self.adapter_sync = False
         self._adapters: list[str] = []
+        # train.weight_sync.verify (set by the driver): after each update every engine scores
+        # the trainer's probe, at the sampling temperature; None: no check
+        self.verify_tolerance: float | None = None
+        self.verify_temperature = 1.0
+        self._probe_prev: tuple[list[int], list[float]] | None = None  # the last sync's trainer
         self._told_restarted: set[str] = set()  # restarted engines whose sleep was forgotten
         self._current: asyncio.Task | None = None
         self._untrained: list[Group] = []  # handed to the trainer since the last weight sync
@@ -214,6 +220,8 @@ class RolloutService:
             t0 = asyncio.get_running_loop().time()
             update = await self._control("open", targets, version, colocated=colocated,
                                          adapter=adapter)
+            if self.verify_tolerance is not None:
+                update = dataclasses.replace(update, probe=True)
             try:
                 metrics = await publisher.publish(update)
             except BaseException:
@@ -229,14 +237,67 @@ class RolloutService:
             metrics, restarted = await self._on_engines_left(push, restarted_only)
         finally:
             self._hold(False)
+        probe = (metrics.pop("sync/probe_ids", None), metrics.pop("sync/probe_logprobs", None),
+                 metrics.pop("sync/probe_base_logprobs", None))
         if not restarted_only:
             await self.set_version(version)
             if adapter is not None:
                 metrics = {**metrics, **await self._switch_adapter(adapter)}
+        if probe[0] is not None:
+            metrics = {**metrics, **await self._verify(version, *probe)}
         if restarted and self.manager.health is not None:
             await self.manager.health.admit(restarted)
         self._told_restarted -= set(restarted)  # serving now: a later restart is news again
         return metrics
+
+    async def _verify(self, version: int, ids: list[int], trainer: list[float],
+                      base: list[float] | None) -> dict[str, float]:
+        """train.weight_sync.verify: every engine scores the probe under the adapter requests
+        name now; WeightsMismatch (the run stops) when one is further from the trainer than the
+        tolerance, or clearly nearer another policy than this one: the previous sync's trainer
+        (this sync did not arrive) or, with LoRA, the base model (`base`: the adapter was not
+        applied). Below 1e-4 an engine equals the trainer at fp32 precision: that passes.
+        Metrics: the largest mean |difference| to this sync's trainer and to the last one's."""
+        tol = self.verify_tolerance
+        assert tol is not None
+        prev = self._probe_prev[1] if self._probe_prev and self._probe_prev[0] == ids else None
+        self._probe_prev = (ids, trainer)
+        others = [(what, ref) for what, ref in (("the previous sync's trainer", prev),
+                                                ("the base model (adapter off)", base)) if ref]
+
+        def mean_abs(a: list[float], b: list[float]) -> float:
+            return sum(abs(x - y) for x, y in zip(a, b)) / len(b)
+
+        adapter = getattr(self.engines, "adapter", None)
+        workers = self.engines.workers()
+        scored = await asyncio.gather(*(self.engines.score(
+            w, ids, temperature=self.verify_temperature, adapter=adapter) for w in workers))
+        worst, worst_prev, bad = 0.0, 0.0, []
+        for w, engine in zip(workers, scored):
+            d = mean_abs(engine, trainer)
+            worst = max(worst, d)
+            if prev is not None:
+                worst_prev = max(worst_prev, mean_abs(engine, prev))
+            if d > tol:
+                bad.append(f"{w}: mean |logprob - trainer's| {d:.3g} > {tol:g}")
+                continue
+            for what, ref in others:
+                d_other = mean_abs(engine, ref)
+                if d > 1e-4 and d_other < 0.5 * d:
+                    bad.append(f"{w}: nearer {what} (mean |difference| {d_other:.3g}) than this "
+                               f"sync's trainer ({d:.3g}): the update did not arrive")
+                    break
+        if bad:
+            raise WeightsMismatch(
+                f"after the weight sync to version {version}"
+                f"{f' (LoRA adapter {adapter})' if adapter else ''}, the engines do not serve the "
+                f"trainer's policy on the probe ({len(ids)} tokens): " + "; ".join(bad) +
+                ". Stopping before more samples come from wrong weights "
+                "(train.weight_sync.verify; verify_tolerance sets the bound)")
+        out = {"sync/verify_abs_diff": worst}
+        if prev is not None:
+            out["sync/verify_prev_abs_diff"] = worst_prev
+        return out
 
     async def _switch_adapter(self, adapter: str) -> dict[str, float]:
         """New requests name `adapter` (just loaded everywhere); adapters that no request in

@@ -185,3 +185,70 @@ async def test_the_trainer_s_adapter_sync_serves_the_trainer_s_policy(engine, ti
                          min_version=version, max_version=version)
     ours = trainer.logprobs(TrainBatch([sample], version))[0]
     assert float((ours - torch.tensor(lps)).abs().max()) < LOGPROB_TOLERANCE
+
+
+class TrainerPublisher:
+    """The in-process trainer as the rollout side's WeightPublisher."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    async def publish(self, update):
+        return await asyncio.to_thread(self.trainer.publish_weights, update)
+
+
+@pytest.mark.parametrize("what", ["weights", "adapter"])
+async def test_the_weight_sync_check_stops_a_sync_that_did_not_arrive(what, tiny_model_dir, tmp_path,
+                                                                      monkeypatch):
+    """train.weight_sync.verify: the engine scores the trainer's probe after every sync. The
+    engine's test-only switch answers the second load as a success without applying it (the
+    silent failure: full weights left at the previous version; an adapter's name served by the
+    base model); the check raises WeightsMismatch naming the engine and the numbers."""
+    from rlkit.buffers import ListPromptSource
+    from rlkit.buffers.source import records_from_token_lists
+    from rlkit.common.fault_switch import ENGINE_FAULT_ENV
+    from rlkit.common.weight_update import WeightsMismatch
+    from rlkit.config import load_recipe
+    from rlkit.driver.rollout_service import RolloutService
+    from rlkit.rollout.engine_updates import EngineUpdates
+    from rlkit.rollout.http.client import EngineClient
+    from rlkit.train.config import TrainConfig
+    from rlkit.train.megatron.trainer import MegatronTrainer
+    from tests.train.helpers import random_batch
+
+    at = "/update_weights_from_tensor" if what == "weights" else "/load_lora_adapter_from_tensors"
+    monkeypatch.setenv(ENGINE_FAULT_ENV, f"action=drop,at={at},calls=2,dir={tmp_path / 'fault'}")
+    trainer = MegatronTrainer.single_process(tiny_model_dir, TrainConfig.model_validate({
+        "device": "cpu", "micro_batch_size": 4, "optimizer": {"lr": 1e-2},
+        **({"lora": {"rank": 4, "alpha": 8.0}} if what == "adapter" else {})}))
+    with EngineFleet(str(tiny_model_dir), ENGINE, RouterConfig(), log_dir=tmp_path / "logs") as fleet:
+        client = await EngineClient(None, worker_urls=fleet.worker_urls).connect()
+        try:
+            r = load_recipe(None, [])
+            source = ListPromptSource(records_from_token_lists([[1, 2]]), shuffle=False)
+
+            async def score(sample, group):
+                return 0.0
+
+            service = RolloutService.from_config(
+                r.rollout, source, client, score,
+                updates=EngineUpdates(method="tensor", pause_mode="abort", folder=str(tmp_path)))
+            service.adapter_sync = what == "adapter"
+            # a bound the drop stays under (lr 1e-2, one step: about 0.14): the comparison with
+            # the previous sync's trainer, or the base model's, is what must catch it
+            service.verify_tolerance = 1.0
+            publisher = TrainerPublisher(trainer)
+            for version in (1, 2):
+                trainer.accumulate(random_batch(6, seed=version))
+                trainer.step()
+                if version == 1:
+                    metrics = await service.update_weights(version, publisher)
+                    assert metrics["sync/verify_abs_diff"] < 1e-4, metrics
+            with pytest.raises(WeightsMismatch, match=r"did not arrive") as failed:
+                await service.update_weights(2, publisher)
+            message = str(failed.value)
+            assert fleet.worker_urls[0] in message
+            # full weights left at version 1; the adapter's name served by the base model
+            assert ("previous sync's trainer" if what == "weights" else "the base model") in message
+        finally:
+            await client.close()

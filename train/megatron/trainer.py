@@ -599,6 +599,8 @@ class MegatronTrainer:
         if update.version < self.version:
             raise ValueError(f"publish_weights: version {update.version} is older than {self.version}")
         moved: dict[str, float] = {}
+        # the probe before sending: colocated, the parameters leave the device once sent
+        probe = self.probe_logprobs() if update.probe else None
         after_send = self.colocation.publishing(moved) if update.colocated else None
         report = None
         if update.adapter is not None:  # LoRA adapter sync: the adapter alone
@@ -626,6 +628,10 @@ class MegatronTrainer:
         out = dict(moved)
         if self.lora:  # which LoRA sync ran (train.lora.sync): the adapter alone, or merged
             out["sync/adapter"] = float(update.adapter is not None)
+        if probe is not None:  # lists: the rollout side takes them out of the metrics
+            out["sync/probe_ids"], out["sync/probe_logprobs"], base = probe  # type: ignore[assignment]
+            if base is not None:
+                out["sync/probe_base_logprobs"] = base  # type: ignore[assignment]
         if report is not None:
             out.update({"sync/bytes": float(report.bytes), "sync/buckets": float(report.buckets),
                         "sync/send_seconds": report.seconds_paused,
@@ -652,6 +658,26 @@ class MegatronTrainer:
         return self._weight_sender().publish_adapter(
             update, tensors, config, method=method,
             write=lambda p: write_peft_folder(p, dict(tensors), config))
+
+    PROBE_TOKENS = 32
+
+    def probe_logprobs(self) -> tuple[list[int], list[float], list[float] | None]:
+        """The weight-sync check's probe (train.weight_sync.verify): 32 token ids drawn from the
+        vocabulary with a fixed seed, and this model's logprob of each after the first, at the
+        sampling temperature (as an engine scores its input); with LoRA also the base model's
+        (the adapters off): an engine serving the base instead is told apart. Collective like
+        logprobs."""
+        ids = torch.randint(0, self.arch.vocab_size, (self.PROBE_TOKENS,),
+                            generator=torch.Generator().manual_seed(20261128))
+        sample = TrainSample(index=0, group_id=0, tokens=ids, prompt_length=1,
+                             loss_mask=torch.ones(len(ids) - 1), rollout_logprobs=torch.zeros(len(ids) - 1),
+                             advantage=0.0, reward=0.0, min_version=self.version,
+                             max_version=self.version)
+        batch = TrainBatch([sample], self.version)
+        with self.colocation.on_device():
+            lp = self.logprobs(batch)[0]
+            base = self.logprobs(batch, policy="reference")[0].tolist() if self.lora else None
+        return ids.tolist(), lp.tolist(), base
 
     def free_device(self) -> dict[str, float]:
         """Colocated, the end of training: gradients and optimizer state leave the device."""

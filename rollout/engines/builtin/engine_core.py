@@ -276,13 +276,14 @@ class EngineCore:
 
     # -- LoRA adapters (lora_adapters.py): loaded and unloaded between two decode steps ----------
     def cmd_load_lora_from_tensors(self, lora_name: str, config_dict: dict[str, Any],
-                                   serialized_named_tensors: list[str], load_format: str | None) -> dict:
+                                   serialized_named_tensors: list[str], load_format: str | None,
+                                   dropped: bool = False) -> dict:
         from rlkit.rollout.engines.builtin.tensor_receiver import tensors_from_request
 
         tensors = tensors_from_request(serialized_named_tensors, tp_rank=0, load_format=load_format)
-        return self._load_lora(lora_name, config_dict, tensors)
+        return self._load_lora(lora_name, config_dict, [] if dropped else tensors, dropped)
 
-    def cmd_load_lora(self, lora_name: str, lora_path: str) -> dict:
+    def cmd_load_lora(self, lora_name: str, lora_path: str, dropped: bool = False) -> dict:
         """A PEFT folder (adapter_config.json + adapter_model.safetensors)."""
         import json
         from pathlib import Path
@@ -295,11 +296,12 @@ class EngineCore:
             tensors = load_file(str(folder / "adapter_model.safetensors"))
         except (OSError, ValueError) as e:
             raise ValueError(f"{lora_path}: not a PEFT adapter folder ({e})") from None
-        return self._load_lora(lora_name, config, tensors.items())
+        return self._load_lora(lora_name, config, [] if dropped else tensors.items(), dropped)
 
-    def _load_lora(self, name: str, config: dict[str, Any], tensors: Any) -> dict:
+    def _load_lora(self, name: str, config: dict[str, Any], tensors: Any, dropped: bool) -> dict:
+        """`dropped` (the test-only fault switch): the name is served by the base model."""
         adapters = self.decoder.adapters
-        self.decoder.call(lambda: adapters.load(name, config, tensors)).result()
+        self.decoder.call(lambda: adapters.load(name, config, tensors, empty_ok=dropped)).result()
         return adapters.info()
 
     def cmd_unload_lora(self, lora_name: str) -> dict:

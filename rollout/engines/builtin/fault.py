@@ -17,8 +17,11 @@ outside tests.
   /begin_weight_update, /update_weights_from_disk, ...) or a sleep or wake. The caller's
   request then finds the connection reset (kill) or no answer (hang). In a `sync` run the sync
   at the end of step K is the K-th of each weight-update call.
-- `action`: `kill`: the server and its engine core die at once (SIGKILL, as a crash or the OOM
-  killer); `hang`: both stop (SIGSTOP): nothing streams, /health and probes get no answer, as
+- `action`: `drop` (with `at=` a weight or adapter load: /update_weights_from_disk,
+  /update_weights_from_tensor, /load_lora_adapter, /load_lora_adapter_from_tensors): that call
+  is answered as a success and not applied (the weight version moves, an adapter's name is
+  served by the base model): the silent failure the weight-sync check must catch; `kill`: the
+  server and its engine core die at once (SIGKILL, as a crash or the OOM killer); `hang`: both stop (SIGSTOP): nothing streams, /health and probes get no answer, as
   a stuck process; `kill_all`: every engine server started with this folder (each registers
   itself there, `armed-<pid>`) is killed at that same instant, this one last.
 - Once per folder: only the first engine to get there fires (it writes `FOLDER/fired.json`:
@@ -34,7 +37,9 @@ from pathlib import Path
 
 from rlkit.common.fault_switch import ENGINE_FAULT_ENV, FaultSwitch, FaultSwitchError
 
-ACTIONS = ("kill", "hang", "kill_all")
+ACTIONS = ("kill", "hang", "kill_all", "drop")
+DROPPABLE = ("/update_weights_from_disk", "/update_weights_from_tensor", "/load_lora_adapter",
+             "/load_lora_adapter_from_tensors")
 SERVER_MODULE = "rlkit.rollout.engines.builtin.hf_server"
 
 
@@ -51,6 +56,8 @@ class EngineFault:
         if self.at is not None and (not self.at.startswith("/") or self.calls is None or self.calls < 1):
             raise FaultSwitchError(f"${ENGINE_FAULT_ENV}: at must be an endpoint path (/...) "
                                    "and calls >= 1")
+        if switch.action == "drop" and self.at not in DROPPABLE:
+            raise FaultSwitchError(f"${ENGINE_FAULT_ENV}: action=drop needs at= one of {DROPPABLE}")
         self.calls_seen = 0
         self.version = switch.params.get("version")
         self.unfinished = bool(switch.number("unfinished", 0))
@@ -91,6 +98,15 @@ class EngineFault:
             return True
         return self._fire(at=path, calls=self.calls_seen)
 
+    def drops(self, path: str) -> bool:
+        """action=drop: whether this call of `path` is to be answered without being applied
+        (the K-th call, on the first engine to get there)."""
+        if self.switch.action != "drop" or path != self.at:
+            return False
+        self.calls_seen += 1
+        return self.calls_seen == self.calls and self.switch.claim(
+            url=self.url, core_pid=self.core_pid, at=path, calls=self.calls_seen)
+
     def _fire(self, **record: object) -> bool:
         if not self.switch.claim(url=self.url, core_pid=self.core_pid, **record):
             return False
@@ -114,7 +130,7 @@ class EngineFault:
 
         @web.middleware
         async def fire_at_call(request: web.Request, handler):  # noqa: ANN001, ANN202
-            if self.at is not None:
+            if self.at is not None and self.switch.action != "drop":  # drop: in the handler
                 self.called(request.path)
             return await handler(request)
 

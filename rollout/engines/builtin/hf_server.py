@@ -554,6 +554,8 @@ class EngineServer:
         if not Path(req.model_path).is_dir():
             return self._result(False, f"model_path {req.model_path!r} does not exist",
                                 num_paused_requests=0)
+        if self._drops(request):
+            return await self._dropped_update(req.weight_version, num_paused_requests=0)
         try:
             message = await self.core.call("update_from_disk", model_path=req.model_path,
                                            version=req.weight_version,
@@ -570,6 +572,8 @@ class EngineServer:
         from rlkit.rollout.engines.builtin.tensor_receiver import UpdateWeightsFromTensorRequest
 
         req = UpdateWeightsFromTensorRequest.model_validate(await self._body(request))
+        if self._drops(request):
+            return await self._dropped_update(req.weight_version)
         try:
             message = await self.core.call(
                 "update_from_tensor", serialized_named_tensors=req.serialized_named_tensors,
@@ -593,10 +597,21 @@ class EngineServer:
             return self._lora_result(False, str(e))
         return self._lora_result(True)
 
+    async def _dropped_update(self, version: str | None, **extra: Any) -> web.Response:
+        """The fault switch's drop: the version moves, the weights do not."""
+        if version is not None:
+            await self.core.call("set_weight_version", version=version)
+            await self._set_version(version)
+        return self._result(True, "Succeeded to update model weights.", **extra)
+
+    def _drops(self, request: web.Request) -> bool:
+        """The test-only fault switch (fault.py, action=drop) says: answer, do not apply."""
+        return self.fault is not None and self.fault.drops(request.path)
+
     async def load_lora_adapter(self, request: web.Request) -> web.Response:
         req = LoadLoraAdapterRequest.model_validate(await self._body(request))
         response = await self._lora_call(req.lora_name, "load_lora", lora_name=req.lora_name,
-                                         lora_path=req.lora_path)
+                                         lora_path=req.lora_path, dropped=self._drops(request))
         if response.status == 200:
             self.loras[req.lora_name] = req.lora_path
             return self._lora_result(True)
@@ -607,7 +622,7 @@ class EngineServer:
         response = await self._lora_call(
             req.lora_name, "load_lora_from_tensors", lora_name=req.lora_name,
             config_dict=req.config_dict, serialized_named_tensors=req.serialized_named_tensors,
-            load_format=req.load_format)
+            load_format=req.load_format, dropped=self._drops(request))
         if response.status == 200:
             self.loras[req.lora_name] = "__tensor__"  # SGLang's lora_path for tensor loads
             return self._lora_result(True)

@@ -44,9 +44,11 @@ class AdapterSet:
         self._rows: dict[str, Any] = {}  # adapter name -> row index tensor of the current forward
 
     # -- loading ---------------------------------------------------------------------------------
-    def load(self, name: str, config: dict[str, Any], tensors: Iterable[tuple[str, Any]]) -> Adapter:
+    def load(self, name: str, config: dict[str, Any], tensors: Iterable[tuple[str, Any]], *,
+             empty_ok: bool = False) -> Adapter:
         """Validate and hold an adapter (ValueError, naming what is wrong, when it does not fit
-        this model). Runs on the decoder thread (between two steps) or before decoding starts."""
+        this model). Runs on the decoder thread (between two steps) or before decoding starts.
+        `empty_ok`: no tensors is an adapter that changes nothing (the fault switch's drop)."""
         import torch
 
         if not name:
@@ -70,7 +72,7 @@ class AdapterSet:
             if not m:
                 raise ValueError(f"{name}: {tname!r} is not a PEFT LoRA tensor name")
             pairs.setdefault(m.group(1), {})[m.group(2)] = t
-        if not pairs:
+        if not pairs and not empty_ok:
             raise ValueError(f"{name}: no LoRA tensors")
         layers: dict[str, tuple[Any, Any]] = {}
         size = 0
