@@ -256,6 +256,24 @@ def bench_peer(c: Ctx) -> None:
     assert "| seconds per step, median |" in printed
 
 
+def bench_lora(c: Ctx) -> None:
+    """One rank, one sync of each way: the adapter alone is a small share of the full weights,
+    and the engine serves the trainer's policy after each (the weight-sync check)."""
+    out = c.tmp / "lora"
+    printed = c.run("bench", "lora", "--model", "tiny", "--ranks", "4", "--rounds", "1",
+                    "--out", str(out))
+    r = c.report(out, "lora")
+    by = {(s["trainer"], s["sync"], s["method"]): s for s in r["syncs"]}
+    assert set(by) == {("full", "full", "tensor"), ("LoRA r4", "adapter", "tensor"),
+                       ("LoRA r4", "adapter", "disk"), ("LoRA r4", "merged", "tensor")}
+    assert by[("LoRA r4", "adapter", "tensor")]["bytes_vs_full"] < 0.2
+    assert by[("LoRA r4", "merged", "tensor")]["bytes_vs_full"] == 1.0
+    assert all(s["check_abs_diff"] < 1e-4 for s in r["syncs"])
+    lora = next(t for t in r["trainers"] if t["rank"] == 4)
+    assert lora["trained_params_bytes"] < 0.2 * lora["params_bytes"] and lora["total_vs_full"] < 1
+    assert "| LoRA r4 | adapter | tensor |" in printed
+
+
 @dataclass
 class TinyRun:
     path: Path  # the run folder
@@ -330,6 +348,7 @@ SMOKE: dict[tuple[str, ...], tuple[Callable[[Ctx], None], tuple]] = {
     ("bench", "e2e"): (bench_e2e, HEAVY),
     ("bench", "learn"): (bench_learn, HEAVY),
     ("bench", "peer"): (bench_peer, HEAVY),
+    ("bench", "lora"): (bench_lora, HEAVY),
 }
 
 

@@ -121,6 +121,16 @@ def test_a_lora_checkpoint_resumes_identically_and_exports_merged(tiny_qwen2_dir
     exported = load_hf_state_dict(tmp_path / "out")
     assert sorted(exported) == sorted(merged)
     assert max(float((exported[k] - v).abs().max()) for k, v in merged.items()) < 1e-6
+    # --adapter: the PEFT folder, equal to what the trainer exports at that step
+    from safetensors.torch import load_file
+
+    assert main(["export", "--adapter", str(tmp_path / "checkpoints" / "step_000001"),
+                 str(tmp_path / "peft")]) == 0
+    b2 = make_trainer(tiny_qwen2_dir, LORA)
+    b2.load(tmp_path / "checkpoints" / "step_000001" / "trainer")
+    mine = load_file(str(b2.export_adapter(tmp_path / "peft-trainer") / "adapter_model.safetensors"))
+    theirs = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
+    assert sorted(mine) == sorted(theirs) and all(torch.equal(mine[k], theirs[k]) for k in mine)
     with pytest.raises(Exception, match="does not fit"):  # a full-model run cannot take it
         make_trainer(tiny_qwen2_dir).load(tmp_path / "checkpoints" / "step_000001" / "trainer")
 

@@ -44,7 +44,7 @@ import torch
 
 from rlkit.common.memory import release_free_memory
 from rlkit.rollout.engines.builtin.kv_cache import SlotKVCache, prefill_mask
-from rlkit.rollout.engines.builtin.requests import DecodeRequest
+from rlkit.rollout.engines.builtin.requests import DecodeParams, DecodeRequest  # noqa: F401 - DecodeParams re-exported
 from rlkit.rollout.engines.builtin.sampler import RowSampling, sample
 from rlkit.rollout.http.protocol import FinishReason, PauseMode
 
