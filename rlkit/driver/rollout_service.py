@@ -271,9 +271,19 @@ class RolloutService:
         adapter = getattr(self.engines, "adapter", None)
         workers = self.engines.workers()
         scored = await asyncio.gather(*(self.engines.score(
-            w, ids, temperature=self.verify_temperature, adapter=adapter) for w in workers))
+            w, ids, temperature=self.verify_temperature, adapter=adapter) for w in workers),
+            return_exceptions=True)
+        failed = [(w, e) for w, e in zip(workers, scored) if isinstance(e, BaseException)]
+        if failed:  # an engine lost since the update: rollout.health takes it out (and its
+            await self.check_engines()  # restart gets the weights, checked then); else raise
+            serving = set(self.engines.workers())
+            for w, e in failed:
+                if w in serving:
+                    raise e
         worst, worst_prev, bad = 0.0, 0.0, []
         for w, engine in zip(workers, scored):
+            if isinstance(engine, BaseException):
+                continue
             d = mean_abs(engine, trainer)
             worst = max(worst, d)
             if prev is not None:

@@ -1,6 +1,8 @@
-"""LoRA adapter sync on the rollout side (RolloutService, train.lora.sync: adapter): each update
-opens as an adapter update named policy@v<version>, new requests name it, and an adapter is
-unloaded once no request in flight names it (one still named waits for a later update)."""
+"""The rollout side of a weight sync (RolloutService): LoRA adapter sync (train.lora.sync:
+adapter) opens each update as an adapter update named policy@v<version>, new requests name it,
+and an adapter is unloaded once no request in flight names it (one still named waits for a later
+update); the check after the sync (train.weight_sync.verify) passes an engine serving the
+trainer's policy, skips one lost meanwhile and raises for one that cannot answer."""
 
 import asyncio
 
@@ -78,3 +80,65 @@ def test_without_adapter_sync_updates_carry_no_adapter():
                                          updates=updates)
     asyncio.run(service.update_weights(1, Publisher()))
     assert updates.opened == [(1, None)] and updates.unloads == []
+
+
+class ProbePublisher(Publisher):
+    """A trainer answering the check's probe with fixed logprobs."""
+
+    async def publish(self, update):
+        await super().publish(update)
+        assert update.probe
+        return {"sync/probe_ids": [1, 2, 3], "sync/probe_logprobs": [-1.0, -2.0]}
+
+
+class ScoringEngines(FakeEngines):
+    def __init__(self, answers):
+        super().__init__(lambda s: 4, workers=len(answers))
+        self.answers = dict(zip(self.workers(), answers))
+
+    def workers(self):
+        return list(getattr(self, "answers", {}) or super().workers())
+
+    async def score(self, worker, ids, *, temperature, adapter=None):
+        answer = self.answers[worker]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+def checked_service(engines):
+    r = load_recipe(None, ["rollout.batch_size=2", "rollout.n_samples_per_prompt=2"])
+    source = ListPromptSource(records_from_token_lists([[1, i] for i in range(8)]), shuffle=False)
+
+    async def score(sample, group):
+        return 0.0
+
+    service = RolloutService.from_config(r.rollout, source, engines, score, updates=RecordingUpdates())
+    service.verify_tolerance = 0.1
+    return service
+
+
+def test_the_check_passes_an_engine_that_serves_the_trainer_and_skips_one_lost_meanwhile():
+    from rlkit.rollout.engine_api import EngineError
+
+    engines = ScoringEngines([[-1.0, -2.0], EngineError("connection refused")])
+    service = checked_service(engines)
+    lost = engines.workers()[1]
+
+    async def health_takes_it_out():  # what rollout.health's sweep does with a dead engine
+        del engines.answers[lost]
+        return 1
+
+    service.check_engines = health_takes_it_out
+    metrics = asyncio.run(service.update_weights(1, ProbePublisher()))
+    assert metrics["sync/verify_abs_diff"] == 0.0 and "sync/probe_ids" not in metrics
+
+
+def test_the_check_raises_for_an_engine_that_cannot_score_and_is_not_lost():
+    import pytest
+
+    from rlkit.rollout.engine_api import EngineError
+
+    service = checked_service(ScoringEngines([[-1.0, -2.0], EngineError("HTTP 400: bad")]))
+    with pytest.raises(EngineError, match="HTTP 400"):
+        asyncio.run(service.update_weights(1, ProbePublisher()))
