@@ -54,7 +54,8 @@ def moment(endpoint: str, calls: int = 1, in_ci: bool = False):
     moment("/update_weights_from_tensor", calls=2),
 ])
 def test_ranked_partial_rollouts_colocated_survive_an_engine_lost(tmp_path, monkeypatch, endpoint, calls):
-    """Partial rollouts placed and ordered by the history ranker, colocated. One engine is
+    """Partial rollouts placed and ordered by the history ranker, colocated, training LoRA
+    adapters (merged into the weights each wake sends, every sync checked). One engine is
     killed by its switch at its `calls`-th call to `endpoint`, in the sleep or the wake around step
     1's training: the sleep or the wake goes on with the engine left, the lost one is restarted
     and given the weights before it serves, and nothing is lost. The trainer holds at step 3
@@ -69,6 +70,8 @@ def test_ranked_partial_rollouts_colocated_survive_an_engine_lost(tmp_path, monk
         "cluster.placement=colocated", "checkpoint.every_steps=1",
         "rollout.policy=ranked_dispatch", "rollout.ranked_dispatch.base=partial",
         "rollout.ranker.name=history",
+        # LoRA, synced merged (a colocated engine releases its base weights while asleep)
+        "train.lora.rank=4", "train.lora.sync=merged",
         *QUICK_HEALTH,
     ])
     assert r.train.weight_sync.method == "tensor"  # auto, colocated on CPU: shared memory
@@ -85,6 +88,8 @@ def test_ranked_partial_rollouts_colocated_survive_an_engine_lost(tmp_path, monk
     # partial rollouts parked with their tokens before each sleep, resumed after the wake
     assert sum(x["rollout/groups_resumed"] for x in m[1:]) > 0
     assert all("rollout/ranker_recall@20" in x for x in m)
+    # merged LoRA weights, checked on every engine after every wake
+    assert all(x["sync/adapter"] == 0.0 and x["sync/verify_abs_diff"] < 1e-4 for x in m), m
     groups = rows(run_dir, "groups.jsonl")
     ids = [g["group_id"] for g in groups]
     assert len(ids) == len(set(ids)) == steps * r.rollout.batch_size  # nothing lost or twice

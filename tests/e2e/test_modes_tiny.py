@@ -31,18 +31,20 @@ EPISODES = ["rollout.episode.generator=multi_turn", "rollout.episode.environment
             "rollout.episode.turn_stop=['e']", "rollout.sampling.max_new_tokens=48"]
 
 
-@pytest.mark.parametrize("mode,recipe,episodes,router_killed", [
-    ("stream", "grpo_tiny_ci.yaml", True, True),
-    ("stream", "grpo_tiny_tail_ci.yaml", False, False),
-    ("async", "grpo_tiny_tail_ci.yaml", True, True),
+@pytest.mark.parametrize("mode,recipe,episodes,router_killed,lora", [
+    ("stream", "grpo_tiny_ci.yaml", True, True, False),
+    ("stream", "grpo_tiny_tail_ci.yaml", False, False, True),
+    ("async", "grpo_tiny_tail_ci.yaml", True, True, False),
 ])
-def test_a_mode_with_a_policy_end_to_end(tmp_path, monkeypatch, mode, recipe, episodes, router_killed):
+def test_a_mode_with_a_policy_end_to_end(tmp_path, monkeypatch, mode, recipe, episodes, router_killed,
+                                         lora):
     """Also, with `episodes`, over multi-turn episodes: observations go in with loss mask 0 and
     the trainer trains on them; partial rollouts and tail batching park episodes with their
     tokens (mid-turn or on a tool call) and resume them; no tool fails. Stream mode's episodes
     run also evaluate: held-out prompts played as episodes. With `router_killed`, the router is
     SIGKILLed in step 1's rollout once 8 tokens went through it (the rollout actor's test-only
-    switch): it is restarted, its requests go on with their tokens, and everything above holds."""
+    switch): it is restarted, its requests go on with their tokens, and everything above holds.
+    With `lora`, the trainer trains LoRA adapters and each sync sends the adapter alone."""
     evaluated = episodes and mode == "stream"
     monkeypatch.setenv("RLKIT_CACHE", str(tmp_path / "cache"))
     if router_killed:
@@ -52,6 +54,7 @@ def test_a_mode_with_a_policy_end_to_end(tmp_path, monkeypatch, mode, recipe, ep
         f"mode={mode}", f"run.output_dir={out}", "tracking.progress=false", "run.num_steps=3",
         "rollout.max_staleness=1", "train.algorithm.off_policy_correction=tis",
         *(EPISODES if episodes else []),
+        *(["train.lora.rank=4", "train.lora.alpha=8"] if lora else []),
         *(["eval.datasets=[{name: held, path: 'builtin:arithmetic?split=test&rows=4'}]",
            "eval.before_first_step=true", "eval.n_samples=2", "eval.k=1"] if evaluated else []),
     ])
@@ -77,6 +80,9 @@ def test_a_mode_with_a_policy_end_to_end(tmp_path, monkeypatch, mode, recipe, ep
         assert [m["async/overlapped"] for m in metrics] == [1.0, 1.0, 0.0]
     if "tail" in recipe:
         assert "long" in [m["rollout/round"] for m in metrics]
+    if lora:  # the adapter alone, checked on every engine after every sync
+        assert all(m["sync/adapter"] == 1.0 and m["sync/bytes"] <= 64 * 1024 for m in metrics), metrics
+        assert all(m["sync/verify_abs_diff"] < 1e-4 for m in metrics)
     if episodes:  # several model turns per episode on average, each after an observation
         last = metrics[-1]
         assert last["rollout/episodes/turns"] > last["rollout/episodes/episodes_started"] > 0, last
