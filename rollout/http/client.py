@@ -580,26 +580,35 @@ class EngineClient:
                     adapter: str | None = None, timeout_s: float = 120.0) -> list[float]:
         """The logprob of each input token after the first, as `worker` scores it (straight,
         not through the router; under LoRA adapter `adapter`; at `temperature`): the weight-sync
-        check's probe (train.weight_sync.verify). Raises EngineError when it cannot."""
-        body = GenerateRequest(
-            input_ids=[int(t) for t in input_ids], stream=False, return_logprob=True,
-            logprob_start_len=0, rid=f"verify-{uuid.uuid4().hex}", lora_path=adapter,
-            sampling_params=SamplingParams(max_new_tokens=1, temperature=float(temperature)),
-        ).payload()
-        try:
-            async with self.session.post(f"{worker}/generate", json=body,
-                                         timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-                payload = await _read_body(resp)
-                if resp.status != 200:
-                    raise EngineError(f"{worker}: scoring the probe: HTTP {resp.status}: "
-                                      f"{error_message(payload) or payload}", worker)
-        except (asyncio.TimeoutError, aiohttp.ClientError) as e:
-            raise EngineError(f"{worker}: scoring the probe: {type(e).__name__}: {e}", worker) from None
-        try:
-            scored = parse_output(payload).input_logprobs or ()
-        except ProtocolError as e:
-            raise EngineError(f"{worker}: scoring the probe: {e}", worker) from None
-        values = [lp for lp, _ in scored if lp is not None]
+        check's probe (train.weight_sync.verify). Raises EngineError when it cannot. An answer
+        aborted before its prefill (a rollout step ending meanwhile aborts every request on the
+        engines, in async mode) is asked again."""
+        for _ in range(5):
+            body = GenerateRequest(
+                input_ids=[int(t) for t in input_ids], stream=False, return_logprob=True,
+                logprob_start_len=0, rid=f"verify-{uuid.uuid4().hex}", lora_path=adapter,
+                sampling_params=SamplingParams(max_new_tokens=1, temperature=float(temperature)),
+            ).payload()
+            try:
+                async with self.session.post(f"{worker}/generate", json=body,
+                                             timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                    payload = await _read_body(resp)
+                    if resp.status != 200 and not is_abort_failure(resp.status, payload):
+                        raise EngineError(f"{worker}: scoring the probe: HTTP {resp.status}: "
+                                          f"{error_message(payload) or payload}", worker)
+            except (asyncio.TimeoutError, aiohttp.ClientError) as e:
+                raise EngineError(f"{worker}: scoring the probe: {type(e).__name__}: {e}", worker) from None
+            try:
+                chunk = parse_output(payload) if resp.status == 200 else None
+            except ProtocolError as e:
+                raise EngineError(f"{worker}: scoring the probe: {e}", worker) from None
+            if chunk is not None and (chunk.finish is None or chunk.finish.type != "abort"
+                                      or chunk.input_logprobs):
+                break
+            why = chunk.finish.message if chunk is not None and chunk.finish else error_message(payload)
+        else:
+            raise EngineError(f"{worker}: scoring the probe: aborted 5 times (last: {why})", worker)
+        values = [lp for lp, _ in (chunk.input_logprobs or ()) if lp is not None]
         if len(values) != len(input_ids) - 1:
             raise EngineError(f"{worker}: scored {len(values)} of the probe's {len(input_ids) - 1} "
                               "tokens", worker)

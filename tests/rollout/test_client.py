@@ -347,3 +347,24 @@ async def test_final_chunk_weight_version_spans_restamp_the_requests_tokens(work
         assert bad.status is SampleStatus.PARTIAL  # tokens kept, resumable
     finally:
         await c.close()
+
+
+async def test_scoring_the_sync_check_s_probe_asks_again_when_a_step_s_abort_catches_it(worker):
+    """The check after a sync scores a probe straight on each worker (EngineClient.score); in
+    async mode the next step's end aborts every request on the engines, the probe's too: it is
+    asked again, and an engine that keeps aborting it is an error naming the reason."""
+    scored = {"text": "x", "output_ids": [7], "meta_info": {
+        "id": "p", "finish_reason": {"type": "length", "length": 1}, "prompt_tokens": 3,
+        "completion_tokens": 1, "output_token_logprobs": [[-0.5, 7, None]],
+        "input_token_logprobs": [[None, 1, None], [-1.5, 2, None], [-2.5, 3, None]]}}
+    worker.generate += [answer_json(fixture_json("generate_aborted.json")), answer_json(scored)]
+    c = await client_for(worker)
+    try:
+        assert await c.score(worker.url, [1, 2, 3], temperature=1.0, adapter="policy@v2") == [-1.5, -2.5]
+        sent = worker.calls("/generate")[-1]
+        assert (sent["logprob_start_len"], sent["lora_path"]) == (0, "policy@v2")
+        worker.generate += [answer_json(fixture_json("generate_aborted.json"))] * 5
+        with pytest.raises(EngineError, match="aborted 5 times .last: Abort request"):
+            await c.score(worker.url, [1, 2, 3], temperature=1.0)
+    finally:
+        await c.close()
