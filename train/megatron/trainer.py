@@ -501,44 +501,37 @@ class MegatronTrainer:
         return self.main_grads()
 
     # -- weights for sync and export --------------------------------------------------------
+    def _tp_shards(self, local: torch.Tensor) -> list[torch.Tensor]:
+        """This tensor's shard from every rank of the TP group, in rank order (collective)."""
+        if self.rank.tp_size == 1:
+            return [local]
+        import torch.distributed as dist
+
+        shards = [torch.empty_like(local) for _ in range(self.rank.tp_size)]
+        dist.all_gather(shards, local.contiguous(), group=self._tp_group)
+        return shards
+
     def iter_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full HF tensors, in model order. Collective over the TP group: every TP rank of the
         replica must iterate; only TP rank 0 receives tensors (the others get an empty stream)."""
-        import torch.distributed as dist
-
         params = dict(self.module.named_parameters())
-        tp = self.rank.tp_size
         for name in megatron_param_names(self.arch):
             local = params[name].detach()
             if name in self.lora:  # merged: W + (alpha / r) B A, this rank's shard of it
                 local = local + self.lora[name].delta().detach().to(local.dtype)
-            if tp > 1:
-                shards = [torch.empty_like(local) for _ in range(tp)]
-                dist.all_gather(shards, local.contiguous(), group=self._tp_group)
-            else:
-                shards = [local]
+            shards = self._tp_shards(local)
             if self.rank.tp_rank == 0:
                 yield from megatron_param_to_hf(name, shards, self.arch)
 
     def iter_adapter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The LoRA adapters in PEFT's names and HF's layout (one A and B per HF module). Collective
         over the TP group like iter_hf_weights: only TP rank 0 receives tensors."""
-        import torch.distributed as dist
-
         from rlkit.train.megatron.lora import adapter_to_hf, peft_tensor_names
 
-        tp = self.rank.tp_size
         for name, adapter in self.lora.items():
-            shards = []
-            for t in (adapter.a.detach(), adapter.b.detach()):
-                if tp > 1:
-                    parts = [torch.empty_like(t) for _ in range(tp)]
-                    dist.all_gather(parts, t.contiguous(), group=self._tp_group)
-                    shards.append(parts)
-                else:
-                    shards.append([t])
+            a_shards, b_shards = self._tp_shards(adapter.a.detach()), self._tp_shards(adapter.b.detach())
             if self.rank.tp_rank == 0:
-                for module, a, b in adapter_to_hf(name, shards[0], shards[1], self.arch):
+                for module, a, b in adapter_to_hf(name, a_shards, b_shards, self.arch):
                     name_a, name_b = peft_tensor_names(module)
                     yield name_a, a.contiguous()
                     yield name_b, b.contiguous()
@@ -603,13 +596,11 @@ class MegatronTrainer:
         probe = self.probe_logprobs() if update.probe else None
         after_send = self.colocation.publishing(moved) if update.colocated else None
         report = None
+        weights = None
         if update.adapter is not None:  # LoRA adapter sync: the adapter alone
             report = self._publish_adapter(update, ws) if update.engines else None
-            if after_send is not None:
-                after_send()
-            weights = None
-        else:
-            weights = self._sender_hf_weights() if update.engines else None
+        elif update.engines:
+            weights = self._sender_hf_weights()
         if weights is not None:
             sender = self._weight_sender()
             method = update.method
@@ -620,8 +611,8 @@ class MegatronTrainer:
             report = sender.publish(
                 update, weights, method=method, after_send=after_send,
                 write=lambda p, w: save_hf_folder(p, w, self.hf_config, side_files_from=self.model_path))
-        elif after_send is not None and update.adapter is None:  # this rank's part (the TP
-            after_send()  # all-gathers) is done, or no engine
+        elif after_send is not None:  # this rank's part (the TP all-gathers) is done, or no engine
+            after_send()
         self.version = update.version
         if self.rank.rank != 0:
             return None
