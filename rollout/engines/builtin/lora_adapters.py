@@ -83,13 +83,15 @@ class AdapterSet:
             if set(ab) != {"A", "B"}:
                 raise ValueError(f"{name}: {module} has lora_{'A' if 'A' not in ab else 'B'} missing")
             w = linear.weight
-            a = ab["A"].to(device=w.device, dtype=w.dtype)
-            b = ab["B"].to(device=w.device, dtype=w.dtype)
+            # copies: tensors from /load_lora_adapter_from_tensors map the sender's memory,
+            # which it frees once the engine has answered
+            a = ab["A"].to(device=w.device, dtype=w.dtype, copy=True)
+            b = ab["B"].to(device=w.device, dtype=w.dtype, copy=True)
             if tuple(a.shape) != (rank, w.shape[1]) or tuple(b.shape) != (w.shape[0], rank):
                 raise ValueError(
                     f"{name}: {module} lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit "
                     f"its weight {tuple(w.shape)} at r={rank}")
-            layers[module] = (a.contiguous(), b.contiguous())
+            layers[module] = (a, b)
             size += a.numel() * a.element_size() + b.numel() * b.element_size()
         for module in layers:
             if module not in self._hooked:
@@ -105,12 +107,6 @@ class AdapterSet:
             raise ValueError(f"LoRA adapter {name!r} is named by {in_use} running or queued "
                              "request(s); unload it once they are done")
         del self.adapters[name]
-
-    def check(self, name: str | None) -> None:
-        """A request naming `name` may run (None: the base model)."""
-        if name is not None and name not in self.adapters:
-            raise ValueError(f"LoRA adapter {name!r} is not loaded (loaded: "
-                             f"{sorted(self.adapters) or 'none'})")
 
     # -- applying --------------------------------------------------------------------------------
     def bind(self, names: list[str | None]) -> None:
