@@ -590,11 +590,13 @@ class EngineServer:
             {"success": ok, "error_message": error, "loaded_adapters": dict(self.loras)},
             status=200 if ok else 400)
 
-    async def _lora_call(self, name: str, command: str, **kwargs: Any) -> web.Response:
+    async def _lora_call(self, command: str, done: Callable[[], Any], **kwargs: Any) -> web.Response:
+        """Core `command`; on success `done()` updates the adapters this server lists."""
         try:
             await self.core.call(command, **kwargs)
         except CoreError as e:
             return self._lora_result(False, str(e))
+        done()
         return self._lora_result(True)
 
     async def _dropped_update(self, version: str | None, **extra: Any) -> web.Response:
@@ -610,31 +612,22 @@ class EngineServer:
 
     async def load_lora_adapter(self, request: web.Request) -> web.Response:
         req = LoadLoraAdapterRequest.model_validate(await self._body(request))
-        response = await self._lora_call(req.lora_name, "load_lora", lora_name=req.lora_name,
-                                         lora_path=req.lora_path, dropped=self._drops(request))
-        if response.status == 200:
-            self.loras[req.lora_name] = req.lora_path
-            return self._lora_result(True)
-        return response
+        return await self._lora_call(
+            "load_lora", lambda: self.loras.__setitem__(req.lora_name, req.lora_path),
+            lora_name=req.lora_name, lora_path=req.lora_path, dropped=self._drops(request))
 
     async def load_lora_adapter_from_tensors(self, request: web.Request) -> web.Response:
         req = LoadLoraAdapterFromTensorsRequest.model_validate(await self._body(request))
-        response = await self._lora_call(
-            req.lora_name, "load_lora_from_tensors", lora_name=req.lora_name,
-            config_dict=req.config_dict, serialized_named_tensors=req.serialized_named_tensors,
-            load_format=req.load_format, dropped=self._drops(request))
-        if response.status == 200:
-            self.loras[req.lora_name] = "__tensor__"  # SGLang's lora_path for tensor loads
-            return self._lora_result(True)
-        return response
+        return await self._lora_call(  # "__tensor__": SGLang's lora_path for tensor loads
+            "load_lora_from_tensors", lambda: self.loras.__setitem__(req.lora_name, "__tensor__"),
+            lora_name=req.lora_name, config_dict=req.config_dict,
+            serialized_named_tensors=req.serialized_named_tensors, load_format=req.load_format,
+            dropped=self._drops(request))
 
     async def unload_lora_adapter(self, request: web.Request) -> web.Response:
         req = UnloadLoraAdapterRequest.model_validate(await self._body(request))
-        response = await self._lora_call(req.lora_name, "unload_lora", lora_name=req.lora_name)
-        if response.status == 200:
-            self.loras.pop(req.lora_name, None)
-            return self._lora_result(True)
-        return response
+        return await self._lora_call("unload_lora", lambda: self.loras.pop(req.lora_name, None),
+                                     lora_name=req.lora_name)
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         req = InitWeightsUpdateGroupRequest.model_validate(await self._body(request))
