@@ -258,6 +258,11 @@ LORA_HF_MODULES: dict[str, tuple[str, ...]] = {
 }
 
 
+def lora_hf_modules(targets: list[str]) -> list[str]:
+    """The HF modules of these LoRA targets, in order."""
+    return [m for t in targets for m in LORA_HF_MODULES[t]]
+
+
 class LoraConfig(BaseModel):
     """LoRA (train/megatron/lora.py): low-rank adapters on the linear layers, the base frozen."""
 

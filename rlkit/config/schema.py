@@ -182,12 +182,12 @@ class Recipe(BaseModel):
         if lora.rank > 0 and lora.sync == "adapter" and self.rollout.engine.kind == "sglang":
             # SGLang serves adapters only when started for them (srt/server_args.py's LoRA
             # flags); the built-in engine always does. A value the recipe sets is kept.
-            from rlkit.train.config import LORA_HF_MODULES as HF_MODULES
+            from rlkit.train.config import lora_hf_modules
 
             args = self.rollout.engine.sglang_args
             args.setdefault("enable_lora", True)
             args.setdefault("max_lora_rank", lora.rank)
-            args.setdefault("lora_target_modules", [m for t in lora.targets for m in HF_MODULES[t]])
+            args.setdefault("lora_target_modules", lora_hf_modules(lora.targets))
             args.setdefault("max_loaded_loras", 4)
         if ws.pause_mode == "auto":  # in async a sync meets requests in flight: keep them
             ws.pause_mode = "retract" if self.mode == "async" else "abort"

@@ -30,6 +30,8 @@ from typing import Iterator
 
 import torch
 
+from rlkit.train.config import lora_hf_modules
+
 # recipe name -> (owner attribute in a transformer layer, layer attribute, parallel kind)
 TARGETS: dict[str, tuple[str, str, str]] = {
     "qkv": ("self_attention", "linear_qkv", "column"),
@@ -162,9 +164,6 @@ def disabled(adapters: dict[str, LoraAdapter]) -> Iterator[None]:
 
 
 # -- PEFT layout (engines that load adapters, `rlkit export --adapter`) --------------------------
-from rlkit.train.config import LORA_HF_MODULES as HF_MODULES  # noqa: E402 - names only
-
-
 def target_of(weight_name: str) -> str:
     """The recipe target of an adapted megatron weight name."""
     for target, (_, attr, _) in TARGETS.items():
@@ -199,7 +198,7 @@ def peft_config(*, rank: int, alpha: float, dropout: float, targets: list[str],
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
         "lora_dropout": dropout, "bias": "none", "fan_in_fan_out": False,
-        "target_modules": [m for t in targets for m in HF_MODULES[t]],
+        "target_modules": lora_hf_modules(targets),
         "base_model_name_or_path": base_model, "inference_mode": True,
     }
 
