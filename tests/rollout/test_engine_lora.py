@@ -127,11 +127,15 @@ async def test_an_adapter_in_use_cannot_be_unloaded_and_unknown_ones_are_refused
         assert (await post(s, url, "/load_lora_adapter_from_tensors", body))[0] == 200
         status, out = await post(s, url, "/load_lora_adapter_from_tensors", body)
         assert status == 400 and "already loaded" in out["error_message"]
-        long = asyncio.create_task(generate(s, url, "busy", max_new=400, ignore_eos=True))
+        # generation paused: the request waits in the queue until continue, so it cannot finish
+        # before the unload below, however slow this machine
+        assert (await post(s, url, "/pause_generation", {"mode": "in_place"}))[0] == 200
+        long = asyncio.create_task(generate(s, url, "busy", max_new=16, ignore_eos=True))
         while not await holds_a_request(s, url):  # a condition: the engine has it
             await asyncio.sleep(0.01)
         status, out = await post(s, url, "/unload_lora_adapter", {"lora_name": "busy"})
         assert status == 400 and "named by 1 running or queued request" in out["error_message"]
+        assert (await post(s, url, "/continue_generation", {}))[0] == 200
         assert (await long)[0] == 200
         status, out = await post(s, url, "/unload_lora_adapter", {"lora_name": "busy"})
         assert (status, "busy" in out["loaded_adapters"]) == (200, False)
