@@ -35,6 +35,9 @@ from rlkit.bench.report import add_out_argument, out_folder, write_report
 
 CORRECTION = "train.algorithm.off_policy_correction"
 
+LORA_LR = "train.optimizer.lr=2.0e-4"  # SCALE's 2e-5, x10 (see the lora configurations)
+LORA_8 = ["train.lora.rank=8", LORA_LR]
+
 # The configurations: name -> recipe overrides. `{corr}` is --correction's estimator (a name in
 # the config's name as well): each off-policy configuration runs without a correction and with
 # one. tail_restart and stream are on-policy (no stale token), like sync.
@@ -57,6 +60,13 @@ CONFIGS: dict[str, list[str]] = {
     "async_partial+{corr}": ["mode=async", "rollout.policy=partial", "rollout.max_staleness=1",
                              f"{CORRECTION}={{corr}}"],
     "stream": ["mode=stream", "rollout.policy=sync", f"{CORRECTION}=none"],
+    # issue 35: LoRA against full training (sync, the same samples). The learning rate is ten
+    # times full training's, the rule "LoRA Without Regret" (Thinking Machines, 2025) measured for
+    # RL with alpha 32 and the 1/rank scale (train.lora's default alpha): LoRA's best rate is ~10x
+    # full fine-tuning's, at any rank.
+    "lora_r8": ["mode=sync", "rollout.policy=sync", f"{CORRECTION}=none", *LORA_8],
+    "lora_r32": ["mode=sync", "rollout.policy=sync", f"{CORRECTION}=none", "train.lora.rank=32",
+                 LORA_LR],
 }
 
 # The task, and a split of it with at least 200 held-out problems: with max_operand 20 (the
