@@ -493,6 +493,15 @@ class RolloutBuffer:
         with self._lock:
             return len(self._queue(place))
 
+    def unfinished_versions(self) -> Counter[int]:
+        """Per policy version, the unfinished responses of the live groups (in flight, parked,
+        deferred) that began under it (their first token's version): what LoRA's resume 'own'
+        keeps an adapter loaded for."""
+        with self._lock:
+            groups = [*self._in_flight.values(), *self._partial, *self._long]
+            return Counter(s.versions[0] for g in groups for s in g.samples
+                           if s.versions and not s.status.terminal)
+
     def place_of(self, group: Group) -> Place | None:
         """Where a group is (None once trained or dropped)."""
         return self._place.get(group.group_id)

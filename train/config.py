@@ -303,8 +303,31 @@ class LoraConfig(BaseModel):
         "weights while asleep). The metrics row's sync/adapter says which one ran.",
     )
 
+    resume: Literal["latest", "own"] = Field(
+        "latest",
+        description="The adapter a parked sample resumes under (sync 'adapter' only). 'latest': "
+        "the newest, as without LoRA; its tokens then span versions (recorded per token, "
+        "corrected per token by algorithm.off_policy_correction). 'own': the adapter its first "
+        "token came from, kept loaded while an unfinished sample names it (up to "
+        "keep_versions), so each response is one policy's: stale, never mixed. A sample whose "
+        "adapter is gone (past keep_versions; engines restarted) resumes under the newest, "
+        "counted as rollout/own_adapter_fallbacks. Multi-turn episodes keep theirs for every "
+        "turn.",
+    )
+    keep_versions: int = Field(
+        3, ge=1, le=64,
+        description="resume 'own': the adapters each engine keeps at most, the newest "
+        "included; of older ones, those named by the most recent unfinished samples stay. "
+        "SGLang's --max-loaded-loras must hold them and the ones requests still run under: its "
+        "default here is keep_versions + 1 (at least 4).",
+    )
+
     @model_validator(mode="after")
     def _check(self) -> "LoraConfig":
+        if self.resume == "own" and self.sync != "adapter":
+            raise ValueError("resume: 'own' keeps old adapters loaded on the engines, which only "
+                             "sync 'adapter' has (merged sync replaces the weights); set sync: "
+                             "adapter or resume: latest")
         if len(set(self.targets)) != len(self.targets):
             raise ValueError(f"targets: a layer named twice in {self.targets}")
         return self

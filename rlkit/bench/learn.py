@@ -67,6 +67,11 @@ CONFIGS: dict[str, list[str]] = {
     "lora_r8": ["mode=sync", "rollout.policy=sync", f"{CORRECTION}=none", *LORA_8],
     "lora_r32": ["mode=sync", "rollout.policy=sync", f"{CORRECTION}=none", "train.lora.rank=32",
                  LORA_LR],
+    # issue 35 item 3: partial rollouts with LoRA, a parked sample resuming under the newest
+    # adapter (its response then spans versions) or under its own (train.lora.resume: own)
+    "partial_lora_r8": ["mode=sync", "rollout.policy=partial", f"{CORRECTION}=none", *LORA_8],
+    "partial_lora_r8+own": ["mode=sync", "rollout.policy=partial", f"{CORRECTION}=none", *LORA_8,
+                            "train.lora.resume=own"],
 }
 
 # The task, and a split of it with at least 200 held-out problems: with max_operand 20 (the
@@ -103,7 +108,10 @@ TELEMETRY = ("batch/reward_mean", "batch/max_staleness", "rollout/resumed_token_
              "train/off_policy_samples", "train/rejected_samples", "step/seconds",
              "rollout/seconds", "train/seconds", "rollout/resume_rescored",
              "rollout/resume_abs_log_ratio", "rollout/mismatch_restarts",
-             "rollout/mismatch_restart_tokens")
+             "rollout/mismatch_restart_tokens", "batch/mixed_version_share",
+             "rollout/own_adapter_requests", "rollout/own_adapter_fallbacks",
+             "mismatch/lag1/tokens", "mismatch/lag1/kl_k3", "mismatch/resumed/tokens",
+             "mismatch/resumed/kl_k3", "mismatch/resumed/abs_log_ratio_mean")
 
 
 def math_unless_truncated(sample: Any, **kwargs: Any) -> float:

@@ -188,7 +188,7 @@ class Recipe(BaseModel):
             args.setdefault("enable_lora", True)
             args.setdefault("max_lora_rank", lora.rank)
             args.setdefault("lora_target_modules", lora_hf_modules(lora.targets))
-            args.setdefault("max_loaded_loras", 4)
+            args.setdefault("max_loaded_loras", max(4, lora.keep_versions + 1))
         if ws.pause_mode == "auto":  # in async a sync meets requests in flight: keep them
             ws.pause_mode = "retract" if self.mode == "async" else "abort"
         if algo.loss_aggregation == "sequence_mean_token_sum_norm" and algo.loss_norm_length == 0:

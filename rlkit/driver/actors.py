@@ -141,6 +141,9 @@ class RolloutActor:
                                                   router=RouterProcessHandle(self.router, self.client))
         lora = r.train.lora
         self.service.adapter_sync = lora.rank > 0 and lora.sync == "adapter"
+        if self.service.adapter_sync and lora.resume == "own":
+            self.service.resume_own_adapter = self.client.resume_own_adapter = True
+            self.service.keep_versions = lora.keep_versions
         if ws.verify:  # every sync checked on a probe (rollout_service.RolloutService._verify)
             self.service.verify_tolerance = ws.verify_tolerance
             self.service.verify_temperature = r.rollout.sampling.temperature

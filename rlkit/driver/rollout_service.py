@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from rlkit.buffers import Group, PromptSource, RolloutBuffer, load_buffer, save_buffer
-from rlkit.common.weight_update import PublisherFailed, WeightPublisher, WeightsMismatch, adapter_name
+from rlkit.common.weight_update import (PublisherFailed, WeightPublisher, WeightsMismatch,
+                                        adapter_name, adapter_version)
 from rlkit.driver.rollout_box import Handed, RolloutResult, handed_of, lag_record
 from rlkit.rollout.config import RolloutConfig
 from rlkit.rollout.engine_api import Engines
@@ -55,6 +56,10 @@ class RolloutService:
         # those loaded and not yet unloaded (an adapter goes once no request names it)
         self.adapter_sync = False
         self._adapters: list[str] = []
+        # train.lora.resume 'own' (set by the driver): adapters unfinished samples began under
+        # stay loaded, the newest `keep_versions` at most (the current one included)
+        self.resume_own_adapter = False
+        self.keep_versions = 1
         # train.weight_sync.verify (set by the driver): after each update every engine scores
         # the trainer's probe, at the sampling temperature; None: no check
         self.verify_tolerance: float | None = None
@@ -138,9 +143,10 @@ class RolloutService:
         episodes = self.manager.episodes
         # the engines' prefix-cache hits of the step's requests (the HTTP client reads them)
         prefix = getattr(self.engines, "prefix_cache_metrics", lambda: {})()
+        own = getattr(self.engines, "own_adapter_metrics", lambda: {})()  # LoRA resume 'own'
         return RolloutResult(
             metrics={**report.metrics(), **by_kind, **(episodes.metrics() if episodes else {}),
-                     **prefix},
+                     **prefix, **own},
             timeline=[s.to_json() for s in report.timeline],
             completed=report.completed,
             buffer=self.stats(),
@@ -245,6 +251,8 @@ class RolloutService:
                 metrics = {**metrics, **await self._switch_adapter(adapter)}
         if probe[0] is not None:
             metrics = {**metrics, **await self._verify(version, *probe)}
+        if restarted and self.resume_own_adapter:  # a restarted engine holds the newest alone
+            self.engines.kept_adapters = frozenset(a for a in [self.engines.adapter] if a)
         if restarted and self.manager.health is not None:
             await self.manager.health.admit(restarted)
         self._told_restarted -= set(restarted)  # serving now: a later restart is news again
@@ -311,13 +319,24 @@ class RolloutService:
 
     async def _switch_adapter(self, adapter: str) -> dict[str, float]:
         """New requests name `adapter` (just loaded everywhere); adapters that no request in
-        flight names any more are unloaded (one still named stays, and goes at a later update).
-        Metrics: the adapters loaded now."""
+        flight names any more are unloaded (one still named stays, and goes at a later update),
+        but under resume 'own' those the newest unfinished samples began under stay, up to
+        keep_versions. Metrics: the adapters loaded now."""
         self.engines.adapter = adapter
         if adapter not in self._adapters:
             self._adapters.append(adapter)
         in_use = getattr(self.engines, "adapters_in_use", dict)()
-        stale = [a for a in self._adapters if a != adapter and not in_use.get(a)]
+        kept = {adapter}
+        if self.resume_own_adapter:
+            began = self.buffer.unfinished_versions()
+            named = sorted((a for a in self._adapters if a != adapter
+                            and began.get(adapter_version(a) or -1)),
+                           key=lambda a: adapter_version(a) or 0)
+            if self.keep_versions > 1:
+                kept.update(named[-(self.keep_versions - 1):])
+            # before any await: no request is sent naming one about to go
+            self.engines.kept_adapters = frozenset(kept)
+        stale = [a for a in self._adapters if a not in kept and not in_use.get(a)]
         if stale:
             gone = await self._control("unload_adapters", self.engines.workers(), stale)
             self._adapters = [a for a in self._adapters if a not in gone]

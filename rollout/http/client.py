@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable, Sequence
 import aiohttp
 
 from rlkit.buffers.sample import Sample, SampleError, SampleStatus
-from rlkit.common.weight_update import adapter_version
+from rlkit.common.weight_update import adapter_name, adapter_version
 from rlkit.rollout.http.auth import auth_headers, control_token_from_env
 from rlkit.rollout.config import SamplingConfig
 from rlkit.rollout.engine_api import EngineError, RouterLost, WorkerLost
@@ -133,6 +133,11 @@ class EngineClient:
     # LoRA adapter sync (train.lora.sync: adapter): the adapter new requests name (lora_path),
     # set by the rollout side after each update; None: the engines' base weights (or merged).
     adapter: str | None = None
+    # train.lora.resume 'own': a request for a sample that has tokens names the adapter of its
+    # first token's version (version 0: the base, always there) when it is in `kept_adapters`
+    # (set by the rollout side, which keeps it loaded), else `adapter` (a fallback, counted).
+    resume_own_adapter: bool = False
+    kept_adapters: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if self.router_url is None and not self.worker_urls:
@@ -142,6 +147,7 @@ class EngineClient:
         self._inflight: dict[str, _Inflight] = {}
         self._abort_alls = 0  # abort_all calls so far: a request waiting to retry checks it
         self._prefix = [0, 0]  # (cached, prompt) tokens of the requests ended since the last read
+        self._own = [0, 0]  # resume 'own': requests under an older own adapter, fallbacks
         self.routed_tokens = 0  # tokens streamed through the router (on_routed_tokens)
         # The router was declared lost (abort_routed) and not restarted yet (follow_router):
         # requests for it fail at once and its worker list is not touched.
@@ -270,6 +276,30 @@ class EngineClient:
                               lora_path=adapter)
         return req.payload()
 
+    def adapter_for(self, sample: Sample) -> str | None:
+        """The LoRA adapter a request for `sample` names: `adapter`, or under resume 'own' the
+        one its response began under while that one is kept."""
+        if not self.resume_own_adapter or not sample.versions:
+            return self.adapter
+        version = sample.versions[0]
+        own = adapter_name(version) if version > 0 else None  # v0: the base, B = 0
+        if own == self.adapter:
+            return own
+        if own is None or own in self.kept_adapters:
+            self._own[0] += 1
+            return own
+        self._own[1] += 1
+        return self.adapter
+
+    def own_adapter_metrics(self) -> dict[str, float]:
+        """resume 'own': requests since the last call that ran under an older adapter (the one
+        their sample began under) and those whose adapter was gone (under the newest)."""
+        if not self.resume_own_adapter:
+            return {}
+        (own, fallback), self._own = self._own, [0, 0]
+        return {"rollout/own_adapter_requests": float(own),
+                "rollout/own_adapter_fallbacks": float(fallback)}
+
     def adapters_in_use(self) -> dict[str, int]:
         """Requests in flight by the LoRA adapter they name (an adapter still named must stay
         loaded: rollout side's unloads wait for it)."""
@@ -296,6 +326,7 @@ class EngineClient:
         rescore = (len(sample.response_ids) if self.max_resume_log_ratio is not None
                    and sample.status is SampleStatus.PARTIAL else 0)
         sample.start_request()
+        adapter = self.adapter_for(sample)
         abort_alls, router_losses = self._abort_alls, self._router_losses
         last = ""
         for attempt in range(policy.attempts):
@@ -312,7 +343,7 @@ class EngineClient:
             rid = uuid.uuid4().hex
             sample.metadata["rid"] = rid
             flight = _Inflight(rid=rid, url=base, routed=worker is None,
-                               task=asyncio.current_task(), rescore=rescore, adapter=self.adapter)
+                               task=asyncio.current_task(), rescore=rescore, adapter=adapter)
             self._inflight[rid] = flight
             try:
                 outcome = await self._generate_once(sample, sampling, max_new_tokens, version,

@@ -298,3 +298,22 @@ def test_acquire_hands_out_no_more_last_chance_groups_than_its_limit():
     assert again[0] is older[2] and len(again) == 2
     # its version-0 tokens would lag 2 at version 2: restarted as it left the queue (counted)
     assert buf.stats()["lag_restarts"] == 1 and buf.stats()["balanced"]
+
+
+def test_unfinished_versions_counts_the_responses_of_live_groups_by_their_first_token():
+    """What LoRA's resume 'own' keeps adapters for: unfinished responses in flight or parked,
+    by the version they began under; finished and empty ones do not count."""
+    from rlkit.buffers import ListPromptSource, RolloutBuffer
+    from rlkit.buffers.source import records_from_token_lists
+
+    buf = RolloutBuffer(ListPromptSource(records_from_token_lists([[1, i] for i in range(4)]),
+                                         shuffle=False), n_samples_per_prompt=2)
+    a, b = buf.acquire(2)
+    a.samples[0].append([5, 6], [-0.1, -0.2], 1)
+    a.samples[0].append([7], [-0.3], 2)
+    a.samples[0].interrupt()  # parked: began under v1
+    a.samples[1].append([5], [-0.1], 2, finish_reason="stop")  # finished: not counted
+    b.samples[0].append([8], [-0.1], 2)  # running under v2
+    assert buf.unfinished_versions() == {1: 1, 2: 1}
+    buf.requeue(a)  # parked in the partial queue: still counted
+    assert buf.unfinished_versions() == {1: 1, 2: 1}

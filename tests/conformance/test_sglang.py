@@ -210,6 +210,13 @@ def _argvs(monkeypatch, package: Path) -> list[list]:
                                     "rollout.engine.kind=sglang"]).rollout.engine, 0, None,
          {"tp_size": 1, "enable_lora": True, "max_lora_rank": 8, "max_loaded_loras": 4,
           "lora_target_modules": ["q_proj", "k_proj", "v_proj", "down_proj"]}),
+        # resume 'own' keeps up to keep_versions adapters, and one more is loaded at each sync
+        ("lora, resume own", load_recipe(None, [
+            "train.lora.rank=8", "train.lora.resume=own", "train.lora.keep_versions=5",
+            "rollout.engine.kind=sglang"]).rollout.engine, 0, None,
+         {"tp_size": 1, "enable_lora": True, "max_lora_rank": 8, "max_loaded_loras": 6,
+          "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                  "down_proj"]}),
     ]
     out = []
     for name, config, index, base, expect in configs:

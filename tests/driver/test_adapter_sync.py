@@ -142,3 +142,43 @@ def test_the_check_raises_for_an_engine_that_cannot_score_and_is_not_lost():
     service = checked_service(ScoringEngines([[-1.0, -2.0], EngineError("HTTP 400: bad")]))
     with pytest.raises(EngineError, match="HTTP 400"):
         asyncio.run(service.update_weights(1, ProbePublisher()))
+
+
+def test_resume_own_keeps_the_adapters_unfinished_samples_began_under_up_to_keep_versions():
+    """train.lora.resume 'own' with keep_versions 2: besides the newest, the adapter of the
+    newest version an unfinished sample began under stays loaded (and the client may name it);
+    the rest go once no request names them; a restarted engine holds the newest alone."""
+    from collections import Counter
+
+    r = load_recipe(None, ["rollout.batch_size=2", "rollout.n_samples_per_prompt=2"])
+    source = ListPromptSource(records_from_token_lists([[1, i] for i in range(8)]), shuffle=False)
+    engines = FakeEngines(lambda s: 4)
+    engines.adapters_in_use = dict
+    engines.kept_adapters = frozenset()
+
+    async def score(sample, group):
+        return 0.0
+
+    updates = RecordingUpdates()
+    service = RolloutService.from_config(r.rollout, source, engines, score, updates=updates)
+    service.adapter_sync, service.resume_own_adapter, service.keep_versions = True, True, 2
+    began: Counter[int] = Counter()
+    service.buffer.unfinished_versions = lambda: Counter(began)
+    publisher = Publisher()
+
+    async def go():
+        await service.update_weights(1, publisher)
+        began.update({1: 2})  # two responses parked under v1
+        m = await service.update_weights(2, publisher)
+        assert m["sync/adapters_loaded"] == 2.0
+        assert engines.kept_adapters == {"policy@v1", "policy@v2"}
+        began.update({2: 1})  # v1's and v2's unfinished: the newest of them stays
+        m = await service.update_weights(3, publisher)
+        assert engines.kept_adapters == {"policy@v2", "policy@v3"}
+        assert m["sync/adapters_loaded"] == 2.0
+        began.clear()
+        await service.update_weights(4, publisher)
+        assert engines.kept_adapters == {"policy@v4"}
+
+    asyncio.run(go())
+    assert updates.unloads == [["policy@v1"], ["policy@v2", "policy@v3"]]

@@ -37,6 +37,9 @@ def test_lora_config_is_typed():
         TrainConfig.model_validate({"lora": {"rank": 8, "targets": ["qkv", "attn"]}})
     with pytest.raises(ValidationError, match="named twice"):
         TrainConfig.model_validate({"lora": {"rank": 8, "targets": ["qkv", "qkv"]}})
+    assert TrainConfig().lora.resume == "latest"  # a parked sample resumes under the newest
+    with pytest.raises(ValidationError, match="sync 'adapter'"):  # merged keeps no old versions
+        TrainConfig.model_validate({"lora": {"rank": 8, "sync": "merged", "resume": "own"}})
 
 
 def test_a_zero_b_is_the_base_model_and_the_optimizer_holds_the_adapters_only(tiny_qwen2_dir):
