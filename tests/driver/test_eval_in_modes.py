@@ -9,7 +9,6 @@ import pytest
 
 from rlkit.buffers import ListPromptSource, PromptRecord
 from rlkit.buffers.source import records_from_token_lists
-from rlkit.config import load_recipe
 from rlkit.driver.local import run_local
 from rlkit.driver.loop import step_recorder
 from rlkit.driver.rollout_service import RolloutService
