@@ -146,6 +146,9 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--train-params", type=float, default=4.02e9, help="trained parameters")
     c.add_argument("--train-gpus", type=int, default=8, help="trainer GPUs")
     c.add_argument("--train-mfu", type=float, default=0.35)
+    c.add_argument("--train-lora-params", type=float, default=0.0, metavar="N",
+                   help="LoRA: the adapters' parameters (adapter sync: no base weight gradients, "
+                   "N sent per sync, nothing paused; rlkit/sim/train_time.py); 0: full training")
     c.add_argument("--train-unit", type=int, default=1,
                    help="trainer GPUs per data-parallel replica (TP x PP): the step waits for "
                    "its slowest replica")
@@ -167,7 +170,8 @@ def cluster_of(args: argparse.Namespace) -> tuple[Any, Any]:
               else args.attention_weight)
     return cluster, TrainTimeModel(params=args.train_params, gpus=args.train_gpus,
                                    mfu=args.train_mfu, attention_weight=weight,
-                                   model_parallel=args.train_unit)
+                                   model_parallel=args.train_unit,
+                                   lora_params=args.train_lora_params)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -93,6 +93,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "prices the long tail's attention in training (TrainTimeModel); default: "
                    "the engine profile's own (its prefill's quadratic over linear cost); 0: "
                    "tokens alone")
+    t.add_argument("--lora-params", type=float, default=0.0, metavar="N",
+                   help="LoRA (train.lora): the adapters' parameters (`rlkit bench lora` gives "
+                   "them for a model: trained params bytes / 4); the base's weight gradients "
+                   "are skipped, the optimizer holds N alone (colocated turns) and, with "
+                   "--lora-sync adapter, each sync sends N and pauses nothing. 0: full training")
+    t.add_argument("--lora-sync", choices=["adapter", "merged"], default="adapter",
+                   help="train.lora.sync (colocated placement is merged whatever this says: its "
+                   "engines release their base weights while asleep)")
     t.add_argument("--host-bandwidth", type=float, default=25.0, metavar="GB/S",
                    help="colocated: pinned host <-> device GB/s per GPU while the trainer "
                         "onloads and offloads its state (ColocationModel.host_bandwidth)")
@@ -124,6 +132,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "even split and report both step times (two more simulations; with "
                         "--placement colocated|both, the colocated sync loop too)")
     s.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def _lora_text(e: dict[str, Any]) -> str:
+    if not e.get("lora_params"):
+        return ""
+    return f" (LoRA: {e['lora_params'] / 1e6:.1f}M adapter params, {e['lora_sync']} sync)"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -214,7 +228,8 @@ def _point(args: argparse.Namespace, cross: bool, memo: dict[str, dict[int, list
     except ValueError as e:
         raise SystemExit(f"rlkit plan: --policy: {e}") from None
     try:
-        TrainTimeModel(params=args.params, gpus=1, mfu=args.train_mfu, peak_flops=args.peak_flops)
+        TrainTimeModel(params=args.params, gpus=1, mfu=args.train_mfu, peak_flops=args.peak_flops,
+                       lora_params=args.lora_params, lora_sync=args.lora_sync)
     except ValueError as e:
         raise SystemExit(f"rlkit plan: trainer: {e}") from None
 
@@ -249,7 +264,8 @@ def _point(args: argparse.Namespace, cross: bool, memo: dict[str, dict[int, list
     def trainer(y: int) -> TrainTimeModel:
         return TrainTimeModel(params=args.params, gpus=y, mfu=args.train_mfu,
                               peak_flops=args.peak_flops, attention_weight=weight,
-                              model_parallel=units.train)
+                              model_parallel=units.train, lora_params=args.lora_params,
+                              lora_sync=args.lora_sync)
 
     def batch_s(model: TrainTimeModel) -> float:
         """Mean training seconds of the measured steps' batches (attention, DP balance)."""
@@ -316,6 +332,7 @@ def _point(args: argparse.Namespace, cross: bool, memo: dict[str, dict[int, list
         if blocker is None:
             g = args.gpus
             turns = ColocationModel(params=args.params, gpus=g, model_parallel=units.train,
+                                    lora_params=args.lora_params,
                                     host_bandwidth=args.host_bandwidth * 1e9,
                                     update_bandwidth=args.update_bandwidth * 1e9)
             colocated = P.ColocatedCost(g, g // gpe, tuple(p_gen(g)),
@@ -336,6 +353,7 @@ def _point(args: argparse.Namespace, cross: bool, memo: dict[str, dict[int, list
         "batch_size": args.batch_size, "group_size": trace.group_size,
         "trained_tokens_per_step": tokens, "attention_weight": weight,
         "params": args.params, "train_mfu": args.train_mfu,
+        "lora_params": args.lora_params, "lora_sync": args.lora_sync,
         "warmup": args.warmup, "steps": args.steps, "simulations": len(simulated),
         "verified": verified or None, "placement": args.placement,
         "host_bandwidth_gbps": args.host_bandwidth, "update_bandwidth_gbps": args.update_bandwidth,
@@ -430,8 +448,8 @@ def format_plan(plan: Any, profile: Any) -> str:
         f"{e['gpus_per_engine']} GPU(s) each; policy {e['policy']}.",
         f"Workload: trace `{e['trace']}` (cap {e['cap']}), {e['batch_size']} groups x "
         f"{e['group_size']} per step, {e['trained_tokens_per_step']:,.0f} trained tokens/step. "
-        f"Trainer: {e['params'] / 1e9:.2f}B params, MFU {e['train_mfu']:g}, GPUs in multiples "
-        f"of {e['train_unit']}.",
+        f"Trainer: {e['params'] / 1e9:.2f}B params{_lora_text(e)}, MFU {e['train_mfu']:g}, GPUs "
+        f"in multiples of {e['train_unit']}.",
         f"P_gen: simulated, mean of {e['steps']} steps after {e['warmup']} warm-up (step "
         "times: means over those steps, so async pays each step's max(generation, P_train)); "
         f"{e['simulations']} sizes simulated now (others cached), {e['wall_s']:.0f} s of wall "
@@ -488,8 +506,8 @@ def _header(e: dict[str, Any], profile: Any, gpus: Any, mode: str) -> list[str]:
         f"{e['gpus_per_engine']} GPU(s) each; policy {e['policy']}.",
         f"Workload: trace `{e['trace']}` (cap {e['cap']}), {e['batch_size']} groups x "
         f"{e['group_size']} per step, {e['trained_tokens_per_step']:,.0f} trained tokens/step. "
-        f"Trainer: {e['params'] / 1e9:.2f}B params, MFU {e['train_mfu']:g}, GPUs in multiples "
-        f"of {e['train_unit']}.",
+        f"Trainer: {e['params'] / 1e9:.2f}B params{_lora_text(e)}, MFU {e['train_mfu']:g}, GPUs "
+        f"in multiples of {e['train_unit']}.",
     ]
 
 

@@ -7,6 +7,14 @@
                                 + 2 if reference model (KL))
     sync_s = sync_overhead_s + weight_bytes / sync_bandwidth
 
+LoRA (`lora_params` > 0, train.lora): the base is frozen, so its backward computes the
+activations' gradients alone, not the weights' (4 FLOPs per base parameter and token instead of
+6); the adapters add 6 per theirs. The KL reference is the base with the adapters off: one more
+forward, as a reference model. With adapter sync the engines receive the adapters alone and
+nothing pauses: sync_s = adapter_overhead_s + lora_params x weight bytes / sync_bandwidth (the
+PEFT form sends fused layers' A once per module: ~20% more than the trained count for
+SmolLM2's qkv and fc1; not priced). Merged sync sends the full weights, as without LoRA.
+
 Tokens are prompt + response tokens of the trained samples. With the batch's sample lengths
 (`batch_s`) the model also counts what a long tail costs beyond its tokens, as the trainer plans
 it (train/microbatch_plan.py):
@@ -57,10 +65,17 @@ class TrainTimeModel:
     # reads it from an engine profile of the same model); 0: tokens alone.
     attention_weight: float = 0.0
     model_parallel: int = 1  # GPUs per data-parallel replica (TP x PP)
+    lora_params: float = 0.0  # LoRA adapters' parameters (train.lora); 0: full training
+    lora_sync: str = "adapter"  # train.lora.sync: adapter (the adapters alone) or merged
+    # an adapter sync loads one small adapter per engine and pauses nothing (assumed; 0.03-0.05 s
+    # measured on the CPU machine for SmolLM2 at rank 8-32, docs/bench/lora.md)
+    adapter_overhead_s: float = 0.2
 
     def __post_init__(self) -> None:
         if self.params <= 0 or self.gpus < 1 or self.peak_flops <= 0:
             raise ValueError("params, gpus and peak_flops must be positive")
+        if self.lora_params < 0 or self.lora_sync not in ("adapter", "merged"):
+            raise ValueError("lora_params must be >= 0 and lora_sync 'adapter' or 'merged'")
         if not 0 < self.mfu <= 1:
             raise ValueError("mfu must be in (0, 1]")
         if self.attention_weight < 0 or self.model_parallel < 1 or self.gpus % self.model_parallel:
@@ -86,8 +101,9 @@ class TrainTimeModel:
 
     @property
     def flops_per_token(self) -> float:
-        passes = 6 + 2 * self.recompute + 2 + 2 * self.reference_model
-        return passes * self.params
+        backward = 2 if self.lora_params else 4  # a frozen base: no weight gradients
+        passes = 2 + backward + 2 * self.recompute + 2 + 2 * self.reference_model
+        return passes * self.params + 6 * self.lora_params
 
     @property
     def tokens_per_s(self) -> float:
@@ -98,7 +114,15 @@ class TrainTimeModel:
         return self.overhead_s + tokens / self.tokens_per_s
 
     def sync_s(self) -> float:
-        return self.sync_overhead_s + self.params * self.bytes_per_param / self.sync_bandwidth
+        if self.lora_params and self.lora_sync == "adapter":
+            return self.adapter_overhead_s + self.sync_bytes / self.sync_bandwidth
+        return self.sync_overhead_s + self.sync_bytes / self.sync_bandwidth
+
+    @property
+    def sync_bytes(self) -> float:
+        """What one weight sync sends to each engine."""
+        adapter = self.lora_params and self.lora_sync == "adapter"
+        return (self.lora_params if adapter else self.params) * self.bytes_per_param
 
     def sync_step_s(self, rollout_s: float, tokens: int) -> float:
         """End-to-end time of one synchronous step (rollout, then training, then sync)."""
@@ -138,6 +162,9 @@ class ColocationModel:
     # rlkit's Megatron optimizer runs with use_distributed_optimizer=False (train/megatron/
     # optimizer.py): every data-parallel replica keeps the full fp32 state of its shard.
     distributed_optimizer: bool = False
+    # LoRA (train.lora, merged sync: colocated runs refuse adapter sync): gradients and the
+    # optimizer hold the adapters alone; 0: full training
+    lora_params: float = 0.0
     # Megatron mixed precision: bf16 params 2, fp32 main grads 4, fp32 master 4, Adam m + v 8
     # = 18 bytes per parameter.
     param_bytes: float = 2.0
@@ -167,15 +194,17 @@ class ColocationModel:
         if self.host_bandwidth <= 0 or self.update_bandwidth <= 0:
             raise ValueError("bandwidths must be positive")
 
-    def _per_gpu(self, bytes_per_param: float, sharded: bool = False) -> float:
+    def _per_gpu(self, params: float, bytes_per_param: float, sharded: bool = False) -> float:
         over = self.gpus if sharded and self.distributed_optimizer else self.model_parallel
-        return self.params * bytes_per_param / over
+        return params * bytes_per_param / over
 
     @property
     def state_bytes_per_gpu(self) -> float:
         """Params, grads and optimizer state one GPU holds while it trains."""
-        return (self._per_gpu(self.param_bytes) + self._per_gpu(self.grad_bytes)
-                + self._per_gpu(self.optimizer_bytes, sharded=True))
+        trained = self.lora_params or self.params
+        return (self._per_gpu(self.params + self.lora_params, self.param_bytes)
+                + self._per_gpu(trained, self.grad_bytes)
+                + self._per_gpu(trained, self.optimizer_bytes, sharded=True))
 
     def move_s(self) -> float:
         """Seconds to move one GPU's trainer state over its host link (either way)."""

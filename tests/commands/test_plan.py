@@ -400,3 +400,21 @@ def test_cli_placement_errors(argv, message):
     with pytest.raises(SystemExit) as e:
         main(["plan", *argv])
     assert message in str(e.value)
+
+
+def test_lora_prices_a_cheaper_trainer_and_an_adapter_sync(capsys):
+    """--lora-params: the same plan with the trainer's base frozen (no weight gradients) and
+    each sync the adapters alone: P_train falls (train and sync), the plan says so."""
+    plans = []
+    for extra in ([], ["--lora-params", "4e7"]):
+        assert main(["plan", "--gpus", "8", "--mode", "async", "--json", *SMALL, *extra]) == 0
+        plans.append(json.loads(capsys.readouterr().out))
+    full, lora = ({(r["gen_gpus"], r["train_gpus"]): r for r in p["candidates"]} for p in plans)
+    common = full.keys() & lora.keys()  # the search may visit other sizes
+    assert common
+    for split in common:
+        f, x = full[split], lora[split]
+        assert x["train_s"] < f["train_s"] and x["sync_s"] < 0.1 * f["sync_s"]
+    assert plans[1]["lora_params"] == 4e7
+    assert main(["plan", "--gpus", "8", "--mode", "async", *SMALL, "--lora-params", "4e7"]) == 0
+    assert "LoRA: 40.0M adapter params, adapter sync" in capsys.readouterr().out

@@ -31,6 +31,9 @@ def test_turn_costs_are_the_stated_formula():
     # a distributed optimizer shards master weights and Adam over every GPU
     d = ColocationModel(params=4e9, gpus=8, model_parallel=2, distributed_optimizer=True)
     assert d.state_bytes_per_gpu == pytest.approx(6 * 4e9 / 2 + 12 * 4e9 / 8)
+    # LoRA: the base's bf16 weights and the adapters', gradients and Adam for the adapters alone
+    lora = ColocationModel(params=4e9, gpus=8, model_parallel=2, lora_params=4e7)
+    assert lora.state_bytes_per_gpu == pytest.approx((2 * 4.04e9 + 16 * 4e7) / 2)
     with pytest.raises(ValueError, match="not a multiple of the model-parallel size 4"):
         ColocationModel(params=1e9, gpus=6, model_parallel=4)
 
