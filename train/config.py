@@ -126,6 +126,16 @@ class AlgorithmConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    loss: Literal["policy_gradient", "sft"] = Field(
+        "policy_gradient",
+        description="'policy_gradient': RL from the engines' samples (the rest of this section). "
+        "'sft': supervised fine-tuning on the data set's responses (data.response_key) with no "
+        "engine started: the mean negative log-likelihood of the response tokens over the "
+        "step's trainable tokens (TRL SFTTrainer's, slime's sft_loss), through the same trainer, "
+        "checkpoints and `rlkit export`; each step trains rollout.batch_size rows. The policy "
+        "gradient's settings (advantage, clips, corrections) are not read; kl_coef and "
+        "entropy_coef must be 0.",
+    )
     advantage: Literal["grpo", "dr_grpo", "rloo"] = Field(
         "grpo",
         description="Group advantage: 'grpo' (reward minus group mean, divided by group std), "
@@ -185,6 +195,13 @@ class AlgorithmConfig(BaseModel):
             raise ValueError("train.algorithm.tis_cap is now train.algorithm.off_policy_correction"
                              ".high (with estimator 'tis': w = min(rho, high))")
         return data
+
+    @model_validator(mode="after")
+    def _sft_terms(self) -> "AlgorithmConfig":
+        if self.loss == "sft" and (self.kl_coef or self.entropy_coef):
+            raise ValueError("loss 'sft' trains the responses' log-likelihood alone: kl_coef and "
+                             "entropy_coef must be 0")
+        return self
 
     @model_validator(mode="after")
     def _gspo_aggregation(self) -> "AlgorithmConfig":

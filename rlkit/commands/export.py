@@ -17,7 +17,9 @@ from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", type=Path, help="trainer or run checkpoint folder")
+    parser.add_argument("checkpoint", type=Path,
+                        help="trainer or run checkpoint folder, or a run folder (its newest "
+                        "checkpoint)")
     parser.add_argument("out", type=Path, help="HF model folder to write (created)")
     parser.add_argument(
         "--dtype", choices=("keep", "float32", "bfloat16"), default="keep",
@@ -31,13 +33,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def trainer_checkpoint_dir(path: Path) -> Path:
-    from rlkit.checkpoint import TRAINER_DIR, CheckpointError
+    from rlkit.checkpoint import TRAINER_DIR, CheckpointError, latest_checkpoint
 
     if (path / "meta.json").is_file():
         return path
     if (path / TRAINER_DIR / "meta.json").is_file():
         return path / TRAINER_DIR
-    raise CheckpointError(f"{path}: neither a trainer checkpoint nor a run checkpoint with trainer/")
+    if (newest := latest_checkpoint(path)) is not None:  # a run folder
+        return newest.trainer_dir
+    raise CheckpointError(f"{path}: neither a trainer checkpoint, a run checkpoint with trainer/ "
+                          "nor a run folder with a checkpoint")
 
 
 def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "keep") -> Path:

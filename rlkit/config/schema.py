@@ -50,6 +50,13 @@ class ModelConfig(BaseModel):
 
 class DataConfig(PromptDataConfig):
     shuffle: bool = Field(True, description="Reshuffle the prompts every epoch (seeded).")
+    response_key: str | None = Field(
+        None,
+        description="train.algorithm.loss 'sft': the column with each row's response, a "
+        "non-empty string the model learns to answer its prompt with (tokenized without "
+        "special tokens, the tokenizer's EOS appended; builtin:arithmetic has 'response': "
+        "\\boxed{answer}). Required by SFT, not read otherwise.",
+    )
 
 
 class TrackingConfig(BaseModel):
@@ -169,12 +176,14 @@ class Recipe(BaseModel):
     @model_validator(mode="after")
     def _cross_section(self) -> "Recipe":
         rollout, algo = self.rollout, self.train.algorithm
-        why = rollout.off_policy_reason()
-        if why is None and self.mode == "async" and rollout.max_staleness > 0:
+        if algo.loss == "sft":  # no engine, no sample from another policy
+            self._check_sft()
+        why = None if algo.loss == "sft" else rollout.off_policy_reason()
+        if why is None and self.mode == "async" and rollout.max_staleness > 0 and algo.loss != "sft":
             why = ("mode=async with rollout.max_staleness > 0 trains on samples one version old "
                    "(max_staleness 0 reproduces sync)")
         ws = self.train.weight_sync
-        if self.cluster.placement == "colocated":
+        if self.cluster.placement == "colocated" and algo.loss != "sft":  # SFT: no engine
             self._check_colocated()
         if ws.method == "auto":  # by placement: on the same device in memory, else a broadcast
             ws.method = self._colocated_method() if self.cluster.placement == "colocated" else "distributed"
@@ -207,6 +216,16 @@ class Recipe(BaseModel):
                 f"(rollout.batch_size x rollout.n_samples_per_prompt = {samples})"
             )
         return self
+
+    def _check_sft(self) -> None:
+        """An SFT run starts no engine: what would need one is refused, with the way to it."""
+        if not self.data.response_key:
+            raise ValueError("train.algorithm.loss 'sft' needs data.response_key: the column with "
+                             "each row's response (builtin:arithmetic has 'response')")
+        if self.eval.enabled:
+            raise ValueError("eval needs engines, which an SFT run (train.algorithm.loss 'sft') "
+                             "does not start: leave eval.datasets empty and evaluate the "
+                             "exported model (`rlkit export RUN OUT`, then `rlkit eval`)")
 
     def _check_colocated(self) -> None:
         if self.mode != "sync":

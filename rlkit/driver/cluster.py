@@ -72,6 +72,8 @@ class Cluster:
         self._connected = False  # this object called ray.init (so it calls ray.shutdown)
         self._local_ray: LocalRay | None = None  # the Ray this run started, if it started one
         self.joined: str | None = None  # the address of a cluster joined, not started
+        # SFT (train.algorithm.loss sft) starts the trainer alone: no engine, router or rollout
+        self.engineless = recipe.train.algorithm.loss == "sft"
 
     # -- Ray connection ------------------------------------------------------------------------
     def _connect(self) -> None:
@@ -84,7 +86,8 @@ class Cluster:
         if address == "local":
             eng = r.rollout.engine
             world = r.train.parallelism.tensor * r.train.parallelism.data
-            cpus = eng.num_engines * r.cluster.cpus_per_engine + world * r.cluster.cpus_per_train_worker
+            engines = 0 if self.engineless else eng.num_engines
+            cpus = engines * r.cluster.cpus_per_engine + world * r.cluster.cpus_per_train_worker
             if r.cluster.placement == "colocated":  # the engines' CPUs are in the ranks' bundles
                 cpus = world * colocated_rank_cpus(eng.num_engines, world, r.cluster.cpus_per_train_worker,
                                                    r.cluster.cpus_per_engine)
@@ -116,6 +119,8 @@ class Cluster:
         has_gpus = any(n.get("GPU", 0) > 0 for n in nodes)
         trainer_gpus = 1 if r.train.device == "cuda" or (r.train.device == "auto" and has_gpus) else 0
         engine_gpus = eng.gpus_per_engine if eng.kind == "sglang" else (1 if eng.device == "cuda" else 0)
+        if self.engineless:
+            engine_gpus = 0
         if (r.train.device == "cuda" or engine_gpus) and not has_gpus:
             asks = [k for k, on in (("train.device cuda", r.train.device == "cuda"),
                                     (f"rollout.engine {eng.kind} on GPUs", engine_gpus)) if on]
@@ -123,7 +128,7 @@ class Cluster:
                 f"this recipe needs a CUDA GPU ({', '.join(asks)}), but no node of the Ray cluster "
                 f"has one (nodes: {[{k: n[k] for k in ('CPU', 'GPU') if n.get(k)} for n in nodes]}). "
                 "Run it on a machine with a GPU, or use a CPU recipe (recipes/grpo_smollm2_cpu.yaml)")
-        if r.cluster.placement == "colocated":
+        if r.cluster.placement == "colocated" and not self.engineless:
             self.plan = plan_colocated(
                 num_engines=eng.num_engines, gpus_per_engine=max(engine_gpus, 1),
                 engine_cpus=r.cluster.cpus_per_engine, tp=r.train.parallelism.tensor,
@@ -131,7 +136,7 @@ class Cluster:
                 on_gpu=trainer_gpus > 0 or engine_gpus > 0, nodes=nodes)
         else:
             self.plan = plan_placement(
-                num_engines=eng.num_engines,
+                num_engines=0 if self.engineless else eng.num_engines,
                 engine_bundle=bundle(r.cluster.cpus_per_engine, engine_gpus),
                 tp=r.train.parallelism.tensor,
                 dp=r.train.parallelism.data,
@@ -139,7 +144,8 @@ class Cluster:
                 nodes=nodes,
             )
         # colocated: the engines live in the trainer's bundles, there is no engine group
-        groups = [*self.plan.trainer, *([] if self.plan.colocated else [self.plan.engines])]
+        groups = [*self.plan.trainer,
+                  *([] if self.plan.colocated or self.engineless else [self.plan.engines])]
         made = []
         for g in groups:  # trainer first: its packing is the strictest constraint
             made.append(placement_group(list(g.bundles), strategy=g.strategy))
@@ -214,30 +220,8 @@ class Cluster:
             # Every run has a control token, on loopback too: every endpoint of its engines and
             # router but the health probes needs it (rlkit/common/control_token.py)
             token = self._control_token = secrets.token_urlsafe(32)
-
-            engine_cls = ray.remote(EngineActor)
-            self.engines = [
-                engine_cls.options(**self.engine_options(i)).remote(
-                    self.model_path, eng.model_dump(), i, str(self.log_dir),
-                    bind_node_address=self.bind_node_address, control_token=token)
-                for i in range(eng.num_engines)
-            ]
-            # The router and its log stay on the driver's node (a soft preference: with Ray
-            # Client the driver is on no node).
-            rollout_options: dict[str, Any] = {"num_cpus": 0}
-            driver_node = _driver_node_id()
-            if driver_node is not None:
-                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-                rollout_options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(driver_node, soft=True)
-            self.rollout_actor = ray.remote(RolloutActor).options(**rollout_options).remote(
-                r.model_dump(mode="json"), self.model_path, str(self.log_dir), control_token=token
-            )
-            ray.get(self.rollout_actor.prepare.remote())  # while the engines start
-            urls = ray.get([e.url.remote() for e in self.engines])
-            where = self.placement()
-            self.engine_urls = [advertised(u, where["addresses"].get(n, "")) for u, n in zip(urls, where["engines"])]
-            ray.get(self.rollout_actor.start.remote(self.engine_urls, self.engines))
+            if not self.engineless:
+                self._start_rollout(token)
             assert self.plan is not None
             rank_bundle = self.plan.trainer[0].bundles[0]
             self.trainer = TrainerGroup(
@@ -250,7 +234,8 @@ class Cluster:
                 control_token=token,
                 loopback=not self.multi_node,  # one node: the ranks' rendezvous on 127.0.0.1
             )
-            ray.get(self.rollout_actor.hand_off_to.remote(self.trainer.attention_weight))
+            if not self.engineless:
+                ray.get(self.rollout_actor.hand_off_to.remote(self.trainer.attention_weight))
         except BaseException as e:
             # a process that died while the run started is named before its actor is gone
             died = self.died(e, "start-up") if isinstance(e, Exception) else None
@@ -259,6 +244,35 @@ class Cluster:
                 raise died from None
             raise
         return self
+
+    def _start_rollout(self, token: str) -> None:
+        """The engines (one actor each) and the rollout actor, which starts the router."""
+        import ray
+
+        r, eng = self.recipe, self.recipe.rollout.engine
+        engine_cls = ray.remote(EngineActor)
+        self.engines = [
+            engine_cls.options(**self.engine_options(i)).remote(
+                self.model_path, eng.model_dump(), i, str(self.log_dir),
+                bind_node_address=self.bind_node_address, control_token=token)
+            for i in range(eng.num_engines)
+        ]
+        # The router and its log stay on the driver's node (a soft preference: with Ray
+        # Client the driver is on no node).
+        rollout_options: dict[str, Any] = {"num_cpus": 0}
+        driver_node = _driver_node_id()
+        if driver_node is not None:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            rollout_options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(driver_node, soft=True)
+        self.rollout_actor = ray.remote(RolloutActor).options(**rollout_options).remote(
+            r.model_dump(mode="json"), self.model_path, str(self.log_dir), control_token=token
+        )
+        ray.get(self.rollout_actor.prepare.remote())  # while the engines start
+        urls = ray.get([e.url.remote() for e in self.engines])
+        where = self.placement()
+        self.engine_urls = [advertised(u, where["addresses"].get(n, "")) for u, n in zip(urls, where["engines"])]
+        ray.get(self.rollout_actor.start.remote(self.engine_urls, self.engines))
 
     def train_threads(self) -> int:
         """Torch threads of each trainer rank (rlkit.driver.placement.trainer_threads)."""

@@ -36,6 +36,10 @@ def train(recipe: Recipe) -> LoopState:
 
     from rlkit.plugins import check_plugins
 
+    if recipe.train.algorithm.loss == "sft":  # the trainer alone, on the data's responses
+        from rlkit.driver.sft import train_sft
+
+        return train_sft(recipe)
     check_plugins(recipe)  # a misspelt plugin or argument fails here, before anything starts
     run_dir = run_dir_of(recipe)
     ckpt = resume_point(run_dir, recipe.run.resume)

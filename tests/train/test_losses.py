@@ -226,3 +226,28 @@ def test_any_partition_into_micro_batches_gives_the_same_normalised_gradient(agg
         loss, grad = run(partition)
         assert loss == pytest.approx(whole_loss, rel=1e-12)
         assert torch.allclose(grad, whole_grad, rtol=1e-12, atol=1e-15)
+
+
+def test_the_sft_loss_is_the_responses_mean_negative_log_likelihood():
+    """train.algorithm.loss sft: numerator / denominator is the mean NLL of the trainable tokens
+    (torch's cross-entropy with ignored positions), and so is its gradient; a NaN at a masked
+    position reaches neither (selection, not multiplication)."""
+    from rlkit.train.algorithms.losses import loss_terms
+
+    torch.manual_seed(0)
+    logits = torch.randn(7, 11, requires_grad=True)
+    targets = torch.randint(0, 11, (7,))
+    mask = torch.tensor([1, 1, 0, 1, 1, 1, 0], dtype=torch.float32)
+    lp = logits.log_softmax(-1).gather(1, targets[:, None])[:, 0]
+    lp = torch.where(mask > 0, lp, torch.full_like(lp, float("nan")))
+    terms = loss_terms(PolicyLossInput(logprobs=lp, advantages=torch.zeros(7), loss_mask=mask,
+                                       sample_ids=torch.tensor([0, 0, 0, 1, 1, 1, 1]), num_samples=2),
+                       AlgorithmConfig(loss="sft"))
+    (terms.numerator / terms.denominator).backward()
+    ours = logits.grad.clone()
+    logits.grad = None
+    ref = torch.nn.functional.cross_entropy(logits, torch.where(mask > 0, targets, -100))
+    ref.backward()
+    assert terms.denominator == 5
+    assert terms.metric_sums["loss"] / terms.denominator == pytest.approx(float(ref), rel=1e-6)
+    assert torch.allclose(ours, logits.grad, atol=1e-7) and not ours.isnan().any()

@@ -107,6 +107,21 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: K
     raise ValueError(f"unknown KL estimator {estimator!r}; expected k1, k3 or low_var")
 
 
+def loss_terms(inp: PolicyLossInput, cfg: AlgorithmConfig) -> LossTerms:
+    """The recipe's loss (train.algorithm.loss) of one micro-batch."""
+    return sft_loss(inp) if cfg.loss == "sft" else policy_loss(inp, cfg)
+
+
+def sft_loss(inp: PolicyLossInput) -> LossTerms:
+    """Supervised fine-tuning: numerator -sum_t m_t lp_t, denominator sum_t m_t, so the step's
+    loss is the mean negative log-likelihood per trainable token of the global batch (TRL
+    SFTTrainer, slime's sft_loss). Masked by selection, as policy_loss."""
+    keep = inp.loss_mask > 0
+    nll = -torch.where(keep, inp.logprobs, 0.0).sum()
+    return LossTerms(numerator=nll, denominator=float(keep.sum()),
+                     metric_sums={"loss": float(nll.detach())})
+
+
 def policy_loss(inp: PolicyLossInput, cfg: AlgorithmConfig) -> LossTerms:
     keep = inp.loss_mask > 0  # the trainable tokens; everything below selects with it
     dtype = inp.logprobs.dtype

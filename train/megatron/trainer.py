@@ -30,7 +30,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from rlkit.common.weight_update import WeightUpdate
-from rlkit.train.algorithms.losses import PolicyLossInput, policy_loss
+from rlkit.train.algorithms.losses import PolicyLossInput, loss_terms
 from rlkit.train.algorithms.mismatch import empty as mismatch_empty, metrics as mismatch_metrics
 from rlkit.train.batch import TrainBatch, TrainSample
 from rlkit.train.config import TrainConfig
@@ -313,7 +313,7 @@ class MegatronTrainer:
             packed = self._pack(samples)
             lp, entropy = self._forward(packed, with_entropy=with_entropy)
             inp = self._loss_input(samples, packed, lp, entropy, with_entropy, batch.policy_version)
-            terms = policy_loss(inp, self.config.algorithm)
+            terms = loss_terms(inp, self.config.algorithm)
             terms.numerator.backward()
             self._denominator += terms.denominator
             for k, v in terms.metric_sums.items():
