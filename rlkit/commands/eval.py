@@ -173,7 +173,8 @@ def resolve_source(arg: str, overrides: Sequence[str], limit: int | None = None)
     if data_path is None:
         datasets = list(recipe.eval.datasets)
     else:
-        loader = recipe.data.model_dump(exclude={"shuffle"})
+        # the loader options an eval data set shares with the recipe's data (PromptDataConfig)
+        loader = recipe.data.model_dump(include=set(EvalDatasetConfig.model_fields) - {"name"})
         datasets = [EvalDatasetConfig(**{**loader, "path": data_path, "name": name})]
     if limit is not None:
         datasets = [d.model_copy(update={"limit": min(limit, d.limit or limit)}) for d in datasets]
