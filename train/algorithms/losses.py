@@ -1,6 +1,7 @@
 """The policy loss: PPO-clip (asymmetric, DAPO clip-higher) or GSPO's sequence ratio, truncated
 importance sampling against the rollout logprobs, KL to a reference, entropy bonus, and token-,
-sequence-mean or constant-normalised (Dr.GRPO) aggregation.
+sequence-mean or constant-normalised (Dr.GRPO) aggregation. (`loss_terms` picks the recipe's
+loss: this one, or `sft_loss`, the responses' mean negative log-likelihood.)
 
 Normalisation is split in two so that any partition of a global batch into micro-batches, in any
 order, gives the same gradient: `policy_loss` returns a *numerator* (a sum over the micro-batch's
