@@ -54,8 +54,8 @@ class DataConfig(PromptDataConfig):
         None,
         description="train.algorithm.loss 'sft': the column with each row's response, a "
         "non-empty string the model learns to answer its prompt with (tokenized without "
-        "special tokens, the tokenizer's EOS appended; builtin:arithmetic has 'response': "
-        "\\boxed{answer}). Required by SFT, not read otherwise.",
+        "special tokens, the tokenizer's EOS appended; builtin:arithmetic has 'response': the sum "
+        "worked once and boxed). Required by SFT, not read otherwise.",
     )
 
 

@@ -67,7 +67,8 @@ def _row(a: int, op: str, b: int) -> dict[str, Any]:
     return {
         "prompt": f"What is {a} {op} {b}? Answer with the number only, as \\boxed{{N}}.",
         "label": str(answer),
-        "response": f"\\boxed{{{answer}}}",  # what SFT learns (data.response_key)
+        # what SFT learns (data.response_key): the sum worked once, then the boxed answer
+        "response": f"{a} {op} {b} = {answer}. \\boxed{{{answer}}}",
     }
 
 
