@@ -6,6 +6,7 @@ position saved with each checkpoint), whose labels are the responses."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
@@ -18,18 +19,17 @@ from rlkit.train.batch import TrainSample
 
 
 def load_sft_source(cfg: DataConfig, tokenizer: Any, seed: int) -> DatasetPromptSource:
-    """The rows whose response is a non-empty string (the others are bad rows, skipped and
-    counted or an error by data.on_bad_row), as a prompt source labelled with the responses."""
+    """The rows as a prompt source labelled with their responses; a row without the column is a
+    bad row (data.on_bad_row), one whose response is not a non-empty string an error naming it."""
     if not cfg.response_key:
         raise DataError("train.algorithm.loss 'sft' needs data.response_key: the column with "
                         "each row's response (builtin:arithmetic has 'response')")
     dataset = load_prompts(cfg.model_copy(update={"label_key": cfg.response_key}), tokenizer)
-    for position in range(len(dataset)):
-        response = dataset.record(position).label
+    for row, cell in zip(dataset.table["row"], dataset.table["label"]):  # JSON, one column read
+        response = json.loads(cell)
         if not isinstance(response, str) or not response.strip():
-            raise DataError(f"{dataset.name}: row {dataset.record(position).source_index}: "
-                            f"data.response_key {cfg.response_key!r} must hold a non-empty "
-                            f"string, got {response!r:.60}")
+            raise DataError(f"{dataset.name}: row {row}: data.response_key {cfg.response_key!r} "
+                            f"must hold a non-empty string, got {response!r:.60}")
     return DatasetPromptSource(dataset, seed=seed, shuffle=cfg.shuffle)
 
 

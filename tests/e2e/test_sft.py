@@ -85,3 +85,4 @@ def test_an_sft_recipe_refuses_what_needs_an_engine():
             "eval.every_steps=1"])
     with pytest.raises(ValueError, match="kl_coef and entropy_coef must be 0"):
         load_recipe(ROOT / "recipes" / "sft_smollm2_cpu.yaml", ["train.algorithm.kl_coef=0.1"])
+
