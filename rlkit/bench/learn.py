@@ -70,7 +70,7 @@ CONFIGS: dict[str, list[str]] = {
     # issue 35 item 3: partial rollouts with LoRA, a parked sample resuming under the newest
     # adapter (its response then spans versions) or under its own (train.lora.resume: own)
     "partial_lora_r8": ["mode=sync", "rollout.policy=partial", f"{CORRECTION}=none", *LORA_8],
-    "partial_lora_r8+own": ["mode=sync", "rollout.policy=partial", f"{CORRECTION}=none", *LORA_8,
+    "partial_lora_r8_own": ["mode=sync", "rollout.policy=partial", f"{CORRECTION}=none", *LORA_8,
                             "train.lora.resume=own"],
 }
 
