@@ -261,8 +261,9 @@ async def test_the_weight_sync_check_stops_a_sync_that_did_not_arrive(what, tiny
 async def test_a_parked_sample_resumes_under_its_own_adapter_while_it_is_kept(engine, tiny_model):
     """train.lora.resume 'own': the client names the adapter a sample's response began under
     while the rollout side keeps it (kept_adapters), so the whole response is one policy's
-    (every token version 1, logprobs of adapter 1's merged model); once it is gone the sample
-    resumes under the newest (versions 1 then 2), counted as a fallback."""
+    (every token version 11, logprobs of adapter 11's merged model); once it is gone the sample
+    resumes under the newest (versions 11 then 12), counted as a fallback. (Versions 11 and 12:
+    the module's engine still holds the policy@v1 and @v2 of an earlier test.)"""
     from rlkit.buffers.sample import Sample, SampleStatus
     from rlkit.rollout.config import SamplingConfig
     from rlkit.rollout.http.client import EngineClient
@@ -270,8 +271,8 @@ async def test_a_parked_sample_resumes_under_its_own_adapter_while_it_is_kept(en
     url, _ = engine
     adapters = {}
     async with aiohttp.ClientSession() as s:
-        for v in (1, 2):
-            cfg, t = random_adapter(tiny_model, 10 + v)
+        for v in (11, 12):
+            cfg, t = random_adapter(tiny_model, v)
             adapters[v] = merged(tiny_model, cfg, t)
             keep = list(t.items())
             status, out = await post(s, url, "/load_lora_adapter_from_tensors", {
@@ -279,33 +280,33 @@ async def test_a_parked_sample_resumes_under_its_own_adapter_while_it_is_kept(en
                     base64.b64encode(serialize_named_tensors(keep)).decode()]})
             assert (status, out["success"]) == (200, True), out
         parked = []
-        for index in range(2):  # two responses parked after 4 tokens of version 1
-            status, answer = await generate(s, url, "policy@v1", max_new=4, ignore_eos=True)
+        for index in range(2):  # two responses parked after 4 tokens of version 11
+            status, answer = await generate(s, url, "policy@v11", max_new=4, ignore_eos=True)
             ids, lps = tokens_and_logprobs(answer)
             sample = Sample(index, 0, PROMPT)
-            sample.append(ids, lps, 1)
+            sample.append(ids, lps, 11)
             sample.interrupt()
             assert sample.status is SampleStatus.PARTIAL
             parked.append(sample)
     sampling = SamplingConfig(max_new_tokens=12, ignore_eos=True, temperature=1.0)
     client = await EngineClient(None, worker_urls=[url]).connect()
     try:
-        client.adapter, client.resume_own_adapter = "policy@v2", True
-        client.kept_adapters = frozenset({"policy@v1", "policy@v2"})
-        await client.generate(parked[0], sampling, max_new_tokens=8, version=2, worker=url)
-        client.kept_adapters = frozenset({"policy@v2"})  # v1 unloaded by the rollout side
-        await client.generate(parked[1], sampling, max_new_tokens=8, version=2, worker=url)
+        client.adapter, client.resume_own_adapter = "policy@v12", True
+        client.kept_adapters = frozenset({"policy@v11", "policy@v12"})
+        await client.generate(parked[0], sampling, max_new_tokens=8, version=12, worker=url)
+        client.kept_adapters = frozenset({"policy@v12"})  # v11 unloaded by the rollout side
+        await client.generate(parked[1], sampling, max_new_tokens=8, version=12, worker=url)
         assert client.own_adapter_metrics() == {"rollout/own_adapter_requests": 1.0,
                                                 "rollout/own_adapter_fallbacks": 1.0}
     finally:
         await client.close()
     own, fallback = parked
-    assert own.versions == [1] * 12 and fallback.versions == [1] * 4 + [2] * 8
+    assert own.versions == [11] * 12 and fallback.versions == [11] * 4 + [12] * 8
     # each token's logprob is the adapter's its version names
-    ref = teacher_forced_logprobs(adapters[1], PROMPT, own.response_ids)
+    ref = teacher_forced_logprobs(adapters[11], PROMPT, own.response_ids)
     assert max(abs(a - b) for a, b in zip(ref, own.logprobs)) < LOGPROB_TOLERANCE
-    ref = teacher_forced_logprobs(adapters[2], PROMPT, fallback.response_ids)
+    ref = teacher_forced_logprobs(adapters[12], PROMPT, fallback.response_ids)
     assert max(abs(a - b) for a, b in zip(ref[4:], fallback.logprobs[4:])) < LOGPROB_TOLERANCE
     async with aiohttp.ClientSession() as s:
-        for v in (1, 2):
+        for v in (11, 12):
             assert (await post(s, url, "/unload_lora_adapter", {"lora_name": f"policy@v{v}"}))[0] == 200
