@@ -49,7 +49,8 @@ def test_every_listed_error_is_a_user_error():
 def test_the_cli_reports_a_user_error_without_a_traceback(tmp_path, capsys):
     assert main(["export", str(tmp_path / "nothing"), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert err == f"rlkit: {tmp_path / 'nothing'}: neither a trainer checkpoint nor a run checkpoint with trainer/\n"
+    assert err == (f"rlkit: {tmp_path / 'nothing'}: neither a trainer checkpoint, a run checkpoint "
+                   "with trainer/ nor a run folder with a checkpoint\n")
     assert main(["train", str(tmp_path / "missing.yaml")]) == 2
     assert "recipe file not found" in capsys.readouterr().err
 

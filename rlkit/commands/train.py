@@ -14,7 +14,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rlkit.config import load_recipe
-    from rlkit.driver.run import run_dir_of, train
+    from rlkit.driver.lifecycle import run_dir_of
+    from rlkit.driver.run import train
 
     recipe_path, overrides = split_recipe_args(args)
     recipe = load_recipe(recipe_path, overrides)  # validate before anything starts

@@ -11,22 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from pathlib import Path
 from typing import Awaitable
 
 import yaml
 
 from rlkit.common.errors import ProcessDied, find_user_error
-from rlkit.checkpoint import Checkpoint, latest_checkpoint, resume_point, save_checkpoint
+from rlkit.checkpoint import latest_checkpoint, resume_point, save_checkpoint
 from rlkit.config.schema import Recipe
+from rlkit.driver.lifecycle import died_message, raise_interrupt, run_dir_of
 from rlkit.driver.loop import LoopState, Run, step_recorder
 from rlkit.driver.modes import MODES
 from rlkit.tracking import Tracker, rewind
 from rlkit.rollout.health import EnginesDown, RouterDown
-
-
-def run_dir_of(recipe: Recipe) -> Path:
-    return Path(recipe.run.output_dir) / recipe.run.name
 
 
 def train(recipe: Recipe) -> LoopState:
@@ -50,7 +46,7 @@ def train(recipe: Recipe) -> LoopState:
     model_path = resolve_model_path(recipe.model.path)
 
     # SIGTERM (a scheduler, `kill`) takes the same clean path as Ctrl-C.
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    previous = signal.signal(signal.SIGTERM, raise_interrupt)
     tracker = Tracker(recipe.tracking, run_dir, recipe.run.name, recipe.model_dump(mode="json"))
     cluster = Cluster(recipe, model_path, run_dir)
     state = LoopState(step=ckpt.step, version=ckpt.version) if ckpt is not None else LoopState()
@@ -109,7 +105,7 @@ def train(recipe: Recipe) -> LoopState:
         died = cluster.died(e, state.phase)
         if died is None:
             raise
-        raise ProcessDied(_died_message(str(died), state.current_step(), recipe, latest_checkpoint(run_dir))) from None
+        raise ProcessDied(died_message(str(died), state.current_step(), recipe, latest_checkpoint(run_dir))) from None
     finally:
         tracker.close()
         cluster.shutdown(graceful=died is None)
@@ -130,20 +126,3 @@ async def _unless_dead(loop: Awaitable[LoopState], watch: asyncio.Future) -> Loo
         return await task
     finally:
         watch.cancel()
-
-
-def _died_message(what: str, step: int, recipe: Recipe, ckpt: Checkpoint | None) -> str:
-    """Which piece died, at which step, and how the run continues."""
-    again = ("run the same command again (run.resume=auto)" if recipe.run.resume == "auto"
-             else "run it again with run.resume=auto")
-    if ckpt is not None:
-        how = f"{again} to continue from the checkpoint of step {ckpt.step} ({ckpt.path})"
-        if ckpt.buffer_file.is_file():
-            how += ", with its buffered partial groups and long queue"
-    else:
-        how = f"no checkpoint was written yet: {again} to start over from step 0"
-    return f"{what}, in step {step} of {recipe.run.num_steps}. The run stopped (all its processes); {how}"
-
-
-def _raise_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")

@@ -22,6 +22,7 @@ import yaml
 
 from rlkit.checkpoint import latest_checkpoint, resume_point, save_checkpoint
 from rlkit.config.schema import Recipe
+from rlkit.driver.lifecycle import died_message, raise_interrupt, run_dir_of
 from rlkit.driver.loop import LoopState
 from rlkit.tracking import Tracker, rewind
 
@@ -32,7 +33,6 @@ def train_sft(recipe: Recipe) -> LoopState:
     from rlkit.common.errors import ProcessDied
     from rlkit.data.sft import load_sft_source, sft_sample
     from rlkit.driver.cluster import Cluster
-    from rlkit.driver.run import _died_message, _raise_interrupt, run_dir_of
     from rlkit.rollout.demo_models import resolve_model_path
     from rlkit.train.batch import TrainBatch
 
@@ -48,7 +48,7 @@ def train_sft(recipe: Recipe) -> LoopState:
     source = load_sft_source(recipe.data, tokenizer, seed=recipe.run.seed)
     rows, cap = recipe.rollout.batch_size, recipe.rollout.sampling.max_new_tokens
 
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    previous = signal.signal(signal.SIGTERM, raise_interrupt)
     tracker = Tracker(recipe.tracking, run_dir, recipe.run.name, recipe.model_dump(mode="json"))
     cluster = Cluster(recipe, model_path, run_dir)  # SFT: the trainer's ranks alone
     state = LoopState(step=ckpt.step, version=ckpt.version) if ckpt is not None else LoopState()
@@ -87,7 +87,7 @@ def train_sft(recipe: Recipe) -> LoopState:
         died = cluster.died(e, state.phase)
         if died is None:
             raise
-        raise ProcessDied(_died_message(str(died), state.current_step(), recipe,
+        raise ProcessDied(died_message(str(died), state.current_step(), recipe,
                                         latest_checkpoint(run_dir))) from None
     finally:
         tracker.close()

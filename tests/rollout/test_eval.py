@@ -293,7 +293,8 @@ def test_eval_dataset_loader_options_match_the_data_section():
     from rlkit.config.schema import DataConfig
 
     ours = set(EvalDatasetConfig.model_fields) - {"name", "limit"}
-    theirs = set(DataConfig.model_fields) - {"shuffle"}  # eval keeps the file order
+    # eval keeps the file order, and trains no response (SFT's)
+    theirs = set(DataConfig.model_fields) - {"shuffle", "response_key"}
     assert ours == theirs
     d = EvalDatasetConfig(name="x", path="p.jsonl")
     for key in theirs - {"path"}:
