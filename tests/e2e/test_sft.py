@@ -23,6 +23,16 @@ TINY_SFT = ["model.path=tiny", "data.path=builtin:arithmetic?rows=8", "rollout.b
             "checkpoint.every_steps=1"]
 
 
+@pytest.fixture(scope="module")
+def shared_ray():
+    """One local Ray for the test's three runs (each would start and stop its own: ~4 s each);
+    a run on a Ray it did not start leaves it running."""
+    from rlkit.driver.local_ray import local_ray
+
+    with local_ray(2):
+        yield
+
+
 def response_logprob(model_dir, tokenizer, record) -> float:
     from transformers import AutoModelForCausalLM
 
@@ -36,7 +46,7 @@ def response_logprob(model_dir, tokenizer, record) -> float:
     return float(lp[sample.prompt_length - 1:].sum())
 
 
-def test_sft_learns_resumes_and_warms_up_an_rl_run(tmp_path, monkeypatch):
+def test_sft_learns_resumes_and_warms_up_an_rl_run(tmp_path, monkeypatch, shared_ray):
     from transformers import AutoTokenizer
 
     from rlkit.data.sft import load_sft_source
