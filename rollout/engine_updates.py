@@ -152,16 +152,17 @@ class EngineUpdates:
 
     def unload_adapters(self, urls: Sequence[str], names: Sequence[str]) -> list[str]:
         """LoRA adapter sync: unload these adapters (no request of this run names them any more)
-        from these engines. Those every engine unloaded (or did not hold: a restarted engine);
-        an engine that refuses one (a request still names it) keeps it for the next try."""
+        from these engines. Those every engine unloaded (or did not hold: a restarted engine,
+        `unload_lora` False); an engine that refuses one (a request still names it) keeps it
+        for the next try."""
         done = []
         for name in names:
             ok = True
             for url in urls:
                 try:
                     self.control(url).unload_lora(name)
-                except Exception as e:  # noqa: BLE001 - an engine's refusal is per adapter
-                    ok = ok and "not loaded" in str(e)
+                except Exception:  # noqa: BLE001 - an engine's refusal is per adapter
+                    ok = False
             if ok:
                 done.append(name)
         return done

@@ -26,6 +26,11 @@ from typing import Any, Callable, Protocol, Sequence
 from rlkit.common.control_token import auth_headers, control_token_from_env
 
 
+# How an engine answers the unload of an adapter it does not hold: the built-in engine ("LoRA
+# adapter 'x' is not loaded"), SGLang 0.5.23's LoRA registry ("LoRA with name x does not exist").
+UNKNOWN_ADAPTER = ("is not loaded", "does not exist")
+
+
 class EngineControlError(RuntimeError):
     """An engine refused or failed a control call."""
 
@@ -46,7 +51,7 @@ class EngineControl(Protocol):
     def end_update(self) -> None: ...
     def release_memory(self, tags: Sequence[str] | None = None) -> dict[str, Any]: ...
     def resume_memory(self, tags: Sequence[str] | None = None) -> dict[str, Any]: ...
-    def unload_lora(self, name: str) -> None: ...  # the rollout side's: it knows what is in use
+    def unload_lora(self, name: str) -> bool: ...  # the rollout side's: it knows what is in use
 
 
 class EngineWeights(Protocol):
@@ -224,8 +229,16 @@ class HttpEngine:
     def load_lora(self, name: str, path: str) -> None:
         self._post("/load_lora_adapter", {"lora_name": name, "lora_path": path})
 
-    def unload_lora(self, name: str) -> None:
-        self._post("/unload_lora_adapter", {"lora_name": name})
+    def unload_lora(self, name: str) -> bool:
+        """Unload adapter `name`: True, or False when the engine does not hold it (restarted
+        since it was loaded). A refusal (a request still names it) raises."""
+        try:
+            self._post("/unload_lora_adapter", {"lora_name": name})
+        except EngineControlError as e:
+            if any(words in str(e) for words in UNKNOWN_ADAPTER):
+                return False
+            raise
+        return True
 
     def destroy_group(self, group_name: str) -> None:
         self._post("/destroy_weights_update_group", {"group_name": group_name})

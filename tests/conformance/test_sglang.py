@@ -95,6 +95,22 @@ def test_the_auth_flags_against_the_real_package(sglang_site):
     assert sglang_auth_flags(site / "sglang") == ["--api-key", "--admin-api-key"]
 
 
+def test_an_unknown_adapter_s_unload_is_recognised_in_sglang_s_words(sglang_site):
+    """EngineUpdates.unload_adapters counts an adapter an engine does not hold (restarted since)
+    as gone: engine_http.UNKNOWN_ADAPTER must hold the words SGLang's LoRA registry raises with
+    (its ValueError becomes the unload's error_message)."""
+    import ast
+
+    from rlkit.common.engine_http import UNKNOWN_ADAPTER
+
+    site, _ = sglang_site
+    tree = ast.parse((site / "sglang" / "srt" / "lora" / "lora_registry.py").read_text())
+    (unregister,) = [n for n in ast.walk(tree)
+                     if isinstance(n, ast.AsyncFunctionDef) and n.name == "unregister"]
+    raised = [ast.unparse(n.exc) for n in ast.walk(unregister) if isinstance(n, ast.Raise)]
+    assert any(words in text for text in raised for words in UNKNOWN_ADAPTER), raised
+
+
 TENSORS = {"model.embed_tokens.weight": ([4, 3], "bfloat16"), "lm_head.bias": ([5], "float32")}
 
 

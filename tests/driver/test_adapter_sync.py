@@ -182,3 +182,37 @@ def test_resume_own_keeps_the_adapters_unfinished_samples_began_under_up_to_keep
 
     asyncio.run(go())
     assert updates.unloads == [["policy@v1"], ["policy@v2", "policy@v3"]]
+
+
+def test_an_adapter_an_engine_does_not_hold_counts_as_unloaded_and_a_refusal_keeps_it():
+    """EngineUpdates.unload_adapters over real HTTP: an engine answering in SGLang's words that
+    it holds no such adapter (restarted since) counts as unloaded; one refusing (a request still
+    names it) keeps the adapter listed for the next try."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from rlkit.rollout.engine_updates import EngineUpdates
+
+    answers = {"policy@v1": "LoRA with name policy@v1 does not exist. Loaded LoRAs: dict_keys([])",
+               "policy@v2": "LoRA adapter 'policy@v2' is named by 1 running or queued request"}
+
+    async def unload(request):
+        name = (await request.json())["lora_name"]
+        if name in answers:
+            return web.json_response({"success": False, "error_message": answers[name]})
+        return web.json_response({"success": True, "error_message": ""})
+
+    async def go():
+        app = web.Application()
+        app.router.add_post("/unload_lora_adapter", unload)
+        server = TestServer(app, host="127.0.0.1")
+        await server.start_server()
+        try:
+            url = str(server.make_url("")).rstrip("/")
+            updates = EngineUpdates(method="disk", pause_mode="abort", folder="/tmp")
+            return await asyncio.to_thread(updates.unload_adapters, [url],
+                                           ["policy@v1", "policy@v2", "policy@v3"])
+        finally:
+            await server.close()
+
+    assert asyncio.run(go()) == ["policy@v1", "policy@v3"]
