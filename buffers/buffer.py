@@ -499,7 +499,7 @@ class RolloutBuffer:
         keeps an adapter loaded for."""
         with self._lock:
             groups = [*self._in_flight.values(), *self._partial, *self._long]
-            return Counter(s.versions[0] for g in groups for s in g.samples
+            return Counter(s.oldest_version() for g in groups for s in g.samples
                            if s.versions and not s.status.terminal)
 
     def place_of(self, group: Group) -> Place | None:

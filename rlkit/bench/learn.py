@@ -35,8 +35,11 @@ from rlkit.bench.report import add_out_argument, out_folder, write_report
 
 CORRECTION = "train.algorithm.off_policy_correction"
 
-LORA_LR = "train.optimizer.lr=2.0e-4"  # SCALE's 2e-5, x10 (see the lora configurations)
-LORA_8 = ["train.lora.rank=8", LORA_LR]
+
+def _lora(rank: int) -> list[str]:
+    """LoRA of this rank at SCALE's learning rate x10 (see the lora configurations)."""
+    return [f"train.lora.rank={rank}", "train.optimizer.lr=2.0e-4"]
+
 
 # The configurations: name -> recipe overrides. `{corr}` is --correction's estimator (a name in
 # the config's name as well): each off-policy configuration runs without a correction and with
@@ -64,13 +67,12 @@ CONFIGS: dict[str, list[str]] = {
     # times full training's, the rule "LoRA Without Regret" (Thinking Machines, 2025) measured for
     # RL with alpha 32 and the 1/rank scale (train.lora's default alpha): LoRA's best rate is ~10x
     # full fine-tuning's, at any rank.
-    "lora_r8": ["mode=sync", "rollout.policy=sync", f"{CORRECTION}=none", *LORA_8],
-    "lora_r32": ["mode=sync", "rollout.policy=sync", f"{CORRECTION}=none", "train.lora.rank=32",
-                 LORA_LR],
+    "lora_r8": ["mode=sync", "rollout.policy=sync", f"{CORRECTION}=none", *_lora(8)],
+    "lora_r32": ["mode=sync", "rollout.policy=sync", f"{CORRECTION}=none", *_lora(32)],
     # issue 35 item 3: partial rollouts with LoRA, a parked sample resuming under the newest
     # adapter (its response then spans versions) or under its own (train.lora.resume: own)
-    "partial_lora_r8": ["mode=sync", "rollout.policy=partial", f"{CORRECTION}=none", *LORA_8],
-    "partial_lora_r8_own": ["mode=sync", "rollout.policy=partial", f"{CORRECTION}=none", *LORA_8,
+    "partial_lora_r8": ["mode=sync", "rollout.policy=partial", f"{CORRECTION}=none", *_lora(8)],
+    "partial_lora_r8_own": ["mode=sync", "rollout.policy=partial", f"{CORRECTION}=none", *_lora(8),
                             "train.lora.resume=own"],
 }
 

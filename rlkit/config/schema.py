@@ -178,10 +178,12 @@ class Recipe(BaseModel):
         rollout, algo = self.rollout, self.train.algorithm
         if algo.loss == "sft":  # no engine, no sample from another policy
             self._check_sft()
-        why = None if algo.loss == "sft" else rollout.off_policy_reason()
-        if why is None and self.mode == "async" and rollout.max_staleness > 0 and algo.loss != "sft":
-            why = ("mode=async with rollout.max_staleness > 0 trains on samples one version old "
-                   "(max_staleness 0 reproduces sync)")
+            why = None
+        else:
+            why = rollout.off_policy_reason()
+            if why is None and self.mode == "async" and rollout.max_staleness > 0:
+                why = ("mode=async with rollout.max_staleness > 0 trains on samples one version "
+                       "old (max_staleness 0 reproduces sync)")
         ws = self.train.weight_sync
         if self.cluster.placement == "colocated" and algo.loss != "sft":  # SFT: no engine
             self._check_colocated()

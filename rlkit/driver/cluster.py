@@ -74,6 +74,7 @@ class Cluster:
         self.joined: str | None = None  # the address of a cluster joined, not started
         # SFT (train.algorithm.loss sft) starts the trainer alone: no engine, router or rollout
         self.engineless = recipe.train.algorithm.loss == "sft"
+        self.num_engines = 0 if self.engineless else recipe.rollout.engine.num_engines
 
     # -- Ray connection ------------------------------------------------------------------------
     def _connect(self) -> None:
@@ -86,8 +87,7 @@ class Cluster:
         if address == "local":
             eng = r.rollout.engine
             world = r.train.parallelism.tensor * r.train.parallelism.data
-            engines = 0 if self.engineless else eng.num_engines
-            cpus = engines * r.cluster.cpus_per_engine + world * r.cluster.cpus_per_train_worker
+            cpus = self.num_engines * r.cluster.cpus_per_engine + world * r.cluster.cpus_per_train_worker
             if r.cluster.placement == "colocated":  # the engines' CPUs are in the ranks' bundles
                 cpus = world * colocated_rank_cpus(eng.num_engines, world, r.cluster.cpus_per_train_worker,
                                                    r.cluster.cpus_per_engine)
@@ -136,7 +136,7 @@ class Cluster:
                 on_gpu=trainer_gpus > 0 or engine_gpus > 0, nodes=nodes)
         else:
             self.plan = plan_placement(
-                num_engines=0 if self.engineless else eng.num_engines,
+                num_engines=self.num_engines,
                 engine_bundle=bundle(r.cluster.cpus_per_engine, engine_gpus),
                 tp=r.train.parallelism.tensor,
                 dp=r.train.parallelism.data,

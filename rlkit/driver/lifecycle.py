@@ -6,12 +6,28 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlkit.checkpoint import Checkpoint
+import yaml
+
+from rlkit.checkpoint import Checkpoint, resume_point
 from rlkit.config.schema import Recipe
+from rlkit.tracking import rewind
 
 
 def run_dir_of(recipe: Recipe) -> Path:
     return Path(recipe.run.output_dir) / recipe.run.name
+
+
+def open_run_dir(recipe: Recipe) -> tuple[Path, Checkpoint | None]:
+    """The run's folder, made, with the recipe written in it, and the checkpoint it resumes
+    from (run.resume). Resuming with `auto`, the rows of steps after that checkpoint are
+    redone, so they are dropped from the per-step files."""
+    run_dir = run_dir_of(recipe)
+    ckpt = resume_point(run_dir, recipe.run.resume)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if recipe.run.resume == "auto":
+        rewind(run_dir, ckpt.step if ckpt is not None else 0)
+    (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
+    return run_dir, ckpt
 
 
 def died_message(what: str, step: int, recipe: Recipe, ckpt: Checkpoint | None) -> str:

@@ -104,11 +104,14 @@ def plan_placement(
     world = tp * dp
     if not nodes:
         raise PlacementError("the Ray cluster has no alive node")
-    for what, b in (("a trainer rank", trainer_bundle), ("an engine", engine_bundle)):
-        if (what == "an engine" and not num_engines) or any(fits(n, b) for n in nodes):
-            continue  # an engineless run (SFT) places no engine
-        raise PlacementError(f"{what} needs {b} on one node, but no node has that: nodes have "
-                             f"{[_short(n) for n in nodes]}")
+    placed = [("a trainer rank", trainer_bundle)]
+    if num_engines:  # an engineless run (SFT) places none
+        placed.append(("an engine", engine_bundle))
+    for what, b in placed:
+        if not any(fits(n, b) for n in nodes):
+            raise PlacementError(
+                f"{what} needs {b} on one node, but no node has that: nodes have "
+                f"{[_short(n) for n in nodes]}")
     need = PlacementPlan(
         (GroupPlan("trainer", "PACK", (trainer_bundle,) * world),),
         GroupPlan("engines", "PACK", (engine_bundle,) * num_engines),

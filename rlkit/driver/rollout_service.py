@@ -329,9 +329,9 @@ class RolloutService:
         kept = {adapter}
         if self.resume_own_adapter:
             began = self.buffer.unfinished_versions()
-            named = sorted((a for a in self._adapters if a != adapter
-                            and began.get(adapter_version(a) or -1)),
-                           key=lambda a: adapter_version(a) or 0)
+            # every adapter here is one of ours, adapter_name(version): it has a version
+            versions = {a: adapter_version(a) for a in self._adapters if a != adapter}
+            named = sorted((a for a, v in versions.items() if began.get(v)), key=versions.__getitem__)
             if self.keep_versions > 1:
                 kept.update(named[-(self.keep_versions - 1):])
             # before any await: no request is sent naming one about to go

@@ -13,15 +13,14 @@ import asyncio
 import signal
 from typing import Awaitable
 
-import yaml
 
 from rlkit.common.errors import ProcessDied, find_user_error
-from rlkit.checkpoint import latest_checkpoint, resume_point, save_checkpoint
+from rlkit.checkpoint import latest_checkpoint, save_checkpoint
 from rlkit.config.schema import Recipe
-from rlkit.driver.lifecycle import died_message, raise_interrupt, run_dir_of
+from rlkit.driver.lifecycle import died_message, open_run_dir, raise_interrupt
 from rlkit.driver.loop import LoopState, Run, step_recorder
 from rlkit.driver.modes import MODES
-from rlkit.tracking import Tracker, rewind
+from rlkit.tracking import Tracker
 from rlkit.rollout.health import EnginesDown, RouterDown
 
 
@@ -37,12 +36,7 @@ def train(recipe: Recipe) -> LoopState:
 
         return train_sft(recipe)
     check_plugins(recipe)  # a misspelt plugin or argument fails here, before anything starts
-    run_dir = run_dir_of(recipe)
-    ckpt = resume_point(run_dir, recipe.run.resume)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if recipe.run.resume == "auto":  # rows of steps after the checkpoint are redone: drop them
-        rewind(run_dir, ckpt.step if ckpt is not None else 0)
-    (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
+    run_dir, ckpt = open_run_dir(recipe)
     model_path = resolve_model_path(recipe.model.path)
 
     # SIGTERM (a scheduler, `kill`) takes the same clean path as Ctrl-C.

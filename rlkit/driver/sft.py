@@ -18,13 +18,12 @@ import json
 import signal
 import time
 
-import yaml
 
-from rlkit.checkpoint import latest_checkpoint, resume_point, save_checkpoint
+from rlkit.checkpoint import latest_checkpoint, save_checkpoint
 from rlkit.config.schema import Recipe
-from rlkit.driver.lifecycle import died_message, raise_interrupt, run_dir_of
+from rlkit.driver.lifecycle import died_message, open_run_dir, raise_interrupt
 from rlkit.driver.loop import LoopState
-from rlkit.tracking import Tracker, rewind
+from rlkit.tracking import Tracker
 
 
 def train_sft(recipe: Recipe) -> LoopState:
@@ -36,12 +35,7 @@ def train_sft(recipe: Recipe) -> LoopState:
     from rlkit.rollout.demo_models import resolve_model_path
     from rlkit.train.batch import TrainBatch
 
-    run_dir = run_dir_of(recipe)
-    ckpt = resume_point(run_dir, recipe.run.resume)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if recipe.run.resume == "auto":
-        rewind(run_dir, ckpt.step if ckpt is not None else 0)
-    (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
+    run_dir, ckpt = open_run_dir(recipe)
     model_path = resolve_model_path(recipe.model.path)
     tokenizer = AutoTokenizer.from_pretrained(recipe.model.tokenizer or model_path)
     # a bad data file fails here, before any process starts

@@ -113,16 +113,19 @@ class TrainTimeModel:
     def train_s(self, tokens: int) -> float:
         return self.overhead_s + tokens / self.tokens_per_s
 
+    @property
+    def adapter_sync(self) -> bool:
+        """A sync sends the LoRA adapters alone (no pause) rather than the full weights."""
+        return bool(self.lora_params) and self.lora_sync == "adapter"
+
     def sync_s(self) -> float:
-        if self.lora_params and self.lora_sync == "adapter":
-            return self.adapter_overhead_s + self.sync_bytes / self.sync_bandwidth
-        return self.sync_overhead_s + self.sync_bytes / self.sync_bandwidth
+        overhead = self.adapter_overhead_s if self.adapter_sync else self.sync_overhead_s
+        return overhead + self.sync_bytes / self.sync_bandwidth
 
     @property
     def sync_bytes(self) -> float:
         """What one weight sync sends to each engine."""
-        adapter = self.lora_params and self.lora_sync == "adapter"
-        return (self.lora_params if adapter else self.params) * self.bytes_per_param
+        return (self.lora_params if self.adapter_sync else self.params) * self.bytes_per_param
 
     def sync_step_s(self, rollout_s: float, tokens: int) -> float:
         """End-to-end time of one synchronous step (rollout, then training, then sync)."""

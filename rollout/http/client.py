@@ -279,9 +279,9 @@ class EngineClient:
     def adapter_for(self, sample: Sample) -> str | None:
         """The LoRA adapter a request for `sample` names: `adapter`, or under resume 'own' the
         one its response began under while that one is kept."""
-        if not self.resume_own_adapter or not sample.versions:
+        version = sample.oldest_version()
+        if not self.resume_own_adapter or version is None:
             return self.adapter
-        version = sample.versions[0]
         own = adapter_name(version) if version > 0 else None  # v0: the base, B = 0
         if own == self.adapter:
             return own
