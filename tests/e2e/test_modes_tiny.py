@@ -89,9 +89,11 @@ def test_a_mode_with_a_policy_end_to_end(tmp_path, monkeypatch, mode, recipe, ep
         # resume 'own': no trained response spans two versions, none fell back to the newest
         # adapter (how many resume under an older one depends on the zero-variance filter,
         # which drops most of the tiny model's groups: tests/rollout/test_engine_lora.py
-        # checks the resumed tokens themselves)
-        assert all(m["rollout/own_adapter_fallbacks"] == 0 for m in metrics)
-        assert all(m["batch/mixed_version_share"] == 0 for m in metrics)
+        # checks the resumed tokens themselves). An engine restarted (a probe timed out on a
+        # starved machine) holds the newest adapter alone: its samples fall back, by design.
+        if not any(m.get("engines/restarted") for m in metrics):
+            assert all(m["rollout/own_adapter_fallbacks"] == 0 for m in metrics)
+            assert all(m["batch/mixed_version_share"] == 0 for m in metrics)
     if episodes:  # several model turns per episode on average, each after an observation
         last = metrics[-1]
         assert last["rollout/episodes/turns"] > last["rollout/episodes/episodes_started"] > 0, last
