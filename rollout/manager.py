@@ -161,12 +161,10 @@ class RolloutManager:
         if self.health is not None:
             self.health.start()
         step = self.current = Step(self, target, version, final=final)
-        if target <= 0:  # the ready queue already holds the batch (see `batch_target`)
-            self.current = None
-            return step.report()
         try:
-            await self.policy.run(step)
-            await step.stop()  # a no-op when the policy left nothing in flight
+            if target > 0:  # else the ready queue already holds the batch (see `batch_target`)
+                await self.policy.run(step)
+                await step.stop()  # a no-op when the policy left nothing in flight
         except BaseException:
             # Ctrl-C, an engine outage, a failing reward under fail_step: abort and park
             # everything with its tokens before the error propagates.
