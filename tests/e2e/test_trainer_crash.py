@@ -73,16 +73,45 @@ def in_session(sid: int) -> list[int]:
     return out
 
 
-def ports_in_listen(ports: set[int]) -> set[int]:
-    """Which of `ports` anything on this machine still listens on."""
-    found = set()
+def ports_in_listen(ports: set[int], started_before: float | None = None) -> set[int]:
+    """Which of `ports` anything on this machine still listens on; with `started_before` (seconds
+    since boot), only sockets of processes started before then (or whose owner is not found): a
+    port of the run recycled afterwards by another process (a test running beside it) is not the
+    run's."""
+    inodes: dict[str, int] = {}  # a listening socket's inode -> its port
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
             parts = line.split()
             port = int(parts[1].rsplit(":", 1)[1], 16)
             if parts[3] == "0A" and port in ports:
-                found.add(port)
-    return found
+                inodes[parts[9]] = port
+    if started_before is None or not inodes:
+        return set(inodes.values())
+    owners: dict[str, int] = {}
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                for fd in (proc / "fd").iterdir():
+                    target = os.readlink(fd)
+                    if target.startswith("socket:[") and target[8:-1] in inodes:
+                        owners[target[8:-1]] = int(proc.name)
+            except OSError:
+                pass
+    return {port for inode, port in inodes.items()
+            if inode not in owners or _started_s(owners[inode]) < started_before}
+
+
+def _uptime_s() -> float:
+    return float(Path("/proc/uptime").read_text().split()[0])
+
+
+def _started_s(pid: int) -> float:
+    """When `pid` started, in seconds since boot (inf when it is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return float("inf")
+    return int(stat.rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
 
 
 def trained(run_dir: Path) -> list[dict]:
@@ -156,12 +185,13 @@ def run_killing_the_trainer(cmd: list[str], env: dict, run_dir: Path, folder: Pa
 
 
 def assert_nothing_left(sid: int, tree: dict, ports: set[int]) -> None:
+    ended = _uptime_s()  # the run is over: nothing of it starts after this
     deadline = time.monotonic() + 60
     while (alive(tree) or in_session(sid)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert alive(tree) == [], "processes of the run outlived it"
     assert in_session(sid) == []
-    assert ports_in_listen(ports) == set(), "ports of the run still held"
+    assert ports_in_listen(ports, started_before=ended) == set(), "ports of the run still held"
 
 
 def test_trainer_killed_mid_run_resumes_to_the_groups_of_an_uninterrupted_run(tmp_path):

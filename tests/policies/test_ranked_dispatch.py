@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlkit.buffers import Place
 from rlkit.buffers.group import Group, PromptRecord
 from rlkit.rollout.dispatch import AdmissionGate, Dispatcher, EngineModel, InFlightSizer, LengthWindow
 from rlkit.rollout.policies import PartialPolicy, RankedDispatchPolicy, SyncPolicy, TailBatchingPolicy

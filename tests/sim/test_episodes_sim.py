@@ -6,7 +6,6 @@ balances; rankers learn turns and their recall is reported."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import numpy as np

@@ -4,7 +4,6 @@ streamed accumulation, optimisation, reference policy, checkpoints, export."""
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 import torch
