@@ -8,6 +8,10 @@ Off-policy check: a token whose policy version differs from the trainer's `polic
 produced by other weights (a stale group, or a partial rollout resumed across a weight update).
 Such a batch needs an explicit `off_policy_correction` (an estimator or 'none'); with 'unset' building it
 raises `OffPolicyCorrectionRequired`, a configuration error.
+
+On-policy distillation (`distill_coef` > 0): each TrainSample carries its sample's teacher
+logprobs (`Sample.teacher_logprobs`, one per response token); a trained sample without them, or
+with a non-finite one at a trainable position, is an error naming group, sample and position.
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ class TrainSample:
     resumed: bool = False  # resumed after a park (Sample.resumes): a partial rollout's tokens
     old_logprobs: torch.Tensor | None = None  # pi_old, set from Trainer.logprobs
     ref_logprobs: torch.Tensor | None = None  # reference policy, set from Trainer.logprobs
+    # float32 [response]: the teacher's logprob of each response token (Sample.teacher_logprobs,
+    # on-policy distillation); None without a teacher. Mask-0 positions may hold anything.
+    teacher_logprobs: torch.Tensor | None = None
 
     @property
     def response_length(self) -> int:
@@ -134,8 +141,13 @@ def build_batch(
     advantage: str,
     off_policy_correction: str,
     policy_version: int,
+    distill_coef: float = 0.0,
 ) -> TrainBatch:
-    """A TrainBatch from complete groups (see the module docstring for what is kept)."""
+    """A TrainBatch from complete groups (see the module docstring for what is kept).
+
+    `distill_coef` > 0 (on-policy distillation) needs the teacher's logprob of every trainable
+    token: a trained sample without `teacher_logprobs`, or with a non-finite one at a mask-1
+    position, is an error naming it."""
     samples: list[TrainSample] = []
     for group in groups:
         rewarded = [s for s in group.samples if s.status in _TRAINABLE]
@@ -162,6 +174,10 @@ def build_batch(
             if off_policy_correction not in ("none", "unset"):
                 _check_rollout_logprobs(group.group_id, s.index, rollout, mask,
                                         off_policy_correction)
+            teacher = (None if s.teacher_logprobs is None
+                       else torch.tensor(s.teacher_logprobs, dtype=torch.float32))
+            if distill_coef > 0:
+                _check_teacher_logprobs(group.group_id, s.index, teacher, mask, distill_coef)
             samples.append(
                 TrainSample(
                     index=s.index,
@@ -176,6 +192,7 @@ def build_batch(
                     max_version=max(s.versions),
                     versions=torch.tensor(s.versions, dtype=torch.int32),
                     resumed=s.resumes > 0,
+                    teacher_logprobs=teacher,
                 )
             )
     batch = TrainBatch(samples, policy_version)
@@ -206,6 +223,32 @@ def _check_rollout_logprobs(group_id: int, index: int, rollout: torch.Tensor,
             "(return_logprob), or set train.algorithm.off_policy_correction 'none'")
 
 
+def _check_teacher_logprobs(group_id: int, index: int, teacher: torch.Tensor | None,
+                            mask: torch.Tensor, distill_coef: float) -> None:
+    """Distillation subtracts distill_coef x (pi_old - teacher logprob) from every trainable
+    token's advantage: a sample the teacher did not score, or a trainable token it returned no
+    finite logprob for, would make the loss NaN (or train on a wrong advantage). Name it.
+    Mask-0 positions (an episode's observations) never reach the loss and may hold anything."""
+    if teacher is None:
+        raise ValueError(
+            f"group {group_id} sample {index}: no teacher logprobs, and train.algorithm."
+            f"distill_coef {distill_coef} subtracts the reverse KL to the teacher from every "
+            "trainable token's advantage. The rollout side scores each complete response with "
+            "the frozen engine group of role 'teacher' (rollout.frozen_engines); set one, or "
+            "set distill_coef 0")
+    if teacher.numel() != mask.numel():
+        raise ValueError(f"group {group_id} sample {index}: {teacher.numel()} teacher logprobs "
+                         f"for a {mask.numel()}-token response")
+    bad = (~torch.isfinite(teacher) & (mask > 0)).nonzero().flatten()
+    if len(bad):
+        raise ValueError(
+            f"group {group_id} sample {index}: the teacher's logprob is not finite at "
+            f"{len(bad)} of its {int(mask.sum())} trainable tokens (first at response position "
+            f"{int(bad[0])}: {float(teacher[bad[0]])}), and train.algorithm.distill_coef "
+            f"{distill_coef} subtracts it from each trainable token's advantage. The teacher "
+            "engine must return a logprob for every response token")
+
+
 def build_batch_from_config(groups: Iterable[Group], algorithm, policy_version: int) -> TrainBatch:
     """`build_batch` with the knobs of a `train.config.AlgorithmConfig`."""
     return build_batch(
@@ -213,4 +256,5 @@ def build_batch_from_config(groups: Iterable[Group], algorithm, policy_version: 
         advantage=algorithm.advantage,
         off_policy_correction=algorithm.off_policy_correction.estimator,
         policy_version=policy_version,
+        distill_coef=algorithm.distill_coef,
     )

@@ -178,6 +178,30 @@ class AlgorithmConfig(BaseModel):
     kl_estimator: Literal["k1", "k3", "low_var"] = Field(
         "low_var", description="KL estimator (k3 and its clamped low-variance form)."
     )
+    distill_coef: float = Field(
+        0.0,
+        ge=0,
+        description="On-policy distillation's lambda: weight of the sampled-token reverse KL to "
+        "the teacher, log pi_old - log pi_teacher of each response token, subtracted from that "
+        "token's advantage: A_t = reward_weight x A - distill_coef x (old_t - teacher_t), A the "
+        "advantage estimator's, no gradient through it (slime's --opd-kl-coef; Thinking "
+        "Machines' on-policy distillation). "
+        "Needs a frozen engine group with role 'teacher' in rollout.frozen_engines to score "
+        "every response (Sample.teacher_logprobs, at the rollout temperature); a trained sample "
+        "without them is an error. Unlike kl_coef (a penalty to the reference with its own "
+        "gradient), it acts through the policy gradient's clipped ratio and the off-policy "
+        "correction like the reward's advantage (docs/training.md, 'On-policy distillation'). "
+        "0: off. loss 'sft' refuses it.",
+    )
+    reward_weight: float = Field(
+        1.0,
+        ge=0,
+        description="Weight of the reward-based advantage (the `advantage` estimator's) in each "
+        "token's advantage when distill_coef > 0. 0 with distill_coef > 0 is distillation alone "
+        "(Thinking Machines' setting): rewards are still computed and logged but do not train; "
+        "1 (slime's) adds the distillation term to the reward's advantage. With distill_coef 0 "
+        "it must stay 1 (it would only rescale the advantage: change optimizer.lr instead).",
+    )
     entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus.")
     off_policy_correction: OffPolicyCorrection = Field(
         default_factory=lambda: OffPolicyCorrection(),
@@ -201,6 +225,20 @@ class AlgorithmConfig(BaseModel):
         if self.loss == "sft" and (self.kl_coef or self.entropy_coef):
             raise ValueError("loss 'sft' trains the responses' log-likelihood alone: kl_coef and "
                              "entropy_coef must be 0")
+        if self.loss == "sft" and self.distill_coef:
+            raise ValueError("loss 'sft' trains the responses' log-likelihood alone: distill_coef "
+                             "(on-policy distillation, a term of the policy gradient's advantage) "
+                             "must be 0; distillation needs loss 'policy_gradient'")
+        return self
+
+    @model_validator(mode="after")
+    def _distillation(self) -> "AlgorithmConfig":
+        if self.distill_coef == 0 and self.reward_weight != 1:
+            raise ValueError(
+                f"reward_weight {self.reward_weight} with distill_coef 0: reward_weight weighs "
+                "the reward's advantage against the distillation term, and without one it would "
+                "only rescale the advantage (the gradient): leave reward_weight at 1 and change "
+                "train.optimizer.lr instead, or set distill_coef > 0")
         return self
 
     @model_validator(mode="after")

@@ -93,3 +93,87 @@ def test_subsets_micro_batches_and_attached_logprobs():
     with pytest.raises(ValueError, match="2 old tensors for 3 samples"):
         batch.with_logprobs(old=[torch.zeros(2)] * 2)
     assert len(TrainBatch.concat([batch.subset([0]), batch.subset([1, 2])])) == 3
+
+
+# -- on-policy distillation: the teacher's logprobs (Sample.teacher_logprobs) -------------------
+def with_teacher(g, skip=()):
+    for s in g.samples:
+        if s.index % 100 not in skip and s.response_ids:
+            s.teacher_logprobs = [-1.0 - 0.25 * k - s.index % 100 for k in range(len(s.response_ids))]
+    return g
+
+
+def test_teacher_logprobs_are_carried_into_the_train_samples():
+    from rlkit.train.batch import build_batch_from_config
+    from rlkit.train.config import AlgorithmConfig
+
+    g = with_teacher(make_group(9, [1.0, 0.0]))
+    for b in (build_batch([g], advantage="grpo", off_policy_correction="unset", policy_version=0),
+              build_batch([g], advantage="grpo", off_policy_correction="unset", policy_version=0,
+                          distill_coef=0.5),
+              build_batch_from_config([g], AlgorithmConfig(distill_coef=0.5), 0)):
+        s0, s1 = b.samples
+        assert s0.teacher_logprobs.dtype == torch.float32
+        assert torch.equal(s0.teacher_logprobs, torch.tensor([-1.0, -1.25]))
+        assert torch.equal(s1.teacher_logprobs, torch.tensor([-2.0, -2.25]))
+        assert b.subset([1]).samples[0].teacher_logprobs is s1.teacher_logprobs
+        assert b.with_logprobs(old=[torch.zeros(2)] * 2).samples[0].teacher_logprobs is s0.teacher_logprobs
+    # no teacher, no distillation: None, as before
+    plain = build_batch([make_group(9, [1.0, 0.0])], advantage="grpo", off_policy_correction="unset",
+                        policy_version=0)
+    assert all(s.teacher_logprobs is None for s in plain.samples)
+
+
+def test_distillation_refuses_a_trained_sample_without_teacher_logprobs():
+    from rlkit.train.batch import build_batch_from_config
+    from rlkit.train.config import AlgorithmConfig
+
+    g = with_teacher(make_group(10, [1.0, 0.0, 0.5], empty=(2,)), skip=(1,))
+    with pytest.raises(ValueError, match=r"group 10 sample 1001: no teacher logprobs.*distill_coef 0.5"
+                                         r".*role 'teacher'.*frozen_engines"):
+        build_batch([g], advantage="grpo", off_policy_correction="unset", policy_version=0, distill_coef=0.5)
+    with pytest.raises(ValueError, match="group 10 sample 1001: no teacher logprobs"):
+        build_batch_from_config([g], AlgorithmConfig(distill_coef=0.5), 0)
+    # off, the batch builds (the missing one is None); an empty response trains nothing, needs none
+    b = build_batch([g], advantage="grpo", off_policy_correction="unset", policy_version=0)
+    assert [s.teacher_logprobs is None for s in b.samples] == [False, True]
+    g.samples[1].teacher_logprobs = [-0.5, -0.5]
+    assert len(build_batch([g], advantage="grpo", off_policy_correction="unset", policy_version=0,
+                           distill_coef=0.5)) == 2
+
+
+@pytest.mark.parametrize("wild", [float("nan"), float("inf"), float("-inf")])
+def test_distillation_refuses_a_non_finite_teacher_logprob_at_a_trainable_position(wild):
+    g = with_teacher(make_group(11, [1.0, 0.0]))
+    s = g.samples[1]
+    s.teacher_logprobs[1] = wild
+    kw = dict(advantage="grpo", off_policy_correction="unset", policy_version=0)
+    with pytest.raises(ValueError, match=r"group 11 sample 1101: the teacher's logprob is not finite at 1 "
+                                         r"of its 2 trainable tokens \(first at response position 1"):
+        build_batch([g], **kw, distill_coef=0.1)
+    build_batch([g], **kw)  # without distillation it is not read
+    s.loss_mask[1] = 0  # a masked token (an observation) may hold anything: it never reaches the loss
+    b = build_batch([g], **kw, distill_coef=0.1)
+    assert b.samples[1].teacher_logprobs[0] == -2.0
+
+
+def test_the_trainers_loss_input_carries_the_teacher_logprobs():
+    """MegatronTrainer._loss_input (no model needed): teacher logprobs concatenated like the others,
+    all samples of a micro-batch or none."""
+    from dataclasses import replace
+
+    from rlkit.train.megatron.trainer import MegatronTrainer
+    from rlkit.train.packing import pack_samples
+
+    samples = build_batch([with_teacher(make_group(12, [1.0, 0.0]))], advantage="grpo",
+                          off_policy_correction="unset", policy_version=0, distill_coef=1.0).samples
+    packed = pack_samples([s.tokens for s in samples], [s.prompt_length for s in samples])
+    lp = torch.zeros(sum(s.response_length for s in samples))
+
+    def loss_input(samples):
+        return MegatronTrainer._loss_input(None, samples, packed, lp, None, False, 0)  # self unused
+
+    assert torch.equal(loss_input(samples).teacher_logprobs, torch.tensor([-1.0, -1.25, -2.0, -2.25]))
+    assert loss_input([replace(s, teacher_logprobs=None) for s in samples]).teacher_logprobs is None
+    with pytest.raises(ValueError, match="teacher_logprobs: set for some samples of a micro-batch and not others"):
+        loss_input([samples[0], replace(samples[1], teacher_logprobs=None)])

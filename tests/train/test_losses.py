@@ -251,3 +251,150 @@ def test_the_sft_loss_is_the_responses_mean_negative_log_likelihood():
     assert terms.denominator == 5
     assert terms.metric_sums["loss"] / terms.denominator == pytest.approx(float(ref), rel=1e-6)
     assert torch.allclose(ours, logits.grad, atol=1e-7) and not ours.isnan().any()
+
+
+# -- on-policy distillation: A_t = reward_weight x A - distill_coef x (old_t - teacher_t) ------
+def _distill_batch(seed: int = 0):
+    """Three samples (lengths 3, 1, 4), the last token of sample 0 and two of sample 2 masked;
+    log-ratios up to +-0.6, so some tokens are clipped either way."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [3, 1, 4]
+    n = sum(lengths)
+    lp = -0.5 - torch.rand(n, generator=g, dtype=torch.float64)
+    old = lp + 0.3 * torch.randn(n, generator=g, dtype=torch.float64)
+    teacher = old + torch.randn(n, generator=g, dtype=torch.float64)
+    sid = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    adv = torch.tensor([0.7, -1.2, 0.4], dtype=torch.float64)[sid]
+    mask = torch.tensor([1, 1, 0, 1, 1, 0, 1, 0], dtype=torch.float64)
+    return dict(lp=lp, old=old, teacher=teacher, sid=sid, adv=adv, mask=mask)
+
+
+def _run_distill(b, cfg, *, old="given", teacher=None):
+    lp = b["lp"].clone().requires_grad_(True)
+    teacher = b["teacher"] if teacher is None else teacher
+    terms = policy_loss(PolicyLossInput(
+        logprobs=lp, advantages=b["adv"], loss_mask=b["mask"], sample_ids=b["sid"],
+        num_samples=int(b["sid"].max()) + 1, old_logprobs=b["old"] if old == "given" else None,
+        teacher_logprobs=teacher), cfg)
+    terms.numerator.backward()
+    return terms, lp.grad
+
+
+def _slime_reference(b, *, distill_coef, reward_weight, aggregation, clip_low, clip_high, old=None):
+    """slime's --opd-kl-coef, written out: A_t = w_r A - lambda (old_t - teacher_t), a constant;
+    PPO-clip on the token ratio; the aggregation as a plain loop over samples."""
+    lp = b["lp"].clone().requires_grad_(True)
+    old = b["old"] if old is None else old
+    keep = b["mask"] > 0
+    total = torch.zeros((), dtype=torch.float64)
+    samples = int(b["sid"].max()) + 1
+    for i in range(samples):
+        idx = [t for t in range(lp.numel()) if int(b["sid"][t]) == i and keep[t]]
+        terms = []
+        for t in idx:
+            a_hat = reward_weight * float(b["adv"][t]) - distill_coef * (float(old[t]) - float(b["teacher"][t]))
+            r = torch.exp(lp[t] - float(old[t]))
+            terms.append(torch.maximum(-a_hat * r, -a_hat * r.clamp(1 - clip_low, 1 + clip_high)))
+        if not terms:
+            continue
+        s = torch.stack(terms).sum()
+        total = total + (s / len(terms) if aggregation == "sequence_mean" else s)
+    denominator = float(keep.sum()) if aggregation == "token_mean" else float(
+        sum(1 for i in range(samples) if any(int(b["sid"][t]) == i and keep[t] for t in range(lp.numel()))))
+    total.backward()
+    return total, denominator, lp.grad
+
+
+def test_a_teacher_equal_to_pi_old_gives_exactly_the_reward_only_loss_and_gradient():
+    b = _distill_batch()
+    for old, teacher in (("given", b["old"]), (None, b["lp"])):  # pi_old attached, or the current lp
+        for aggregation in ("token_mean", "sequence_mean"):
+            plain, g_plain = _run_distill(b, AlgorithmConfig(loss_aggregation=aggregation), old=old)
+            cfg = AlgorithmConfig(loss_aggregation=aggregation, distill_coef=0.7)
+            ours, g_ours = _run_distill(b, cfg, old=old, teacher=teacher.clone())
+            assert torch.equal(ours.numerator, plain.numerator) and ours.denominator == plain.denominator
+            assert torch.equal(g_ours, g_plain)
+            assert {k: v for k, v in ours.metric_sums.items() if not k.startswith("distill_")} == plain.metric_sums
+            assert ours.metric_sums["distill_reverse_kl"] == 0.0
+            assert ours.metric_sums["distill_advantage"] == 0.0
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean"])
+@pytest.mark.parametrize("reward_weight", [0.0, 0.5, 1.0])
+def test_distillation_matches_slimes_formula(aggregation, reward_weight):
+    clip = dict(clip_low=0.2, clip_high=0.28)
+    cfg = AlgorithmConfig(loss_aggregation=aggregation, distill_coef=0.3, reward_weight=reward_weight, **clip)
+    for seed in range(3):
+        b = _distill_batch(seed)
+        terms, grad = _run_distill(b, cfg)
+        ref, denominator, ref_grad = _slime_reference(b, distill_coef=0.3, reward_weight=reward_weight,
+                                                      aggregation=aggregation, **clip)
+        assert terms.numerator.item() == pytest.approx(ref.item(), rel=1e-12, abs=1e-15)
+        assert terms.denominator == denominator
+        assert torch.allclose(grad, ref_grad, rtol=1e-12, atol=1e-15)
+        assert bool((grad[b["mask"] == 0] == 0).all())
+        # the diagnostics: the reverse KL and the distillation term, weighted like the loss
+        keep = b["mask"] > 0
+        w = b["mask"] if aggregation == "token_mean" else b["mask"] / torch.tensor(
+            [float(keep[b["sid"] == int(i)].sum()) for i in b["sid"]], dtype=torch.float64)
+        rkl = torch.where(keep, b["old"] - b["teacher"], 0.0)
+        assert terms.metric_sums["distill_reverse_kl"] == pytest.approx(float((w * rkl).sum()), rel=1e-12)
+        assert terms.metric_sums["distill_advantage"] == pytest.approx(float(-0.3 * (w * rkl).sum()), rel=1e-12)
+
+
+def test_the_distillation_term_carries_no_gradient():
+    # without pi_old the ratio is 1 and old is lp, detached: d/d lp of -A_t is -A_t, never the
+    # distillation term's own derivative (+distill_coef); the teacher gets no gradient either
+    b = _distill_batch()
+    teacher = b["teacher"].clone().requires_grad_(True)
+    cfg = AlgorithmConfig(distill_coef=0.5, reward_weight=0.0)
+    terms, grad = _run_distill(b, cfg, old=None, teacher=teacher)
+    a_hat = -0.5 * (b["lp"] - b["teacher"])
+    assert torch.allclose(grad, torch.where(b["mask"] > 0, -a_hat, 0.0), rtol=1e-14, atol=0)
+    assert teacher.grad is None
+    ref, _, ref_grad = _slime_reference(b, distill_coef=0.5, reward_weight=0.0, aggregation="token_mean",
+                                        clip_low=0.2, clip_high=0.28, old=b["lp"])
+    assert terms.numerator.item() == pytest.approx(ref.item(), rel=1e-12)
+    assert torch.allclose(grad, ref_grad, rtol=1e-12)
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean"])
+def test_mask0_teacher_logprobs_reach_neither_the_loss_its_gradient_nor_the_metrics(aggregation):
+    b = _distill_batch()
+    cfg = AlgorithmConfig(loss_aggregation=aggregation, distill_coef=0.3, reward_weight=0.5)
+    base, g_base = _run_distill(b, cfg)
+    off = b["mask"] == 0
+    for wild in (float("nan"), float("inf"), float("-inf")):
+        teacher = torch.where(off, wild, b["teacher"])
+        terms, grad = _run_distill(b, cfg, teacher=teacher)
+        assert math.isfinite(terms.numerator.item()) and torch.isfinite(grad).all()
+        assert torch.equal(terms.numerator, base.numerator) and terms.denominator == base.denominator
+        assert torch.equal(grad, g_base)
+        assert terms.metric_sums == base.metric_sums
+
+
+def test_distillation_needs_the_teacher_logprobs():
+    b = _distill_batch()
+    lp = b["lp"].clone().requires_grad_(True)
+    inp = PolicyLossInput(logprobs=lp, advantages=b["adv"], loss_mask=b["mask"], sample_ids=b["sid"],
+                          num_samples=3)
+    with pytest.raises(ValueError, match="distill_coef > 0 needs the teacher's logprob.*frozen_engines"):
+        policy_loss(inp, AlgorithmConfig(distill_coef=0.1))
+    # off: teacher logprobs, if any, are not read and no distill_* metric appears
+    terms = policy_loss(inp, AlgorithmConfig())
+    assert not [k for k in terms.metric_sums if k.startswith("distill_")]
+
+
+def test_distillation_config_is_validated():
+    assert (AlgorithmConfig().distill_coef, AlgorithmConfig().reward_weight) == (0.0, 1.0)
+    AlgorithmConfig(distill_coef=0.5, reward_weight=0.0)  # distillation alone
+    AlgorithmConfig(distill_coef=1.0)  # slime's: the reward's advantage plus the distillation term
+    with pytest.raises(ValueError, match="loss 'sft'.*distill_coef"):
+        AlgorithmConfig(loss="sft", distill_coef=0.1)
+    with pytest.raises(ValueError, match="reward_weight 0.5 with distill_coef 0.*rescale.*lr"):
+        AlgorithmConfig(reward_weight=0.5)
+    with pytest.raises(ValueError, match="reward_weight 0.0 with distill_coef 0"):
+        AlgorithmConfig(reward_weight=0.0)
+    for bad in ({"distill_coef": -0.1}, {"distill_coef": 1.0, "reward_weight": -1.0}):
+        with pytest.raises(ValueError, match="greater than or equal to 0"):
+            AlgorithmConfig(**bad)

@@ -13,6 +13,7 @@ Per token t of sample i (mask m_t, n_i = trainable tokens of sample i, B = LOG_R
   ratio       token:    r_t = exp(clamp(lp_t - old_t, +-B))
               sequence: r_t = sg(s_i) * exp(lp_t - sg(lp_t)),
                         s_i = exp(clamp(sum_t m_t (lp_t - old_t) / n_i, +-B))
+  A_t         reward_weight * A_i - distill_coef * sg(old_t - teacher_t)   (distill_coef 0: A_i)
   pg_t        max(-A_t r_t, -A_t clip(r_t, 1 - clip_low, 1 + clip_high))
   is_t        the off-policy correction's weight of rho_t = exp(old_t - rollout_t): tis, mis or
               icepop at token, sequence or geometric level, 0 for a rejected sample, no gradient
@@ -31,16 +32,17 @@ The token ratio's clamp changes no value with |lp - old| <= B (a clamp inside it
 its input, and passes the gradient unchanged); beyond it the token keeps the clamped value and gets
 no gradient (as verl's clamp of the log-ratio before exp), where exp alone would overflow.
 
-Masking is by selection, never by multiplication: every per-token input (lp, pi_old, rollout and
-reference logprobs, advantage, entropy) is replaced by 0 at mask-0 positions with `torch.where`
-before any arithmetic, and the sums select again. A NaN or inf at a mask-0 position (an
-environment observation's placeholder logprob, say) therefore reaches neither the loss, its
+Masking is by selection, never by multiplication: every per-token input (lp, pi_old, rollout,
+reference and teacher logprobs, advantage, entropy) is replaced by 0 at mask-0 positions with
+`torch.where` before any arithmetic, and the sums select again. A NaN or inf at a mask-0 position
+(an environment observation's placeholder logprob, say) therefore reaches neither the loss, its
 gradient nor a metric; `0 * inf` would be NaN, and an inf forward gives a NaN gradient even where
 `torch.where` later drops its value. Values at mask-1 positions are used exactly as before.
 
 Metrics (`metric_sums`, divided by the global denominator by the trainer) are weighted like the
 loss, except under sequence_mean_token_sum_norm, where only `loss` and `pg_loss` are (so
-train/loss is the objective) and the diagnostics (ratio, clip_frac, KL, entropy, the correction's) are
+train/loss is the objective) and the diagnostics (ratio, clip_frac, KL, entropy, the correction's,
+distill_reverse_kl = old_t - teacher_t and distill_advantage = -distill_coef * that) are
 per-sequence means (weight m_t / n_i): weighted by m_t / C they would read as their mean times
 the mean length / C.
 """
@@ -80,6 +82,7 @@ class PolicyLossInput:
     rollout_logprobs: torch.Tensor | None = None  # needed by an off_policy_correction
     ref_logprobs: torch.Tensor | None = None  # needed when kl_coef > 0
     entropy: torch.Tensor | None = None  # needed when entropy_coef > 0
+    teacher_logprobs: torch.Tensor | None = None  # needed when distill_coef > 0
     # for the mismatch telemetry (mismatch.py): the trainer's version minus each token's, and
     # whether the token's sample was resumed after a park (bool)
     token_lag: torch.Tensor | None = None
@@ -169,6 +172,17 @@ def policy_loss(inp: PolicyLossInput, cfg: AlgorithmConfig) -> LossTerms:
         raise ValueError(f"unknown ratio_level {cfg.ratio_level!r}")
     ratio = torch.exp(log_ratio)
     adv = masked(inp.advantages)
+    distill = None
+    if cfg.distill_coef > 0:
+        if inp.teacher_logprobs is None:
+            raise ValueError(
+                "distill_coef > 0 needs the teacher's logprob of every response token "
+                "(TrainSample.teacher_logprobs, from Sample.teacher_logprobs: a frozen engine group "
+                "with role 'teacher' in rollout.frozen_engines); or set distill_coef 0")
+        # sampled-token reverse KL to the teacher; old is pi_old (or lp, detached): no gradient
+        reverse_kl = (old - masked(inp.teacher_logprobs)).detach()
+        distill = -cfg.distill_coef * reverse_kl
+        adv = cfg.reward_weight * adv + distill
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
     pg = torch.maximum(unclipped, clipped)
@@ -196,6 +210,9 @@ def policy_loss(inp: PolicyLossInput, cfg: AlgorithmConfig) -> LossTerms:
     sums["clip_frac"] = (clipped > unclipped).to(dtype)
     sums["ratio"] = ratio.detach()
     sums["approx_kl_old"] = (old - lp.detach())
+    if distill is not None:
+        sums["distill_reverse_kl"] = reverse_kl
+        sums["distill_advantage"] = distill
 
     if cfg.kl_coef > 0:
         if inp.ref_logprobs is None:

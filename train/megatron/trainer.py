@@ -377,6 +377,7 @@ class MegatronTrainer:
             old_logprobs=cat("old_logprobs"),
             rollout_logprobs=cat("rollout_logprobs"),
             ref_logprobs=cat("ref_logprobs"),
+            teacher_logprobs=cat("teacher_logprobs"),  # on-policy distillation; None without
             entropy=entropy if with_entropy else None,
             token_lag=None if versions is None else policy_version - versions.long(),
             resumed=torch.cat([torch.full((s.response_length,), s.resumed) for s in samples]).to(dev),
@@ -461,6 +462,8 @@ class MegatronTrainer:
         "is_masked_frac",
         "is_rejected_frac",
         "train_rollout_logprob_abs_diff",
+        "distill_reverse_kl",
+        "distill_advantage",
     )
 
     def _metric_sums_vector(self) -> list[float]:
