@@ -70,6 +70,10 @@ class Sample:
     # This request's re-score of the parked tokens (rollout.max_resume_log_ratio): the mean
     # log(pi_now / pi_rollout) over them; None unless the running request re-scored them.
     resume_log_ratio: float | None = None
+    # The teacher's logprob of each response token (a frozen engine group with role teacher,
+    # rollout.frozen_engines): set with the reward once the response is complete, never for a
+    # parked one; None without a teacher. Same length as response_ids.
+    teacher_logprobs: list[float] | None = None
 
     # -- the one mutator ------------------------------------------------------------------
     def append(
@@ -214,6 +218,7 @@ class Sample:
         self.loss_mask = []
         self.resumes = 0
         self.resume_log_ratio = None
+        self.teacher_logprobs = None
         self.status = SampleStatus.PENDING
         self.finish_reason = None
         self.reward = None
@@ -249,6 +254,9 @@ class Sample:
             )
         if any(b < a for a, b in zip(self.versions, self.versions[1:])):
             raise SampleError(f"sample {self.index}: versions decrease along the response")
+        if self.teacher_logprobs is not None and len(self.teacher_logprobs) != n:
+            raise SampleError(f"sample {self.index}: {len(self.teacher_logprobs)} teacher logprobs "
+                              f"for a {n}-token response")
 
     # -- persistence ----------------------------------------------------------------------
     def to_state(self) -> dict[str, Any]:
@@ -272,6 +280,7 @@ class Sample:
             "resumes": self.resumes,
             "finished_at": self.finished_at,
             "metadata": self.metadata,
+            "teacher_logprobs": self.teacher_logprobs,
         }
 
     @classmethod
@@ -293,6 +302,9 @@ class Sample:
             resumes=int(state.get("resumes", 0)),  # absent from checkpoints before it existed
             finished_at=state["finished_at"],
             metadata=dict(state["metadata"]),
+            # absent from checkpoints before it existed
+            teacher_logprobs=(None if state.get("teacher_logprobs") is None
+                              else [float(x) for x in state["teacher_logprobs"]]),
         )
         s.check()
         return s

@@ -32,10 +32,10 @@ class PluginKind:
 
 
 def _reward_builtins() -> dict[str, Any]:
-    from rlkit.rewards import builtin
+    from rlkit.rewards import builtin, judge
 
     return {"math": builtin.math_reward, "exact_match": builtin.exact_match,
-            "format": builtin.boxed_format}
+            "format": builtin.boxed_format, "judge": judge.judge}
 
 
 def _filter_builtins() -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import re
 import warnings
 from typing import Any, Literal
 
@@ -422,8 +423,9 @@ class RewardConfig(BaseModel):
 
     name: str = Field(
         "math",
-        description="Reward function: a built-in name (math, exact_match, format), an entry point "
-        "in the 'rlkit.rewards' group, or a dotted path 'pkg.module:function'.",
+        description="Reward function: a built-in name (math, exact_match, format, judge: a "
+        "frozen engine group's verdict, rlkit.rewards.judge), an entry point in the "
+        "'rlkit.rewards' group, or a dotted path 'pkg.module:function'.",
     )
     kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Extra keyword arguments passed to the reward function."
@@ -614,6 +616,55 @@ def _put(data: dict[str, Any], old: str, new: str, value: Any) -> None:
         node[last] = value
 
 
+FROZEN_ROLES = ("teacher", "judge")
+
+
+class FrozenEnginesConfig(BaseModel):
+    """A group of engines serving a frozen model beside the policy's (docs/frozen-engines.md):
+    never given a weight update, health-checked and restarted like the policy's engines, behind
+    a router of its own, on bundles of its own."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal[FROZEN_ROLES] = Field(  # type: ignore[valid-type]
+        ...,
+        description="'teacher': scores every completed sample's response tokens (one prefill "
+        "request each, at rollout.sampling.temperature) into Sample.teacher_logprobs, which "
+        "train.algorithm.distill_coef turns into the distillation advantage; at most one group "
+        "is the teacher. 'judge': serves reward plugins that call it by the group's name "
+        "(rlkit.rewards.engine_group; the built-in reward 'judge').",
+    )
+    model: str = Field(
+        ...,
+        min_length=1,
+        description="The frozen model: an HF folder (e.g. one `rlkit export` wrote from an "
+        "earlier run), or a demo model name as model.path takes ('tiny', 'smollm2'). It must "
+        "share the policy's tokenizer when role is 'teacher' (it scores the policy's token ids; "
+        "checked at start).",
+    )
+    engine: EngineConfig = Field(
+        default_factory=lambda: EngineConfig(num_engines=1),
+        description="The group's engine servers (kind, count, device, ...; one by default). "
+        "They get bundles of their own (cluster.cpus_per_engine CPUs, and GPUs as the policy's "
+        "engines get them) beside the policy's and the trainer's, also in a colocated run: "
+        "frozen engines never sleep and never share the trainer's GPUs.",
+    )
+    router: RouterConfig = Field(default_factory=RouterConfig, description="The group's own router.")
+    max_concurrency: int = Field(
+        32, ge=1, description="Requests to the group in flight at once, from every caller "
+        "(teacher scoring, judge rewards); more wait their turn.")
+    requests_per_minute: float = Field(
+        0.0, ge=0, description="Rate limit on requests to the group (a token bucket holding a "
+        "second's worth); 0: unlimited.")
+    timeout_s: float = Field(
+        60.0, gt=0, description="Seconds one request to the group may take, waiting for its "
+        "turn excluded; a timed-out request is retried (retries) and counted.")
+    retries: int = Field(
+        2, ge=0, description="Retries of a failed request (an error, a timeout, an engine or "
+        "router lost), after the group's health monitor has an engine serving again. A request "
+        "that fails every try fails its sample like a failing reward (rollout.reward.on_error).")
+
+
 class RolloutConfig(BaseModel):
     """Generation side: engines, router, sampling and the scheduling policy over the buffer."""
 
@@ -713,7 +764,14 @@ class RolloutConfig(BaseModel):
     episode: EpisodeConfig = Field(
         default_factory=EpisodeConfig, description="Multi-turn rollouts: a generator and its environment.")
     health: HealthConfig = Field(
-        default_factory=HealthConfig, description="Engine health checks and restarts."
+        default_factory=HealthConfig, description="Engine health checks and restarts (the "
+        "frozen groups' engines and routers too)."
+    )
+    frozen_engines: dict[str, FrozenEnginesConfig] = Field(
+        default_factory=dict,
+        description="Frozen engine groups beside the policy's engines, by name (letters, digits, "
+        "'_' and '-'): a teacher for on-policy distillation, judges and reward models for reward "
+        "plugins (docs/frozen-engines.md).",
     )
 
     @model_validator(mode="before")
@@ -751,6 +809,23 @@ class RolloutConfig(BaseModel):
             self.router = self.router.model_copy(update={
                 "policy": "cache_aware", "extra_args": [*CACHE_AWARE_BALANCE, *self.router.extra_args]})
         return self
+
+    @model_validator(mode="after")
+    def _frozen_groups(self) -> "RolloutConfig":
+        for name in self.frozen_engines:
+            if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
+                raise ValueError(f"rollout.frozen_engines: group name {name!r} may hold letters, "
+                                 "digits, '_' and '-' only (it names log files and metrics)")
+        teachers = [n for n, g in self.frozen_engines.items() if g.role == "teacher"]
+        if len(teachers) > 1:
+            raise ValueError(f"rollout.frozen_engines: {teachers} all have role 'teacher'; one "
+                             "group scores the samples")
+        return self
+
+    @property
+    def teacher(self) -> str | None:
+        """The name of the frozen group with role 'teacher', if any."""
+        return next((n for n, g in self.frozen_engines.items() if g.role == "teacher"), None)
 
     @model_validator(mode="after")
     def _rescore_single_turn(self) -> "RolloutConfig":

@@ -290,7 +290,8 @@ class Step:
             raise RuntimeError("launch after stop()")
         if responses is not None and responses > len(group.samples):
             self.buffer.extend(group, responses - len(group.samples))
-        todo = [s for s in group.samples if not s.is_finished]
+        # (an episode rewarded by its environment may still want its teacher logprobs)
+        todo = [s for s in group.samples if not s.is_finished or self._m.rewards.wants(s)]
         if worker is not None:
             placed = {s.index: worker for s in todo}
         elif self.dispatcher is not None:
@@ -428,7 +429,7 @@ class Step:
                         lambda: self.version))
             if (
                 s.status in (SampleStatus.DONE, SampleStatus.TRUNCATED)
-                and s.reward is None
+                and self._m.rewards.wants(s)
                 and not self._stopping
             ):
                 if s.finished_at is None:

@@ -15,13 +15,16 @@ from collections import Counter
 from typing import Awaitable, Callable
 
 from rlkit.buffers.group import Group
-from rlkit.buffers.sample import Sample
+from rlkit.buffers.sample import Sample, SampleStatus
 
 # (sample, group) -> reward. Sync user functions are wrapped into this by rlkit.rewards.
 ScoreFn = Callable[[Sample, Group], Awaitable[float]]
+# sample -> the teacher's logprob of each response token (rollout.frozen_engines' teacher)
+TeacherFn = Callable[[Sample], Awaitable[list[float]]]
 
-# RewardScheduler.failures' keys; step metrics rollout/reward_failures/<kind>
-REWARD_FAILURE_KINDS = ("error", "timeout", "invalid")
+# RewardScheduler.failures' keys; step metrics rollout/reward_failures/<kind> ('teacher': the
+# teacher's scoring failed every try)
+REWARD_FAILURE_KINDS = ("error", "timeout", "invalid", "teacher")
 
 
 class RewardFailure(RuntimeError):
@@ -34,31 +37,74 @@ class RewardScheduler:
     `failures` by kind: timeout, error, invalid. The timeout cancels the call; what a cancelled
     sync reward leaves behind is the runner's business (rlkit.rewards.worker)."""
 
-    def __init__(self, score: ScoreFn, timeout_s: float = 30.0, on_error: str = "drop_group"):
+    def __init__(self, score: ScoreFn, timeout_s: float = 30.0, on_error: str = "drop_group",
+                 teacher: TeacherFn | None = None):
         if on_error not in ("drop_group", "fail_step"):
             raise ValueError(f"on_error must be drop_group or fail_step, got {on_error!r}")
         self._score = score
         self.timeout_s = timeout_s
         self.on_error = on_error
-        self.failures: Counter[str] = Counter()  # by kind: error, timeout, invalid
+        # With a teacher every scored sample also gets the teacher's logprobs, concurrently
+        # with its reward (the teacher's group has its own timeouts and retries).
+        self.teacher = teacher
+        self.failures: Counter[str] = Counter()  # by kind: REWARD_FAILURE_KINDS
+
+    def wants(self, sample: Sample) -> bool:
+        """Scoring is left to do for this (complete) sample: its reward, or with a teacher its
+        teacher logprobs (an episode's environment may have given the reward already)."""
+        if sample.status not in (SampleStatus.DONE, SampleStatus.TRUNCATED):
+            return False
+        return sample.reward is None or (self.teacher is not None and sample.teacher_logprobs is None)
 
     async def score(self, sample: Sample, group: Group) -> bool:
-        """Set `sample.reward`, or fail the sample with the reason. True when rewarded."""
+        """Set `sample.reward` (unless set) and, with a teacher, `sample.teacher_logprobs`, or
+        fail the sample with the reason. True when scored. Both are set together, after both
+        answered, so a sample is never rewarded without its teacher logprobs."""
+        teacher = None
+        if self.teacher is not None and sample.teacher_logprobs is None:
+            # an empty response has nothing to score
+            teacher = asyncio.ensure_future(self.teacher(sample)) if sample.response_ids else None
+        try:
+            value = sample.reward if sample.reward is not None else await self._reward(sample, group)
+            if value is None:
+                return False
+            if teacher is not None:
+                try:
+                    sample.teacher_logprobs = list(await teacher)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - the teacher's group counted its tries
+                    return self._fail(sample, "teacher", f"teacher scoring failed: {describe_error(e)}")
+            elif self.teacher is not None and sample.teacher_logprobs is None:
+                sample.teacher_logprobs = []
+            if sample.reward is None:
+                sample.set_reward(value)
+            return True
+        finally:
+            if teacher is not None and not teacher.done():
+                teacher.cancel()  # the reward failed, or this call was cancelled (an abort)
+                await asyncio.gather(teacher, return_exceptions=True)
+
+    async def _reward(self, sample: Sample, group: Group) -> float | None:
+        """The reward's value, or None with the sample failed and the failure counted."""
         try:
             value = await asyncio.wait_for(self._score(sample, group), self.timeout_s)
         except asyncio.TimeoutError:
-            return self._fail(sample, "timeout", f"reward timed out after {self.timeout_s} s")
+            return self._fail_none(sample, "timeout", f"reward timed out after {self.timeout_s} s")
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a user plugin may raise anything: record it, never lose it
             if getattr(e, "reward_invalid", False):  # its value could not even reach us
-                return self._fail(sample, "invalid", str(e))
-            return self._fail(sample, "error", f"reward raised {describe_error(e)}")
+                return self._fail_none(sample, "invalid", str(e))
+            return self._fail_none(sample, "error", f"reward raised {describe_error(e)}")
         problem = check_reward_value(value)
         if problem:
-            return self._fail(sample, "invalid", problem)
-        sample.set_reward(reward_float(value))
-        return True
+            return self._fail_none(sample, "invalid", problem)
+        return reward_float(value)
+
+    def _fail_none(self, sample: Sample, kind: str, message: str) -> None:
+        self._fail(sample, kind, message)
+        return None
 
     def _fail(self, sample: Sample, kind: str, message: str) -> bool:
         self.failures[kind] += 1

@@ -184,6 +184,7 @@ class Recipe(BaseModel):
             if why is None and self.mode == "async" and rollout.max_staleness > 0:
                 why = ("mode=async with rollout.max_staleness > 0 trains on samples one version "
                        "old (max_staleness 0 reproduces sync)")
+        self._check_teacher()
         ws = self.train.weight_sync
         if self.cluster.placement == "colocated" and algo.loss != "sft":  # SFT: no engine
             self._check_colocated()
@@ -228,6 +229,20 @@ class Recipe(BaseModel):
             raise ValueError("eval needs engines, which an SFT run (train.algorithm.loss 'sft') "
                              "does not start: leave eval.datasets empty and evaluate the "
                              "exported model (`rlkit export RUN OUT`, then `rlkit eval`)")
+
+    def _check_teacher(self) -> None:
+        """Distillation needs the teacher's logprobs, and a teacher scores for distillation."""
+        teacher, coef = self.rollout.teacher, self.train.algorithm.distill_coef
+        if coef > 0 and teacher is None:
+            raise ValueError("train.algorithm.distill_coef > 0 needs a teacher: a group with role "
+                             "'teacher' under rollout.frozen_engines (docs/frozen-engines.md)")
+        if teacher is not None and coef == 0:
+            raise ValueError(f"rollout.frozen_engines.{teacher} (role 'teacher') scores every "
+                             "sample for train.algorithm.distill_coef, which is 0: set it (1.0 is "
+                             "slime's default), or give the group role 'judge'")
+        if self.train.algorithm.loss == "sft" and self.rollout.frozen_engines:
+            raise ValueError("rollout.frozen_engines: an SFT run (train.algorithm.loss 'sft') "
+                             "starts no engine; remove them")
 
     def _check_colocated(self) -> None:
         if self.mode != "sync":

@@ -89,6 +89,8 @@ class RolloutActor:
         self.router = None
         self.client = None
         self.service: RolloutService | None = None
+        # rollout.frozen_engines: name -> (its FrozenGroup, its Router)
+        self.frozen: dict[str, tuple[Any, Any]] = {}
         self.faults = RolloutFaults.from_env(self)  # test-only: None unless a test armed one
 
     async def prepare(self) -> None:
@@ -113,16 +115,20 @@ class RolloutActor:
         if r.eval.enabled:  # held-out sets: a bad row fails the run here, before any step
             self.evaluator = make_evaluator(r.eval, r.rollout, tokenizer, self.score)
 
-    async def start(self, engine_urls: list[str], engine_actors: list[Any] = ()) -> None:
+    async def start(self, engine_urls: list[str], engine_actors: list[Any] = (),
+                    frozen: dict[str, tuple[list[str], list[Any]]] | None = None) -> None:
         """Start the router in front of the engines and the rollout service over them; a lost
         engine is restarted by its EngineActor (`engine_actors`, in the order of the URLs), a
-        lost router by rollout.health, here (RouterProcessHandle)."""
+        lost router by rollout.health, here (RouterProcessHandle). `frozen`: each frozen
+        group's engine URLs and actors (rollout.frozen_engines), given routers of their own."""
         from rlkit.rollout.http.client import EngineClient
         from rlkit.rollout.engine_updates import EngineUpdates
         from rlkit.rollout.http.router import Router, RouterProcessHandle
 
         assert self.source is not None, "prepare() first"
         r = self.recipe
+        for name, (urls, actors) in (frozen or {}).items():
+            self.frozen[name] = await start_frozen_group(name, r.rollout, urls, actors, self.log_dir)
         self.router = Router(r.rollout.router, log_path=self.log_dir / "router.log")
         router_url = await asyncio.to_thread(self.router.start, engine_urls)
         self.client = await EngineClient(
@@ -138,7 +144,8 @@ class RolloutActor:
                                                   self.group_filter, self.ranker, restarter,
                                                   self.evaluator, hand=ray_handed,
                                                   episodes=self.episodes, updates=updates,
-                                                  router=RouterProcessHandle(self.router, self.client))
+                                                  router=RouterProcessHandle(self.router, self.client),
+                                                  frozen={n: g for n, (g, _) in self.frozen.items()})
         lora = r.train.lora
         self.service.adapter_sync = lora.rank > 0 and lora.sync == "adapter"
         if self.service.adapter_sync and lora.resume == "own":
@@ -206,6 +213,9 @@ class RolloutActor:
         if self.router is not None:
             await asyncio.to_thread(self.router.stop)
             self.router = None
+        for name, (group, router) in list(self.frozen.items()):
+            await stop_frozen_group(group, router)
+            del self.frozen[name]
 
 
 class ActorRestarter:
@@ -219,6 +229,40 @@ class ActorRestarter:
         url = await actor.restart.remote()
         self.actors[url] = actor
         return url
+
+
+async def start_frozen_group(name: str, rollout: Any, urls: list[str], actors: list[Any],
+                             log_dir: Path) -> tuple[Any, Any]:
+    """A frozen engine group's router in front of its engines, its client, and its health
+    monitor (rollout.health's settings; no weights to wait for: a restarted frozen engine
+    serves its model at once), registered for reward plugins (rlkit.rewards.engine_group)."""
+    from rlkit.rollout.http import frozen_groups
+    from rlkit.rollout.health import EngineMonitor
+    from rlkit.rollout.http.client import EngineClient
+    from rlkit.rollout.http.router import Router, RouterProcessHandle
+
+    cfg = rollout.frozen_engines[name]
+    router = Router(cfg.router, log_path=log_dir / f"router-{name}.log")
+    url = await asyncio.to_thread(router.start, urls)
+    client = await EngineClient(url, worker_urls=urls, router_admin=router).connect()
+    monitor = None
+    if rollout.health.enabled:
+        monitor = EngineMonitor(client, rollout.health, ActorRestarter(dict(zip(urls, actors))),
+                                needs_weights=False, router=RouterProcessHandle(router, client))
+        monitor.start()  # watched from now on, between steps too
+    group = frozen_groups.FrozenGroup(name, cfg, client, monitor)
+    frozen_groups.register(group)
+    return group, router
+
+
+async def stop_frozen_group(group: Any, router: Any) -> None:
+    from rlkit.rollout.http import frozen_groups
+
+    frozen_groups.unregister(group.name)
+    if group.monitor is not None:
+        await group.monitor.close()
+    await group.client.close()
+    await asyncio.to_thread(router.stop)
 
 
 def ray_handed(groups: list[Group]) -> Handed:

@@ -27,6 +27,7 @@ from rlkit.driver.actors import EngineActor, RolloutActor
 from rlkit.driver.local_ray import LocalRay
 from rlkit.driver.placement import (
     ClusterJoinError,
+    GroupPlan,
     PlacementError,
     PlacementPlan,
     advertised,
@@ -66,6 +67,9 @@ class Cluster:
         self.plan: PlacementPlan | None = None
         self.trainer_groups: list[Any] = []  # Ray placement groups, as in plan.trainer
         self.engine_group: Any = None
+        # rollout.frozen_engines: name -> its EngineActors, and their one placement group
+        self.frozen: dict[str, list[Any]] = {}
+        self.frozen_group: Any = None
         self.multi_node = False
         self.bind_node_address = False  # engines bind their node's address, not loopback
         self._control_token: str | None = None
@@ -91,6 +95,7 @@ class Cluster:
             if r.cluster.placement == "colocated":  # the engines' CPUs are in the ranks' bundles
                 cpus = world * colocated_rank_cpus(eng.num_engines, world, r.cluster.cpus_per_train_worker,
                                                    r.cluster.cpus_per_engine)
+            cpus += len(self._frozen_bundles()) * r.cluster.cpus_per_engine
             self._local_ray = LocalRay()  # token auth with this run's own token (local_ray.py)
             self._local_ray.start(local_num_cpus(cpus))
         else:
@@ -153,6 +158,21 @@ class Cluster:
                 self.engine_group = made[-1]
             else:
                 self.trainer_groups.append(made[-1])
+        frozen = self._frozen_bundles()
+        for res in ("GPU", "CPU"):  # a frozen group that cannot fit is refused now, with numbers
+            need = sum(b.get(res, 0.0) for g in groups for b in g.bundles)
+            extra = sum(b.get(res, 0.0) for _, b in frozen)
+            have = sum(n.get(res, 0.0) for n in nodes)
+            if extra and need + extra > have:
+                raise PlacementError(
+                    f"rollout.frozen_engines need {extra:g} {res}s beside the {need:g} of the "
+                    f"trainer and the policy's engines, but the cluster has {have:g}: fewer or "
+                    "smaller frozen engines, or a bigger cluster (frozen engines never share "
+                    "the trainer's GPUs)")
+        if frozen:  # beside the others in both placements: frozen engines never sleep
+            groups.append(GroupPlan("frozen", "PACK", tuple(b for _, b in frozen)))
+            made.append(placement_group([b for _, b in frozen], strategy="PACK"))
+            self.frozen_group = made[-1]
         for g, pg in zip(groups, made):
             if not pg.wait(timeout_seconds=r.cluster.placement_timeout_s):
                 raise PlacementError(
@@ -160,6 +180,18 @@ class Cluster:
                     f"{g.bundles[0] if g.bundles else {}}) was not placed within "
                     f"{r.cluster.placement_timeout_s:.0f} s (cluster.placement_timeout_s); the "
                     f"cluster has {ray.cluster_resources()}, available {ray.available_resources()}")
+
+    def _frozen_bundles(self) -> list[tuple[str, dict[str, float]]]:
+        """(group name, bundle) of every frozen engine (rollout.frozen_engines), in order: its
+        CPUs, and its GPUs as the policy's engines get them."""
+        if self.engineless:
+            return []
+        out = []
+        for name, g in self.recipe.rollout.frozen_engines.items():
+            e = g.engine
+            gpus = e.gpus_per_engine if e.kind == "sglang" else (1 if e.device == "cuda" else 0)
+            out += [(name, bundle(self.recipe.cluster.cpus_per_engine, gpus))] * e.num_engines
+        return out
 
     def _strategy(self, pg: Any, index: int) -> Any:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -268,11 +300,59 @@ class Cluster:
         self.rollout_actor = ray.remote(RolloutActor).options(**rollout_options).remote(
             r.model_dump(mode="json"), self.model_path, str(self.log_dir), control_token=token
         )
+        frozen_urls = self._start_frozen(token)
         ray.get(self.rollout_actor.prepare.remote())  # while the engines start
         urls = ray.get([e.url.remote() for e in self.engines])
         where = self.placement()
         self.engine_urls = [advertised(u, where["addresses"].get(n, "")) for u, n in zip(urls, where["engines"])]
-        ray.get(self.rollout_actor.start.remote(self.engine_urls, self.engines))
+        frozen = {name: (urls, self.frozen[name]) for name, urls in self._frozen_urls(frozen_urls).items()}
+        ray.get(self.rollout_actor.start.remote(self.engine_urls, self.engines, frozen))
+
+    def _start_frozen(self, token: str) -> dict[str, list[Any]]:
+        """Start every frozen group's engines (one EngineActor each, in the frozen placement
+        group; logs under logs/<group>/); references to their URLs, by group."""
+        import ray
+
+        from rlkit.rollout.demo_models import resolve_model_path
+
+        engine_cls = ray.remote(EngineActor)
+        bundles, index, refs = self._frozen_bundles(), 0, {}
+        for name, g in self.recipe.rollout.frozen_engines.items():
+            try:
+                model = resolve_model_path(g.model)
+            except Exception as e:  # noqa: BLE001 - named with its key
+                from rlkit.common.errors import UserError
+
+                raise UserError(f"rollout.frozen_engines.{name}.model: {e}") from None
+            if g.role == "teacher":
+                _check_same_tokenizer(self.model_path, model, name)
+            self.frozen[name] = []
+            for i in range(g.engine.num_engines):
+                self.frozen[name].append(engine_cls.options(
+                    num_cpus=bundles[index][1].get("CPU", 0.0), num_gpus=bundles[index][1].get("GPU", 0.0),
+                    scheduling_strategy=self._strategy(self.frozen_group, index)).remote(
+                    model, g.engine.model_dump(), i, str(self.log_dir / name),
+                    bind_node_address=self.bind_node_address, control_token=token))
+                index += 1
+            refs[name] = [a.url.remote() for a in self.frozen[name]]
+        return refs
+
+    def _frozen_urls(self, refs: dict[str, list[Any]]) -> dict[str, list[str]]:
+        """The frozen engines' URLs as the other nodes reach them (as the policy's)."""
+        import ray
+        from ray.util import placement_group_table
+
+        if self.frozen_group is None:
+            return {}
+        table = placement_group_table(self.frozen_group)["bundles_to_node_id"]
+        addresses = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+        out, index = {}, 0
+        for name, group_refs in refs.items():
+            out[name] = []
+            for url in ray.get(group_refs):
+                out[name].append(advertised(url, addresses.get(table[index], "")))
+                index += 1
+        return out
 
     def train_threads(self) -> int:
         """Torch threads of each trainer rank (rlkit.driver.placement.trainer_threads)."""
@@ -319,13 +399,16 @@ class Cluster:
             names[w._actor_id.hex()] = f"trainer rank {r}"
         for i, e in enumerate(self.engines):
             names[e._actor_id.hex()] = f"engine {i}'s actor"
+        for group, actors in self.frozen.items():
+            for i, e in enumerate(actors):
+                names[e._actor_id.hex()] = f"frozen group {group!r} engine {i}'s actor"
         return names
 
     def _find_dead(self, names: dict[str, str], wait_s: float = 10.0) -> ActorDeath | None:
         import ray
 
         actors = [a for a in [self.rollout_actor, *(self.trainer.workers if self.trainer else []),
-                              *self.engines] if a is not None]
+                              *self.engines, *self._frozen_actors()] if a is not None]
         if not actors or not ray.is_initialized():  # stopped already: a Ray call would start one
             return None
         refs = [a.__ray_ready__.remote() for a in actors]
@@ -337,6 +420,9 @@ class Cluster:
                 if (death := actor_death(e)) is not None:
                     return death
         return None
+
+    def _frozen_actors(self) -> list[Any]:
+        return [a for actors in self.frozen.values() for a in actors]
 
     def shutdown(self, graceful: bool = True) -> None:
         """Stop everything, tolerating pieces that never started or already died. A joined
@@ -350,18 +436,19 @@ class Cluster:
             return
         if self.rollout_actor is not None:
             _quietly(lambda: ray.get(self.rollout_actor.stop.remote(), timeout=60))
-        stops = [s for s in (_quietly(e.stop.remote) for e in self.engines) if s is not None]
+        stops = [s for s in (_quietly(e.stop.remote) for e in [*self.engines, *self._frozen_actors()])
+                 if s is not None]
         _quietly(lambda: ray.wait(stops, num_returns=len(stops), timeout=60))  # all at once
         if self.trainer is not None:
             _quietly(lambda: self.trainer.shutdown(graceful))
-        for a in [self.rollout_actor, *self.engines]:
+        for a in [self.rollout_actor, *self.engines, *self._frozen_actors()]:
             if a is not None:
                 _quietly(lambda a=a: ray.kill(a))
-        self.rollout_actor, self.engines, self.trainer = None, [], None
-        for pg in [*self.trainer_groups, self.engine_group]:
+        self.rollout_actor, self.engines, self.trainer, self.frozen = None, [], None, {}
+        for pg in [*self.trainer_groups, self.engine_group, self.frozen_group]:
             if pg is not None:
                 _quietly(lambda pg=pg: remove_placement_group(pg))
-        self.trainer_groups, self.engine_group = [], None
+        self.trainer_groups, self.engine_group, self.frozen_group = [], None, None
         self._control_token = None
         if self._connected:
             if self._local_ray is not None:
@@ -370,6 +457,21 @@ class Cluster:
             else:
                 ray.shutdown()  # on a joined cluster this only disconnects the driver
             self._connected = False
+
+
+def _check_same_tokenizer(policy: str, teacher: str, name: str) -> None:
+    """A teacher scores the policy's token ids: its vocabulary must be the policy's."""
+    from transformers import AutoTokenizer
+
+    from rlkit.common.errors import UserError
+
+    mine, theirs = (AutoTokenizer.from_pretrained(p).get_vocab() for p in (policy, teacher))
+    if mine != theirs:
+        differ = len(set(mine.items()) ^ set(theirs.items()))
+        raise UserError(f"rollout.frozen_engines.{name}: the teacher's tokenizer ({teacher}) is not "
+                        f"the policy's ({policy}; {differ} vocabulary entries differ): it would "
+                        "score other tokens than the policy sampled. Use a teacher of the same "
+                        "tokenizer family")
 
 
 def _warn_if_open(address: str) -> None:

@@ -61,4 +61,4 @@ class ReplicaHandOff:
 def _without_tokens(sample: Any) -> Any:
     """Another replica's sample (or one nobody trains): its status and reward, no tokens."""
     return dataclasses.replace(sample, response_ids=[], logprobs=[], versions=[], loss_mask=[],
-                               metadata={})
+                               teacher_logprobs=None, metadata={})

@@ -13,9 +13,9 @@ import asyncio
 import dataclasses
 import inspect
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, TypeVar
 
-from rlkit.buffers import Group, PromptSource, RolloutBuffer, load_buffer, save_buffer
+from rlkit.buffers import Group, PromptSource, RolloutBuffer, Sample, load_buffer, save_buffer
 from rlkit.common.weight_update import (PublisherFailed, WeightPublisher, WeightsMismatch,
                                         adapter_name, adapter_version)
 from rlkit.driver.rollout_box import Handed, RolloutResult, handed_of, lag_record
@@ -29,8 +29,11 @@ from rlkit.rollout.health import EngineMonitor, Restarter, RouterHandle
 from rlkit.rollout.manager import RolloutManager, batch_target
 from rlkit.rollout.policies import make_policy
 from rlkit.rollout.rankers import LengthRanker
-from rlkit.rollout.reward_scheduler import REWARD_FAILURE_KINDS, RewardScheduler, ScoreFn
+from rlkit.rollout.reward_scheduler import REWARD_FAILURE_KINDS, RewardScheduler, ScoreFn, TeacherFn
 from rlkit.rollout.step_report import StepReport
+
+if TYPE_CHECKING:  # the HTTP layer: the service itself runs over any Engines
+    from rlkit.rollout.http.frozen_groups import FrozenGroup
 
 T = TypeVar("T")
 
@@ -71,6 +74,7 @@ class RolloutService:
         # Set when there is news for the driver while a step runs (an engine lost, restarted or
         # back): the step's progress stream pushes it at once instead of at the next heartbeat.
         self._news = asyncio.Event()
+        self.frozen: dict[str, FrozenGroup] = {}  # rollout.frozen_engines (the actor owns them)
         if manager.health is not None:
             manager.health.listeners.append(self._news.set)
 
@@ -89,6 +93,7 @@ class RolloutService:
         episodes: EpisodeRunner | None = None,
         updates: "UpdateControl | None" = None,
         router: RouterHandle | None = None,
+        frozen: "dict[str, FrozenGroup] | None" = None,
     ) -> "RolloutService":
         """`restarter`: how a lost engine is started again (none: the run goes on without it).
         A restarted engine serves once it has the weights (`update_weights`).
@@ -97,7 +102,8 @@ class RolloutService:
         rollouts (rlkit.plugins.load_episode_runner; None: one request per sample). `updates`:
         the engines' control around weight updates (EngineUpdates; None: engines with no state).
         `router`: the router in front of the engines, watched and restarted with them
-        (rollout.health; None: not watched)."""
+        (rollout.health; None: not watched). `frozen`: the frozen engine groups by name
+        (rollout.frozen_engines); the teacher among them scores every completed sample."""
         buffer = RolloutBuffer(
             source,
             n_samples_per_prompt=cfg.n_samples_per_prompt,
@@ -105,14 +111,17 @@ class RolloutService:
             staleness_policy=cfg.staleness_policy,
             max_token_lag=cfg.max_token_lag,
         )
-        rewards = RewardScheduler(score, timeout_s=cfg.reward.timeout_s, on_error=cfg.reward.on_error)
+        rewards = RewardScheduler(score, timeout_s=cfg.reward.timeout_s, on_error=cfg.reward.on_error,
+                                  teacher=teacher_scorer(cfg, frozen or {}))
         health = (EngineMonitor(engines, cfg.health, restarter, router=router)
                   if cfg.health.enabled else None)
         manager = RolloutManager(buffer, engines, make_policy(cfg), cfg.sampling, rewards,
                                  group_filter=group_filter, ranker=ranker, health=health,
                                  relaunches_per_sample=cfg.health.relaunches_per_sample,
                                  episodes=episodes, max_resume_log_ratio=cfg.max_resume_log_ratio)
-        return cls(buffer, manager, cfg.batch_size, evaluator, hand, updates)
+        service = cls(buffer, manager, cfg.batch_size, evaluator, hand, updates)
+        service.frozen = dict(frozen or {})
+        return service
 
     def start_step(self, version: int, *, for_version: int, final: bool,
                    take: int = 0) -> asyncio.Future[RolloutResult]:
@@ -129,6 +138,7 @@ class RolloutService:
         a round trip of its own)."""
         self.buffer.begin_production(version if for_version is None else for_version)
         failures_before = self.manager.rewards.failures.copy()
+        frozen_before = {name: g.metrics() for name, g in self.frozen.items()}
         self._current = asyncio.ensure_future(
             self.manager.run_step(batch_target(self.buffer, self.batch_size), version,
                                   final=final))
@@ -146,7 +156,7 @@ class RolloutService:
         own = getattr(self.engines, "own_adapter_metrics", lambda: {})()  # LoRA resume 'own'
         return RolloutResult(
             metrics={**report.metrics(), **by_kind, **(episodes.metrics() if episodes else {}),
-                     **prefix, **own},
+                     **prefix, **own, **self._frozen_metrics(frozen_before)},
             timeline=[s.to_json() for s in report.timeline],
             completed=report.completed,
             buffer=self.stats(),
@@ -156,6 +166,17 @@ class RolloutService:
             report=report,
             handed=await self.take(take) if take else None,
         )
+
+    def _frozen_metrics(self, before: dict[str, dict[str, float]]) -> dict[str, float]:
+        """The frozen groups' counts of this step (requests, seconds, retries, failures) and
+        their engines' and router's health counts since the run began (as engines/*)."""
+        out = {}
+        for name, group in self.frozen.items():
+            for key, value in group.metrics().items():
+                tail = key.split("/", 2)[2]
+                per_step = not tail.startswith(("engines/", "router/", "weight_versions"))
+                out[key] = value - before[name].get(key, 0.0) if per_step else value
+        return out
 
     async def run_step_streamed(self, version: int, *, for_version: int, final: bool,
                                 take: int = 0, heartbeat_s: float = 0.5) -> AsyncIterator[Any]:
@@ -458,3 +479,20 @@ class RolloutService:
             self._current.cancel()
             await asyncio.gather(self._current, return_exceptions=True)
         await self.manager.close()
+
+
+def teacher_scorer(cfg: RolloutConfig, frozen: "dict[str, FrozenGroup]") -> TeacherFn | None:
+    """The teacher's scoring of a sample (rollout.frozen_engines' group with role teacher): its
+    logprob of each response token given everything before it (observations of an episode
+    included; the loss mask decides what trains), at the rollout temperature."""
+    name = cfg.teacher
+    if name is None:
+        return None
+    if name not in frozen:
+        raise ValueError(f"rollout.frozen_engines.{name} (the teacher) was not started")
+    group, temperature = frozen[name], cfg.sampling.temperature
+
+    async def teacher(sample: Sample) -> list[float]:
+        return await group.score(sample.input_ids(), len(sample.prompt_ids), temperature=temperature)
+
+    return teacher

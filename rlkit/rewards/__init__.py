@@ -5,7 +5,7 @@ A reward is a function `(sample, **kwargs) -> float`, sync or async. `sample` is
 and how the response ended. kwargs are the data set's metadata columns
 (`data.metadata_keys`) and the recipe's `rollout.reward.kwargs`.
 
-`rollout.reward.name` finds it as, in order: a built-in name (math, exact_match, format); an
+`rollout.reward.name` finds it as, in order: a built-in name (math, exact_match, format, judge); an
 entry point in the `rlkit.rewards` group (so `pip install my-rewards` is all a user does); a
 dotted path `pkg.module:function` (or `pkg.module.function`).
 
@@ -24,12 +24,21 @@ from rlkit.rewards.input import RewardFn, RewardInput
 if TYPE_CHECKING:
     from rlkit.rewards.worker import ProcessRewardRunner, ThreadRewardRunner
 
-__all__ = ["RewardFn", "RewardInput", "RewardNotFound", "call_reward", "is_async",
+__all__ = ["RewardFn", "RewardInput", "RewardNotFound", "call_reward", "engine_group", "is_async",
            "make_runner", "resolve_reward", "signature_problem"]
 
 
 # Raised when a reward name resolves to nothing (the one rule for every plugin kind).
 RewardNotFound = PluginNotFound
+
+
+def engine_group(name: str) -> Any:
+    """The run's frozen engine group `name` (rollout.frozen_engines), for an async reward: its
+    `generate_text(prompt, ...)` and `score(ids, start, temperature=...)` go through the
+    group's limits and retries (rlkit.rollout.http.frozen_groups.FrozenGroup)."""
+    from rlkit.rollout.http.frozen_groups import engine_group as find
+
+    return find(name)
 
 
 def resolve_reward(name: str) -> Callable[..., Any]:

@@ -212,7 +212,7 @@ class EngineClient:
                 timeout = aiohttp.ClientTimeout(total=p.timeout_s)
                 async with self.session.request(method, url, json=body, params=params,
                                                 timeout=timeout) as resp:
-                    payload = await _read_body(resp)
+                    payload = await read_body(resp)
                     if resp.status == 404:
                         raise _NotFound(url)
                     if resp.status < 300:
@@ -381,7 +381,7 @@ class EngineClient:
             async with self.session.post(f"{flight.url}/generate", json=body, timeout=timeout) as resp:
                 flight.served_by = resp.headers.get(ENGINE_URL_HEADER)
                 if resp.status != 200:
-                    payload = await _read_body(resp)
+                    payload = await read_body(resp)
                     if flight.aborted or is_abort_failure(resp.status, payload):
                         sample.interrupt()
                         return None
@@ -392,7 +392,7 @@ class EngineClient:
                     raise EngineError(f"/generate at {flight.url} (rid {flight.rid}) refused: {msg}")
                 if self.stream:
                     return await self._consume_stream(resp, sample, version, flight)
-                payload = await _read_body(resp)
+                payload = await read_body(resp)
                 self._apply_chunk(sample, payload, 0, version, flight)
                 if sample.status is SampleStatus.RUNNING:
                     sample.interrupt()
@@ -598,7 +598,7 @@ class EngineClient:
         try:
             async with self.session.request(method, f"{worker}{path}", json=body if generate else None,
                                             timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-                payload = await _read_body(resp)
+                payload = await read_body(resp)
                 if resp.status != 200:
                     return f"HTTP {resp.status}: {error_message(payload) or payload}"
                 return None
@@ -623,7 +623,7 @@ class EngineClient:
             try:
                 async with self.session.post(f"{worker}/generate", json=body,
                                              timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-                    payload = await _read_body(resp)
+                    payload = await read_body(resp)
                     if resp.status != 200 and not is_abort_failure(resp.status, payload):
                         raise EngineError(f"{worker}: scoring the probe: HTTP {resp.status}: "
                                           f"{error_message(payload) or payload}", worker)
@@ -663,7 +663,7 @@ class EngineClient:
                                             timeout=aiohttp.ClientTimeout(total=left)) as resp:
                     if resp.status == 404:
                         continue  # the other spelling
-                    body = await _read_body(resp)
+                    body = await read_body(resp)
                     return progress_mark(body) if resp.status == 200 else None
             except (asyncio.TimeoutError, aiohttp.ClientError):
                 return None
@@ -748,7 +748,7 @@ def _worker_of(flight: _Inflight) -> str | None:
     return flight.served_by.rstrip("/") if flight.served_by else None
 
 
-async def _read_body(resp: aiohttp.ClientResponse) -> Any:
+async def read_body(resp: aiohttp.ClientResponse) -> Any:
     raw = await resp.read()
     if not raw:
         return None

@@ -192,3 +192,17 @@ def test_a_bad_policy_names_the_key_the_value_and_the_choices_not_the_section():
     msg = str(e.value)
     assert "rollout: rollout.policy=ranked_dispatch needs a length ranker" in msg
     assert "batch_size" not in msg and "{" not in msg
+
+
+def test_distillation_and_its_teacher_come_together():
+    teacher = "rollout.frozen_engines={t: {role: teacher, model: tiny}}"
+    r = load_recipe(ROOT / "recipes" / "grpo_tiny_ci.yaml", [teacher, "train.algorithm.distill_coef=1"])
+    assert r.rollout.teacher == "t" and r.train.algorithm.distill_coef == 1
+    for overrides, words in [
+        (["train.algorithm.distill_coef=1"], "needs a teacher"),
+        ([teacher], "distill_coef, which is 0"),
+        (["rollout.frozen_engines={j: {role: judge, model: tiny}}", "train.algorithm.loss=sft",
+          "data.response_key=response"], "starts no engine"),
+    ]:
+        with pytest.raises(Exception, match=words):
+            load_recipe(ROOT / "recipes" / "grpo_tiny_ci.yaml", overrides)

@@ -71,3 +71,18 @@ def test_a_replica_receives_about_its_share_of_the_bytes():
     handed = ReplicaHandOff(2, 0.0, 0, put=lambda x: x)(groups)
     per_rank = [sum(len(pickle.dumps(refs[d])) for refs in handed.refs) for d in range(2)]
     assert all(b < 0.6 * whole for b in per_rank), (per_rank, whole)
+
+
+def test_another_replicas_sample_travels_without_its_teacher_logprobs():
+    """Distillation: a share keeps the teacher logprobs of its own samples only; the others'
+    are emptied with their tokens (Sample.check holds on every share)."""
+    groups = random_groups(4, 4, seed=5)
+    for g in groups:
+        for s in g.samples:
+            s.teacher_logprobs = [-1.0] * len(s.response_ids)
+    handed = ReplicaHandOff(2, 0.0, 0, put=lambda x: x)(groups)
+    for refs in handed.refs:
+        for share in refs:
+            for s in share.group.samples:
+                s.check()
+                assert (s.teacher_logprobs is None) == (not s.response_ids)

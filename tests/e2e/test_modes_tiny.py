@@ -14,7 +14,8 @@ from rlkit.common.fault_switch import ROUTER_FAULT_ENV, read_fired
 from rlkit.config import load_recipe
 from rlkit.driver.run import train
 from rlkit.train.algorithms.mismatch import LAG_BUCKETS
-from tests.e2e.test_train_tiny import processes_with, rows
+from rlkit.checkpoint import latest_checkpoint
+from tests.e2e.test_train_tiny import TEACHER, check_distillation, processes_with, rows
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -117,15 +118,19 @@ def test_a_mode_with_a_policy_end_to_end(tmp_path, monkeypatch, mode, recipe, ep
 def test_async_partial_resumed_mid_run_continues_and_trains_nothing_twice(tmp_path, monkeypatch):
     """With LoRA (train.lora, adapter sync): each update sends the adapter alone, loaded on the
     engines as policy@v<version> beside the ones requests in flight still name; the checkpoint
-    holds the adapters and the resumed run loads its version's adapter before generating."""
+    holds the adapters and the resumed run loads its version's adapter before generating.
+    Distilled from a frozen teacher (the initial model; tests/e2e/test_train_tiny.py's
+    check_distillation): its logprobs come with every complete sample, across the resume."""
     monkeypatch.setenv("RLKIT_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "runs"
     base = [f"run.output_dir={out}", "tracking.progress=false", "checkpoint.every_steps=1",
-            "mode=async", "rollout.max_staleness=1", "train.lora.rank=4", "train.lora.alpha=8"]
+            "mode=async", "rollout.max_staleness=1", "train.lora.rank=4", "train.lora.alpha=8",
+            *TEACHER]
     r = load_recipe(ROOT / "recipes" / "grpo_tiny_ci.yaml", [*base, "run.num_steps=2"])
     train(r)
     run_dir = out / r.run.name
     first = rows(run_dir)
+    check_distillation(first, latest_checkpoint(run_dir).buffer_file)
     assert [m["async/overlapped"] for m in first] == [1.0, 0.0]
     assert all(m["batch/max_staleness"] <= 1 for m in first)
     assert sum(m["rollout/groups_carried_over"] for m in first) > 0
@@ -135,6 +140,7 @@ def test_async_partial_resumed_mid_run_continues_and_trains_nothing_twice(tmp_pa
     assert (state.step, state.version) == (3, 3)
     last = rows(run_dir)[-1]
     assert last["step"] == 3 and last["buffer/balanced"] and last["batch/max_staleness"] <= 1
+    check_distillation([last], latest_checkpoint(run_dir).buffer_file, first_step=False)
     ids = trained_groups(run_dir)
     assert len(ids) == len(set(ids)) == 3 * r.rollout.batch_size  # nothing trained twice
     # every sync sent the adapter alone (A and B of 4 layers x 2 tiny layers, fp32: 32 KiB),

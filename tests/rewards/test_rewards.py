@@ -58,7 +58,7 @@ def test_dotted_paths_resolve_both_spellings():
 def test_unknown_name_lists_what_exists():
     with pytest.raises(RewardNotFound) as e:
         resolve_reward("mystery")
-    assert "not a built-in (math, exact_match, format)" in str(e.value)
+    assert "not a built-in (math, exact_match, format, judge)" in str(e.value)
     assert "rlkit.rewards" in str(e.value)
 
 
