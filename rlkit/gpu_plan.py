@@ -48,6 +48,26 @@ ColocationModel in `rlkit plan`). `flips` finds where the winner changes along a
 
 Measuring P_gen costs a simulation per x, so `search_gen` measures a coarse grid (powers of two
 or a step) and then bisects around the best, within a budget of measurements.
+
+Frozen engine groups (rollout.frozen_engines: a teacher or a judge, never trained, never asleep)
+hold GPUs of their own beside the policy's engines and the trainer, in every placement: the
+split is searched on the budget they leave (`after_frozen`: n - frozen GPUs; the generation
+budget in the cross-datacenter case). A teacher scores each completed sample in one prefill of
+its prompt + response tokens, on the frozen GPUs, while the step still generates
+(`teacher_score_s`, `Teacher`):
+
+    T_k = tokens_k x 2 x teacher_params / (frozen_gpus x peak_flops x mfu)
+          tokens_k: prompt + response tokens of step k's samples (2 FLOPs per parameter and
+          token: a forward pass; prefill is compute-bound, so the MFU is a prefill's)
+    rollout stage of step k = max(G_k, T_k) + T_k / samples_k
+
+Assumptions: samples complete throughout the step (the long tail), so the scoring of the early
+ones overlaps the generation of the later ones and only a teacher slower than generation
+(T_k > G_k) bounds the step; the last sample's scoring (T_k / samples_k, one sample's share)
+cannot overlap anything and always adds. Scoring is spread evenly over the step's samples
+(the mean sample's tokens), every frozen GPU serves the teacher (a judge's GPUs among them
+make T_k optimistic; a judge's own verdicts are not priced), and the policy's engines do not
+slow down for it (the GPUs are separate). The rollout stage then enters `step_time` as G does.
 """
 
 from __future__ import annotations
@@ -593,3 +613,72 @@ def flips(points: Sequence[tuple[Any, PlacementChoice]]) -> list[tuple[Any, Any,
         if pa.winner and pb.winner and pa.winner != pb.winner:
             out.append((a, b, pa.winner, pb.winner))
     return out
+
+
+# -- frozen engine groups: GPUs of their own; a teacher scoring every sample ------------------
+
+
+def after_frozen(n: int, frozen: int, what: str = "budget") -> int:
+    """The GPUs a budget of n leaves to the policy's engines and the trainer once the frozen
+    engine groups hold `frozen` of their own."""
+    if frozen < 0:
+        raise PlanError(f"frozen engine groups cannot hold {frozen} GPUs (>= 0)")
+    if frozen >= n:
+        raise PlanError(f"{what} of {n} GPUs leaves none to the policy's engines and the "
+                        f"trainer beside the frozen engine groups' {frozen} (they hold GPUs of "
+                        f"their own: the budget must exceed {frozen})")
+    return n - frozen
+
+
+def teacher_score_s(tokens: float, params: float, gpus: int, peak_flops: float,
+                    mfu: float) -> float:
+    """Seconds a teacher of `params` parameters takes to prefill `tokens` (prompt + response)
+    tokens on `gpus` GPUs: tokens x 2 x params / (gpus x peak_flops x mfu)."""
+    if tokens < 0 or params < 0:
+        raise PlanError(f"teacher tokens ({tokens}) and params ({params}) must be >= 0")
+    if gpus < 1 or peak_flops <= 0 or not 0 < mfu <= 1:
+        raise PlanError(f"a teacher needs >= 1 GPU ({gpus}), peak flops > 0 ({peak_flops:g}) "
+                        f"and an MFU in (0, 1] ({mfu:g})")
+    return tokens * 2.0 * params / (gpus * peak_flops * mfu)
+
+
+def rollout_with_teacher(gen_s: float, teacher_s: float, samples: int) -> float:
+    """The rollout stage of a step whose generation takes gen_s while a teacher scores its
+    samples (teacher_s in all): max(gen_s, teacher_s) + teacher_s / samples (the module
+    docstring's model: scoring overlaps generation, the last sample's does not)."""
+    if samples < 1:
+        raise PlanError(f"a step has at least one sample ({samples})")
+    return max(gen_s, teacher_s) + teacher_s / samples
+
+
+@dataclass(frozen=True)
+class Teacher:
+    """A teacher's scoring of each measured step: seconds and samples per step, in the order
+    of P_gen's measured steps."""
+
+    steps_s: tuple[float, ...]
+    samples: tuple[int, ...]
+    tokens: tuple[int, ...] = ()  # prompt + response tokens scored per step
+
+    @classmethod
+    def of(cls, lengths_per_step: Sequence[Sequence[int]], params: float, gpus: int,
+           peak_flops: float, mfu: float) -> "Teacher":
+        """From each step's samples' prompt + response lengths."""
+        tokens = tuple(int(sum(lengths)) for lengths in lengths_per_step)
+        return cls(tuple(teacher_score_s(t, params, gpus, peak_flops, mfu) for t in tokens),
+                   tuple(len(lengths) for lengths in lengths_per_step), tokens)
+
+    @property
+    def mean_s(self) -> float:
+        return sum(self.steps_s) / len(self.steps_s)
+
+    def rollout(self, gen: float | Sequence[float]) -> tuple[float, ...]:
+        """The rollout stage of each measured step (one figure: against each step's scoring)."""
+        steps = _samples(gen)
+        if len(steps) == 1 and len(self.steps_s) > 1:
+            steps = steps * len(self.steps_s)
+        if len(steps) != len(self.steps_s):
+            raise PlanError(f"{len(steps)} measured generation steps against the teacher's "
+                            f"{len(self.steps_s)}")
+        return tuple(rollout_with_teacher(g, t, s)
+                     for g, t, s in zip(steps, self.steps_s, self.samples))

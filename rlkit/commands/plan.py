@@ -21,6 +21,14 @@ and offload over the host link, engines' sleep and wake, the in-memory weight up
 prints it beside the best split and which is faster, by what ratio. `--sweep KEY=V1,...`
 compares them at each value and says where the winner flips. One more simulation per budget
 (generation on all of it); `--cache` keeps it with the rest.
+
+Frozen engine groups (rollout.frozen_engines: a teacher or a judge): `--frozen-gpus F` takes
+their GPUs out of --gpus (or --gen-budget) before the split is searched, in every placement.
+`--teacher-params P` prices a teacher scoring each step's samples (prompt + response tokens,
+one prefill each) on those F GPUs at `--peak-flops` x `--teacher-mfu`, overlapped with
+generation: each measured step's rollout stage becomes max(G_k, T_k) + T_k / samples
+(rlkit/gpu_plan.py's docstring). The simulation (and --verify's loop) has no teacher; the
+cache keeps the teacher-free P_gen.
 """
 
 from __future__ import annotations
@@ -87,7 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="trainer GPUs per data-parallel replica (tensor x pipeline parallel); "
                         "the trainer's GPU count is a multiple of it")
     t.add_argument("--train-mfu", type=float, default=0.35)
-    t.add_argument("--peak-flops", type=float, default=989e12, help="per trainer GPU")
+    t.add_argument("--peak-flops", type=float, default=989e12,
+                   help="per GPU: the trainer's, and the frozen GPUs' with --teacher-params")
     t.add_argument("--attention-weight", type=float, default=None,
                    help="attention FLOPs per token pair over matmul FLOPs per token, which "
                    "prices the long tail's attention in training (TrainTimeModel); default: "
@@ -106,6 +115,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "onloads and offloads its state (ColocationModel.host_bandwidth)")
     t.add_argument("--update-bandwidth", type=float, default=200.0, metavar="GB/S",
                    help="colocated: GB/s of the in-memory weight update (CUDA IPC)")
+    f = parser.add_argument_group("frozen engines")
+    f.add_argument("--frozen-gpus", type=int, default=0, metavar="N",
+                   help="GPUs the frozen engine groups hold (rollout.frozen_engines: teacher, "
+                   "judge; their engine.num_engines x engine.gpus_per_engine, summed): taken out "
+                   "of --gpus (or --gen-budget) before the split is searched, in every placement")
+    f.add_argument("--teacher-params", type=float, default=0.0, metavar="P",
+                   help="a teacher's parameters: it scores every sample's prompt + response "
+                   "tokens in one prefill (2 P FLOPs a token) on the --frozen-gpus GPUs while "
+                   "the step generates; each step's rollout becomes max(P_gen, teacher) + "
+                   "teacher / samples. 0: no teacher")
+    f.add_argument("--teacher-mfu", type=float, default=0.4,
+                   help="the teacher's prefill MFU (compute-bound), of --peak-flops")
     w = parser.add_argument_group("workload")
     w.add_argument("--cap", type=int, default=16384, help="response length cap")
     w.add_argument("--trace", help="replay this trace file instead of generating one")
@@ -132,6 +153,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "even split and report both step times (two more simulations; with "
                         "--placement colocated|both, the colocated sync loop too)")
     s.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def _frozen_text(e: dict[str, Any]) -> str:
+    """The frozen groups' GPUs and the teacher's share, or nothing without them."""
+    if not e.get("frozen_gpus"):
+        return ""
+    before = e["budget_with_frozen"]
+    where = "--gpus" if "gpus" in before else "--gen-budget"
+    total = before.get("gpus", before.get("gen_gpus"))
+    f = e["frozen_gpus"]
+    out = (f"Frozen engine groups: {f} GPU{'s' * (f != 1)} of their own, out of {where} {total}; "
+           f"{'generation is' if where == '--gen-budget' else 'the engines and the trainer are'}"
+           f" planned on the {total - f} left.")
+    if e.get("teacher_s") is not None:
+        share = e.get("teacher_share_of_step")
+        out += (f" Teacher: {e['teacher_params'] / 1e9:.2f}B params scoring "
+                f"{e['teacher_tokens_per_step']:,.0f} prompt + response tokens/step "
+                f"({e['teacher_samples_per_step']:g} samples) at MFU {e['teacher_mfu']:g}: "
+                f"{e['teacher_s']:.1f} s/step of scoring"
+                + (f", {share:.0%} of the chosen step" if share is not None else "")
+                + "; the rollout stage (P_gen below) is max(generation, teacher) + teacher / "
+                "samples"
+                + (f", {e['teacher_added_s']:+.2f} s at the chosen split"
+                   if e.get("teacher_added_s") is not None else "") + "."
+                + (" The teacher is slower than generation there: it bounds the rollout, and "
+                   "more frozen GPUs (not engines) would shorten it." if e.get("teacher_bound")
+                   else ""))
+    return out
 
 
 def _lora_text(e: dict[str, Any]) -> str:
@@ -168,6 +217,12 @@ def _run(args: argparse.Namespace) -> int:
         raise SystemExit("rlkit plan: give --gpus N, or --gen-budget M with --train-budget N")
     if args.steps < 1 or args.warmup < 0 or args.max_sim < 1:
         raise SystemExit("rlkit plan: --steps and --max-sim must be >= 1, --warmup >= 0")
+    if args.frozen_gpus < 0 or args.teacher_params < 0 or not 0 < args.teacher_mfu <= 1:
+        raise SystemExit("rlkit plan: --frozen-gpus and --teacher-params must be >= 0, "
+                         "--teacher-mfu in (0, 1]")
+    if args.teacher_params and not args.frozen_gpus:
+        raise SystemExit("rlkit plan: --teacher-params needs --frozen-gpus >= 1: the teacher "
+                         "runs on GPUs of its own")
     if args.sweep:
         args.placement = "both"  # a sweep compares the placements at each point
     if cross and args.placement != "disaggregated":
@@ -212,15 +267,23 @@ def _point(args: argparse.Namespace, cross: bool, memo: dict[str, dict[int, list
     split = args.placement != "colocated"  # search the disaggregated split
     colocate = args.placement != "disaggregated"
     where = f"(profile {profile.name!r}, --train-unit {args.train_unit})"
+    frozen = args.frozen_gpus
+    gpus = label = None  # what the frozen groups leave of --gpus
+    if not cross:
+        label = f"--gpus {args.gpus} less --frozen-gpus {frozen}, a budget" if frozen else "--gpus"
+        try:
+            gpus = P.after_frozen(args.gpus, frozen, "--gpus")
+        except P.PlanError as e:
+            raise SystemExit(f"rlkit plan: --frozen-gpus {frozen}: {e}") from None
     split_blocker = None
     if not cross and split:
         try:
-            P.check_budget(args.gpus, units, "--gpus")
+            P.check_budget(gpus, units, label)
         except P.PlanError as e:
             if not colocate:
                 raise SystemExit(f"rlkit plan: {e} {where}") from None
             split, split_blocker = False, str(e)  # both: colocated may still fit
-    blocker = P.colocated_blocker(args.gpus, units) if colocate else None
+    blocker = P.colocated_blocker(gpus, units) if colocate else None
     if blocker is not None and not split:
         raise SystemExit(f"rlkit plan: --placement colocated: {blocker} {where}")
     try:
@@ -234,17 +297,23 @@ def _point(args: argparse.Namespace, cross: bool, memo: dict[str, dict[int, list
         raise SystemExit(f"rlkit plan: trainer: {e}") from None
 
     if cross:
-        m, n = args.gen_budget, args.train_budget
+        try:
+            m = P.after_frozen(args.gen_budget, frozen, "--gen-budget")
+        except P.PlanError as e:
+            raise SystemExit(f"rlkit plan: --frozen-gpus {frozen}: {e}") from None
+        n = args.train_budget
         mx, ny = m // gpe * gpe, n // units.train * units.train
         if mx < gpe:
-            raise SystemExit(f"rlkit plan: --gen-budget {m} is too small for one engine "
+            what = (f"--gen-budget {args.gen_budget} less --frozen-gpus {frozen} ({m} GPUs)"
+                    if frozen else f"--gen-budget {m}")
+            raise SystemExit(f"rlkit plan: {what} is too small for one engine "
                              f"({gpe} GPUs, profile {profile.name!r})")
         if ny < units.train:
             raise SystemExit(f"rlkit plan: --train-budget {n} is too small for one trainer "
                              f"replica (--train-unit {units.train})")
         limit, extra = mx, []
     elif split:
-        limit, extra = P.gen_limit(args.gpus, units), [P.even_split(args.gpus, units)[0]]
+        limit, extra = P.gen_limit(gpus, units), [P.even_split(gpus, units)[0]]
     if split:
         try:
             start = P.grid(limit, gpe, args.gen_step, extra=extra)
@@ -258,6 +327,9 @@ def _point(args: argparse.Namespace, cross: bool, memo: dict[str, dict[int, list
     trace = _trace(args)
     per_step = P.trained_lengths_per_step(trace, args.batch_size, args.warmup, args.steps)
     tokens = sum(map(sum, per_step)) / args.steps
+    # a teacher scores what each measured step trains: its samples' prompt + response tokens
+    teacher = (P.Teacher.of(per_step, args.teacher_params, frozen, args.peak_flops,
+                            args.teacher_mfu) if args.teacher_params else None)
     weight = (attention_weight_of_profile(profile) if args.attention_weight is None
               else args.attention_weight)
 
@@ -289,12 +361,20 @@ def _point(args: argparse.Namespace, cross: bool, memo: dict[str, dict[int, list
     cache = memo[cache_key]
     simulated: list[int] = []
 
-    def p_gen(x: int) -> list[float]:
+    def raw_gen(x: int) -> list[float]:
+        """Simulated rollout seconds per measured step (cached; no teacher)."""
         if x not in cache:
             cache[x] = _simulate(x // gpe, profile, args, trace)
             simulated.append(x)
             _save_cache(args.cache, cache_key, cache)
         return cache[x]
+
+    def scored(gen: list[float]) -> list[float]:
+        """The rollout stage with the teacher's scoring (gpu_plan's model), step by step."""
+        return list(teacher.rollout(gen)) if teacher is not None else gen
+
+    def p_gen(x: int) -> list[float]:
+        return scored(raw_gen(x))
 
     def best_step(limit_y: Callable[[int], int]) -> Callable[[int, list[float]], float]:
         def score(x: int, gen: list[float]) -> float:
@@ -306,13 +386,13 @@ def _point(args: argparse.Namespace, cross: bool, memo: dict[str, dict[int, list
     plan = None
     verified: dict[str, Any] = {}
     if split and not cross:
-        n = args.gpus
+        n = gpus
         got = P.search_gen(start, p_gen, best_step(lambda x: n - x), gpe, args.max_sim,
-                           measured={x: g for x, g in cache.items() if x <= limit})
+                           measured={x: scored(g) for x, g in cache.items() if x <= limit})
         plan = P.plan_single(n, got, p_train, units, args.mode, xs=sorted(got))
     elif split:
         got = P.search_gen(start, p_gen, best_step(lambda x: ny), gpe, args.max_sim,
-                           measured={x: g for x, g in cache.items() if x <= mx})
+                           measured={x: scored(g) for x, g in cache.items() if x <= mx})
         plan = P.plan_cross(m, n, got, p_train, units, args.mode, xs=sorted(got))
     if plan is not None:
         c = plan.chosen
@@ -330,7 +410,7 @@ def _point(args: argparse.Namespace, cross: bool, memo: dict[str, dict[int, list
     if colocate:
         colocated = None
         if blocker is None:
-            g = args.gpus
+            g = gpus
             turns = ColocationModel(params=args.params, gpus=g, model_parallel=units.train,
                                     lora_params=args.lora_params,
                                     host_bandwidth=args.host_bandwidth * 1e9,
@@ -347,6 +427,15 @@ def _point(args: argparse.Namespace, cross: bool, memo: dict[str, dict[int, list
                              f"{blocker} {where}")
         choice = P.PlacementChoice(args.mode, plan.chosen if plan is not None else None,
                                    colocated, blocker, split_blocker)
+    step = (plan.chosen.step(args.mode) if plan is not None
+            else choice.colocated.step_s if choice is not None and choice.colocated else None)
+    added = bound = None  # what the teacher adds to the chosen rollout; whether it bounds it
+    at = (plan.chosen.x if plan is not None else choice.colocated.gpus
+          if choice is not None and choice.colocated is not None else None)
+    if teacher is not None and at is not None:
+        raw = statistics.mean(raw_gen(at))
+        added = statistics.mean(p_gen(at)) - raw
+        bound = teacher.mean_s > raw
     extra = {
         "profile": profile.name, "gpus_per_engine": gpe, "train_unit": units.train,
         "policy": args.policy, "trace": trace.name, "cap": trace.cap,
@@ -354,6 +443,16 @@ def _point(args: argparse.Namespace, cross: bool, memo: dict[str, dict[int, list
         "trained_tokens_per_step": tokens, "attention_weight": weight,
         "params": args.params, "train_mfu": args.train_mfu,
         "lora_params": args.lora_params, "lora_sync": args.lora_sync,
+        "frozen_gpus": frozen,
+        "budget_with_frozen": ({"gen_gpus": args.gen_budget, "train_gpus": args.train_budget}
+                               if cross else {"gpus": args.gpus}),
+        "teacher_params": args.teacher_params, "teacher_mfu": args.teacher_mfu,
+        "teacher_s": teacher.mean_s if teacher else None,
+        "teacher_steps_s": list(teacher.steps_s) if teacher else None,
+        "teacher_tokens_per_step": statistics.mean(teacher.tokens) if teacher else None,
+        "teacher_samples_per_step": statistics.mean(teacher.samples) if teacher else None,
+        "teacher_share_of_step": teacher.mean_s / step if teacher and step else None,
+        "teacher_added_s": added, "teacher_bound": bound,
         "warmup": args.warmup, "steps": args.steps, "simulations": len(simulated),
         "verified": verified or None, "placement": args.placement,
         "host_bandwidth_gbps": args.host_bandwidth, "update_bandwidth_gbps": args.update_bandwidth,
@@ -440,9 +539,11 @@ def _save_cache(path: Path | None, key: str, cache: dict[int, list[float]]) -> N
 def format_plan(plan: Any, profile: Any) -> str:
     e = plan.extra
     mode = plan.mode
-    budget = (f"{plan.budgets['gpus']} GPUs" if plan.kind == "single" else
-              f"{plan.budgets['gen_gpus']} GPUs for generation, {plan.budgets['train_gpus']} "
-              "for training (cross-datacenter)")
+    held = (f" (after the frozen engine groups' {e['frozen_gpus']})"
+            if e.get("frozen_gpus") else "")
+    budget = (f"{plan.budgets['gpus']} GPUs{held}" if plan.kind == "single" else
+              f"{plan.budgets['gen_gpus']} GPUs for generation{held}, "
+              f"{plan.budgets['train_gpus']} for training (cross-datacenter)")
     lines = [
         f"Budget: {budget}; mode {mode}. Engines: profile `{profile.name}` ({profile.model}), "
         f"{e['gpus_per_engine']} GPU(s) each; policy {e['policy']}.",
@@ -450,6 +551,7 @@ def format_plan(plan: Any, profile: Any) -> str:
         f"{e['group_size']} per step, {e['trained_tokens_per_step']:,.0f} trained tokens/step. "
         f"Trainer: {e['params'] / 1e9:.2f}B params{_lora_text(e)}, MFU {e['train_mfu']:g}, GPUs "
         f"in multiples of {e['train_unit']}.",
+        *filter(None, [_frozen_text(e)]),
         f"P_gen: simulated, mean of {e['steps']} steps after {e['warmup']} warm-up (step "
         "times: means over those steps, so async pays each step's max(generation, P_train)); "
         f"{e['simulations']} sizes simulated now (others cached), {e['wall_s']:.0f} s of wall "
@@ -484,8 +586,10 @@ def format_plan(plan: Any, profile: Any) -> str:
     if v:
         lines.append(
             f"Simulated {mode} loop (trainer included): chosen {v['chosen']:.1f} s/step"
-            + (f", even split {v['even']:.1f} s/step: {v['speedup_vs_even']:.2f}x."
-               if "even" in v else "."))
+            + (f", even split {v['even']:.1f} s/step: {v['speedup_vs_even']:.2f}x"
+               if "even" in v else "")
+            + (" (the simulated loop has no teacher)." if e.get("teacher_s") is not None
+               else "."))
     a = plan.adjust
     if a is not None:
         verdict = "add one engine" if a.add else "keep the split"
@@ -508,6 +612,7 @@ def _header(e: dict[str, Any], profile: Any, gpus: Any, mode: str) -> list[str]:
         f"{e['group_size']} per step, {e['trained_tokens_per_step']:,.0f} trained tokens/step. "
         f"Trainer: {e['params'] / 1e9:.2f}B params{_lora_text(e)}, MFU {e['train_mfu']:g}, GPUs "
         f"in multiples of {e['train_unit']}.",
+        *filter(None, [_frozen_text(e)]),
     ]
 
 
@@ -569,7 +674,7 @@ def format_choice(choice: Any, e: dict[str, Any]) -> str:
     v = e.get("verified") or {}
     if "colocated" in v:
         lines.append(f"Simulated colocated sync loop (turns included): {v['colocated']:.1f} "
-                     "s/step.")
+                     "s/step" + (" (no teacher)." if e.get("teacher_s") is not None else "."))
     return "\n".join(lines)
 
 
@@ -583,7 +688,11 @@ def format_sweep(key: str, points: list[tuple[Any, Point]], mode: str) -> str:
     lines = [f"Sweep of {key}, mode {mode} (colocated: sync). Engines: profile "
              f"`{first.profile.name}`, {e['gpus_per_engine']} GPU(s) each; policy {e['policy']}; "
              f"trainer GPUs in multiples of {e['train_unit']}; P_gen: mean of {e['steps']} steps "
-             f"after {e['warmup']} warm-up.", "",
+             f"after {e['warmup']} warm-up"
+             + (f"; {e['frozen_gpus']} GPUs of each budget held by frozen engine groups, "
+                "the rest planned" if e.get("frozen_gpus") else "")
+             + (f"; teacher {e['teacher_params'] / 1e9:.2f}B, {e['teacher_s']:.1f} s/step of "
+                "scoring" if e.get("teacher_s") is not None else "") + ".", "",
              f"| {key} | best split (gen + train) | disaggregated s/step | colocated s/step | "
              "of which turns s | faster | ratio |", "|---:|---|---:|---:|---:|---|---:|"]
     for v, p in points:

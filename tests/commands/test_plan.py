@@ -418,3 +418,126 @@ def test_lora_prices_a_cheaper_trainer_and_an_adapter_sync(capsys):
     assert plans[1]["lora_params"] == 4e7
     assert main(["plan", "--gpus", "8", "--mode", "async", *SMALL, "--lora-params", "4e7"]) == 0
     assert "LoRA: 40.0M adapter params, adapter sync" in capsys.readouterr().out
+
+
+# -- frozen engine groups: GPUs of their own; a teacher scoring every sample ------------------
+
+def test_teacher_scoring_seconds_known_answer():
+    # 1M tokens x 2 x 7e9 FLOPs = 1.4e16 FLOPs over 2 GPUs x 1e15 x 0.5 = 1e15 FLOP/s: 14 s
+    assert P.teacher_score_s(1e6, 7e9, 2, 1e15, 0.5) == pytest.approx(14.0)
+    assert P.teacher_score_s(1e6, 0.0, 2, 1e15, 0.5) == 0.0
+    t = P.Teacher.of([[1000, 3000], [500] * 8], 1e9, 1, 1e12, 0.5)  # 4 us a token
+    assert t.tokens == (4000, 4000) and t.samples == (2, 8)
+    assert t.steps_s == pytest.approx((16.0, 16.0)) and t.mean_s == pytest.approx(16.0)
+    for bad in [(1e6, 7e9, 0, 1e15, 0.5), (1e6, 7e9, 1, 1e15, 0.0), (-1, 7e9, 1, 1e15, 0.5)]:
+        with pytest.raises(P.PlanError):
+            P.teacher_score_s(*bad)
+
+
+def test_a_teacher_lengthens_a_generation_bound_step_only_when_slower_plus_its_tail():
+    # scoring overlaps generation: a faster teacher adds only its last sample's scoring
+    assert P.rollout_with_teacher(100.0, 50.0, 10) == pytest.approx(105.0)
+    assert P.rollout_with_teacher(100.0, 0.0, 10) == 100.0
+    # a slower one bounds the rollout: its own time, plus the tail
+    assert P.rollout_with_teacher(100.0, 200.0, 10) == pytest.approx(220.0)
+    cost = P.TrainCost(train_s=30.0, sync_s=5.0)  # P_train 35 s: async is generation-bound
+    for t, want in [(20.0, 100.0 + 2.0), (80.0, 100.0 + 8.0), (150.0, 150.0 + 15.0)]:
+        teacher = P.Teacher((t,), (10,))
+        (g,) = teacher.rollout(100.0)
+        assert g == pytest.approx(want)
+        assert P.step_time("async", g, cost) - P.step_time("async", 100.0, cost) == \
+            pytest.approx(want - 100.0)
+        assert (g - t / 10 > 100.0) == (t > 100.0)  # longer than the tail only when slower
+    # per measured step: each step's generation against its own scoring
+    assert P.Teacher((50.0, 150.0), (10, 10)).rollout([100.0, 100.0]) == \
+        pytest.approx((105.0, 165.0))
+    with pytest.raises(P.PlanError, match="3 measured generation steps against the teacher's 2"):
+        P.Teacher((50.0, 150.0), (10, 10)).rollout([1.0, 2.0, 3.0])
+    # in a plan: a teacher slower than every split's generation makes more engines useless
+    gen = gen_model(480.0, 10.0)
+    train = train_model(160.0, 0.0, sync=0.0)
+    slow = P.Teacher((200.0,), (100,))
+    plan = P.plan_single(16, lambda x: slow.rollout(gen(x)), train, P.Units(), "async")
+    # 10 + 480 / x < 200 from x = 3: the fewest engines that keep up with the teacher
+    assert plan.chosen.step("async") == pytest.approx(202.0) and plan.chosen.x == 3
+    assert plan.chosen.y == 1  # 160 s of training hides under the 202 s rollout
+
+
+def test_frozen_gpus_leave_the_rest_of_the_budget():
+    assert P.after_frozen(10, 2, "--gpus") == 8 and P.after_frozen(10, 0) == 10
+    with pytest.raises(P.PlanError, match="--gpus of 8 GPUs leaves none .* frozen engine "
+                                          r"groups' 8 \(.*must exceed 8\)"):
+        P.after_frozen(8, 8, "--gpus")
+
+
+def test_cli_frozen_gpus_come_out_of_the_budget(capsys, tmp_path):
+    """--gpus 10 --frozen-gpus 2 is --gpus 8's plan: the split never uses the frozen GPUs."""
+    cache = ["--cache", str(tmp_path / "cache.json")]
+    assert main(["plan", "--gpus", "8", "--mode", "async", "--json", *cache, *SMALL]) == 0
+    eight = json.loads(capsys.readouterr().out)
+    assert main(["plan", "--gpus", "10", "--frozen-gpus", "2", "--mode", "async", "--json",
+                 *cache, *SMALL]) == 0
+    frozen = json.loads(capsys.readouterr().out)
+    assert frozen["simulations"] == 0  # the same sizes: the cache had them
+    assert frozen["budgets"] == {"gpus": 8} and frozen["frozen_gpus"] == 2
+    assert frozen["budget_with_frozen"] == {"gpus": 10} and frozen["teacher_s"] is None
+    assert all(r["gen_gpus"] + r["train_gpus"] <= 8 for r in frozen["candidates"])
+    assert frozen["chosen"] == eight["chosen"] and frozen["even"] == eight["even"]
+    assert main(["plan", "--gpus", "10", "--frozen-gpus", "2", "--mode", "async", *cache,
+                 *SMALL]) == 0
+    out = capsys.readouterr().out
+    assert "Budget: 8 GPUs (after the frozen engine groups' 2)" in out
+    assert "Frozen engine groups: 2 GPUs of their own, out of --gpus 10" in out
+
+
+def test_cli_teacher_prices_the_rollout_stage(capsys, tmp_path):
+    """Each row's P_gen is the teacher-free simulation's max(G_k, T_k) + T_k / samples."""
+    cache = ["--cache", str(tmp_path / "cache.json")]
+    base = ["plan", "--gpus", "10", "--frozen-gpus", "2", "--mode", "async", "--json", *cache,
+            *SMALL]
+    assert main(base) == 0
+    raw = {r["gen_gpus"]: r["gen_steps_s"] for r in json.loads(capsys.readouterr().out)[
+        "candidates"]}
+    for params, bound in [("7.6e9", False), ("2e11", True)]:
+        assert main([*base, "--teacher-params", params]) == 0
+        plan = json.loads(capsys.readouterr().out)
+        t, samples = plan["teacher_steps_s"], plan["teacher_samples_per_step"]
+        assert samples == 32 * 8 and plan["teacher_bound"] is bound
+        tokens = plan["teacher_tokens_per_step"]
+        assert tokens == pytest.approx(plan["trained_tokens_per_step"])  # prompt + response
+        assert plan["teacher_s"] == pytest.approx(
+            tokens * 2 * float(params) / (2 * 989e12 * 0.4))
+        for r in plan["candidates"]:
+            assert r["gen_steps_s"] == pytest.approx(
+                [max(g, tk) + tk / samples for g, tk in zip(raw[r["gen_gpus"]], t)])
+        c = plan["chosen"]
+        assert plan["teacher_share_of_step"] == pytest.approx(
+            plan["teacher_s"] / c["async_step_s"])
+        assert plan["teacher_added_s"] == pytest.approx(
+            c["gen_s"] - sum(raw[c["gen_gpus"]]) / len(raw[c["gen_gpus"]]))
+    text = [a for a in base if a != "--json"]
+    assert main([*text, "--teacher-params", "7.6e9"]) == 0
+    out = capsys.readouterr().out
+    assert "Teacher: 7.60B params scoring" in out and "of the chosen step" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gpus", "8", "--frozen-gpus", "8"],
+     "--frozen-gpus 8: --gpus of 8 GPUs leaves none to the policy's engines and the trainer "
+     "beside the frozen engine groups' 8"),
+    (["--gpus", "8", "--frozen-gpus", "12"], "must exceed 12"),
+    (["--gpus", "4", "--frozen-gpus", "2", "--profile", "h100-qwen3-4b-tp2-april"],
+     "--gpus 4 less --frozen-gpus 2, a budget of 2 GPUs is too small for one engine (2 GPUs) "
+     "plus the smallest trainer (1 GPU)"),
+    (["--gen-budget", "4", "--train-budget", "4", "--frozen-gpus", "4"],
+     "--gen-budget of 4 GPUs leaves none"),
+    (["--gen-budget", "3", "--train-budget", "4", "--frozen-gpus", "2", "--profile",
+      "h100-qwen3-4b-tp2-april"], "--gen-budget 3 less --frozen-gpus 2 (1 GPUs) is too small"),
+    (["--gpus", "8", "--teacher-params", "7e9"], "--teacher-params needs --frozen-gpus >= 1"),
+    (["--gpus", "8", "--frozen-gpus", "1", "--teacher-params", "7e9", "--teacher-mfu", "0"],
+     "--teacher-mfu in (0, 1]"),
+])
+def test_cli_frozen_errors_name_the_numbers(argv, message):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", *argv])
+    assert message in str(e.value)
