@@ -41,6 +41,14 @@ def _lora(rank: int) -> list[str]:
     return [f"train.lora.rank={rank}", "train.optimizer.lr=2.0e-4"]
 
 
+def _teacher(reward_weight: float) -> list[str]:
+    """Distillation from the `{teacher}` model (--teacher) on one engine of its own."""
+    return ["rollout.engine.num_engines=1", "rollout.engine.cpu_threads=1",
+            "rollout.frozen_engines={teacher: {role: teacher, model: '{teacher}', "
+            "engine: {kind: hf, num_engines: 1, cpu_threads: 1}}}",
+            "train.algorithm.distill_coef=1.0", f"train.algorithm.reward_weight={reward_weight}"]
+
+
 # The configurations: name -> recipe overrides. `{corr}` is --correction's estimator (a name in
 # the config's name as well): each off-policy configuration runs without a correction and with
 # one. tail_restart and stream are on-policy (no stale token), like sync.
@@ -74,7 +82,15 @@ CONFIGS: dict[str, list[str]] = {
     "partial_lora_r8": ["mode=sync", "rollout.policy=partial", f"{CORRECTION}=none", *_lora(8)],
     "partial_lora_r8_own": ["mode=sync", "rollout.policy=partial", f"{CORRECTION}=none", *_lora(8),
                             "train.lora.resume=own"],
+    # issue 36: on-policy distillation from a frozen teacher (--teacher: a stronger model of the
+    # same tokenizer, e.g. the SFT recipe's export), alone (Thinking Machines' form) and added to
+    # the reward's advantage (slime's); sync, the same samples as sync. The policy's engine and
+    # the teacher's get a core each.
+    "opd": ["mode=sync", "rollout.policy=sync", f"{CORRECTION}=none", *_teacher(0.0)],
+    "opd_reward": ["mode=sync", "rollout.policy=sync", f"{CORRECTION}=none", *_teacher(1.0)],
 }
+# Configurations that need --teacher; 'all' leaves them out without one.
+TEACHER_CONFIGS = ("opd", "opd_reward")
 
 # The task, and a split of it with at least 200 held-out problems: with max_operand 20 (the
 # default recipe's difficulty) there are ~670 distinct problems; holding out 35% leaves 232 of
@@ -113,7 +129,8 @@ TELEMETRY = ("batch/reward_mean", "batch/max_staleness", "rollout/resumed_token_
              "rollout/mismatch_restart_tokens", "batch/mixed_version_share",
              "rollout/own_adapter_requests", "rollout/own_adapter_fallbacks",
              "mismatch/lag1/tokens", "mismatch/lag1/kl_k3", "mismatch/resumed/tokens",
-             "mismatch/resumed/kl_k3", "mismatch/resumed/abs_log_ratio_mean")
+             "mismatch/resumed/kl_k3", "mismatch/resumed/abs_log_ratio_mean",
+             "frozen/teacher/seconds", "frozen/teacher/requests", "train/distill_reverse_kl")
 
 
 def math_unless_truncated(sample: Any, **kwargs: Any) -> float:
@@ -134,6 +151,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--correction", default="tis",
                         help="the off-policy correction of the '+{corr}' configurations: an "
                         "estimator name (tis, mis, icepop)")
+    parser.add_argument("--teacher", default=None, metavar="MODEL",
+                        help="the teacher of the distillation configurations (" +
+                        ", ".join(TEACHER_CONFIGS) + "): an HF folder of the recipe model's "
+                        "tokenizer (e.g. `rlkit export` of recipes/sft_smollm2_cpu.yaml's run)")
     parser.add_argument("--seeds", type=int, default=3, help="runs per configuration (run.seed 1..N)")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="run.num_steps of each run")
     parser.add_argument("--eval-every", type=int, default=0,
@@ -155,16 +176,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "scale, before each configuration's own keys)")
 
 
-def expand_configs(spec: str, correction: str) -> dict[str, list[str]]:
-    """The chosen configurations with `{corr}` filled in, in CONFIGS' order."""
-    table = {name.replace("{corr}", correction): [o.replace("{corr}", correction) for o in ovs]
+def expand_configs(spec: str, correction: str, teacher: str | None = None) -> dict[str, list[str]]:
+    """The chosen configurations with `{corr}` and `{teacher}` filled in, in CONFIGS' order;
+    'all' has the teacher's only with a `teacher`."""
+    table = {name.replace("{corr}", correction):
+             [o.replace("{corr}", correction).replace("{teacher}", teacher or "") for o in ovs]
              for name, ovs in CONFIGS.items()}
     if spec.strip() == "all":
-        return table
+        return {k: v for k, v in table.items() if teacher or k not in TEACHER_CONFIGS}
     wanted = [c.strip() for c in spec.split(",") if c.strip()]
     if bad := [c for c in wanted if c not in table]:
         raise SystemExit(f"--configs: unknown {', '.join(bad)} (configurations: "
                          f"{', '.join(table)})")
+    if not teacher and (need := [c for c in wanted if c in TEACHER_CONFIGS]):
+        raise SystemExit(f"--configs {', '.join(need)} distil from a teacher: give --teacher "
+                         "(an HF folder of the same tokenizer, e.g. the SFT recipe's export)")
     return {c: table[c] for c in wanted}
 
 
@@ -426,7 +452,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.seeds < 1 or args.steps < 1 or args.eval_rows < 1:
         raise SystemExit("--seeds, --steps and --eval-rows must be >= 1")
-    configs = expand_configs(args.configs, args.correction)
+    configs = expand_configs(args.configs, args.correction, args.teacher)
     every = eval_every(args.steps, args.eval_every)
     base = [
         *([] if args.no_scale else SCALE),
@@ -457,7 +483,8 @@ def run(args: argparse.Namespace) -> int:
                 "samples_per_step": probe.rollout.samples_per_step,
                 "max_new_tokens": probe.rollout.sampling.max_new_tokens,
                 "lr": probe.train.optimizer.lr, "model": probe.model.path,
-                "correction": args.correction, "overrides": base, "reference": reference,
+                "correction": args.correction, "teacher": args.teacher, "overrides": base,
+                "reference": reference,
                 "accuracy_key": acc_key, "order": [f"{c}/seed{s}" for s, c in order]}
     results: dict[str, list[dict]] = {c: [] for c in configs}
     initial: dict | None = None

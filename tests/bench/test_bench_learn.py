@@ -147,7 +147,7 @@ def test_read_run_builds_the_curve_from_the_run_files(tmp_path):
 @pytest.mark.parametrize("recipe", ["grpo_smollm2_cpu.yaml", "grpo_tiny_ci.yaml"])
 def test_every_configuration_is_a_valid_recipe(recipe):
     for corr in ("tis", "mis", "icepop"):
-        for name, overrides in learn.expand_configs("all", corr).items():
+        for name, overrides in learn.expand_configs("all", corr, teacher="tiny").items():
             r = load_recipe(ROOT / "recipes" / recipe, [*learn.SCALE, *overrides])
             off = r.rollout.off_policy_reason() is not None or r.mode == "async"
             want = corr if f"+{corr}" in name else "none"
@@ -156,6 +156,14 @@ def test_every_configuration_is_a_valid_recipe(recipe):
     assert list(learn.expand_configs("sync,partial+tis", "tis")) == ["sync", "partial+tis"]
     with pytest.raises(SystemExit, match="unknown nope"):
         learn.expand_configs("sync,nope", "tis")
+    # the distillation configurations need a teacher; 'all' leaves them out without one
+    assert not set(learn.TEACHER_CONFIGS) & set(learn.expand_configs("all", "tis"))
+    with pytest.raises(SystemExit, match="give --teacher"):
+        learn.expand_configs("sync,opd", "tis")
+    r = load_recipe(ROOT / "recipes" / recipe,
+                    learn.expand_configs("opd", "tis", teacher="/some/sft/export")["opd"])
+    assert r.rollout.frozen_engines["teacher"].model == "/some/sft/export"
+    assert (r.train.algorithm.distill_coef, r.train.algorithm.reward_weight) == (1.0, 0.0)
 
 
 def _report(tmp_path, name, runs: dict, **settings):
