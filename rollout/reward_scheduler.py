@@ -16,6 +16,7 @@ from typing import Awaitable, Callable
 
 from rlkit.buffers.group import Group
 from rlkit.buffers.sample import Sample, SampleStatus
+from rlkit.rollout.health import EnginesDown
 
 # (sample, group) -> reward. Sync user functions are wrapped into this by rlkit.rewards.
 ScoreFn = Callable[[Sample, Group], Awaitable[float]]
@@ -71,8 +72,8 @@ class RewardScheduler:
             if teacher is not None:
                 try:
                     sample.teacher_logprobs = list(await teacher)
-                except asyncio.CancelledError:
-                    raise
+                except (asyncio.CancelledError, EnginesDown):
+                    raise  # a teacher that cannot come back stops the step, as the policy's engines do
                 except Exception as e:  # noqa: BLE001 - the teacher's group counted its tries
                     return self._fail(sample, "teacher", f"teacher scoring failed: {describe_error(e)}")
             elif self.teacher is not None and sample.teacher_logprobs is None:
@@ -91,8 +92,8 @@ class RewardScheduler:
             value = await asyncio.wait_for(self._score(sample, group), self.timeout_s)
         except asyncio.TimeoutError:
             return self._fail_none(sample, "timeout", f"reward timed out after {self.timeout_s} s")
-        except asyncio.CancelledError:
-            raise
+        except (asyncio.CancelledError, EnginesDown):
+            raise  # a judge's engine group that cannot come back stops the step
         except Exception as e:  # a user plugin may raise anything: record it, never lose it
             if getattr(e, "reward_invalid", False):  # its value could not even reach us
                 return self._fail_none(sample, "invalid", str(e))

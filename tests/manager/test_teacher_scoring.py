@@ -97,3 +97,21 @@ async def test_an_abort_cancels_the_teacher_and_the_resumed_group_is_scored():
         assert s.response_ids == tokens[i]  # scored, not generated again
         assert s.reward is not None and s.teacher_logprobs == teacher_of(s)
     assert buf.stats()["balanced"]
+
+
+async def test_a_teacher_group_that_cannot_come_back_stops_the_step():
+    """Its monitor's EnginesDown is no sample's failure: every group would fail and the step
+    would sample forever. The step stops with it, its groups parked with their tokens."""
+    import pytest
+
+    from rlkit.rollout.health import EnginesDown
+
+    async def teacher(sample):
+        raise EnginesDown("frozen engine group 'teacher': every engine is down")
+
+    buf, rewards, mgr = make(SyncPolicy(), teacher)
+    with pytest.raises(EnginesDown, match="teacher"):
+        await asyncio.wait_for(mgr.run_step(target=3, version=0), 20)
+    assert not rewards.failures and buf.stats()["balanced"]
+    parked = [s for place in (Place.PARTIAL, Place.IN_FLIGHT) for g in buf.queued(place) for s in g.samples]
+    assert parked and all(s.response_ids and s.teacher_logprobs is None for s in parked)
