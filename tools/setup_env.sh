@@ -58,7 +58,9 @@ if [[ ! -x "$VENV/bin/python" ]]; then
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 # pip, quiet, without the find-links noise of this machine kind; keeps pip's exit status.
-pip_q() { "${PIP[@]}" install -q "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; return "${PIPESTATUS[0]}"; }
+# --no-compile: no .pyc for every file of every package at install (torch alone has thousands);
+# Python compiles the modules a run imports, once, when it first imports them.
+pip_q() { "${PIP[@]}" install -q --no-compile "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; return "${PIPESTATUS[0]}"; }
 
 if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
     log "installing CPU torch==$TORCH_CPU"
