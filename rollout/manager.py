@@ -506,6 +506,13 @@ class Step:
                     f"{self.report_.engine_failures} requests failed in this step; last: "
                     f"{[s.error for s in failed][-1]}"
                 )
+            # A reward that fails for almost every sample (a judge answering no verdict, a
+            # plugin raising) would have the step sample forever: stop it, saying why.
+            dropped = self.report_.dropped.get("reward_failed", 0)
+            if dropped > max(8, 4 * self.target) and self._error is None:
+                self._error = RewardFailure(
+                    f"{dropped} groups dropped for failing rewards in this step (more than 4 x "
+                    f"its {self.target}); last: {[s.error for s in failed][-1]}")
             return
         if not self._stopping and run.tasks and all(
             t.done() or t is finishing for t in run.tasks.values()

@@ -115,3 +115,23 @@ async def test_a_teacher_group_that_cannot_come_back_stops_the_step():
     assert not rewards.failures and buf.stats()["balanced"]
     parked = [s for place in (Place.PARTIAL, Place.IN_FLIGHT) for g in buf.queued(place) for s in g.samples]
     assert parked and all(s.response_ids and s.teacher_logprobs is None for s in parked)
+
+
+async def test_a_reward_failing_for_every_sample_stops_the_step_instead_of_sampling_forever():
+    """A judge that never gives a verdict: each group is dropped (counted) and the policy
+    samples more, until more than 4 x the target were dropped; then the step stops, saying why."""
+    import pytest
+
+    from rlkit.rollout.reward_scheduler import RewardFailure
+
+    async def no_verdict(sample, group):
+        raise ValueError("no verdict (yes, no) in the judge's answer 'hmm'")
+
+    buf = RolloutBuffer(ListPromptSource(records_from_token_lists([[1, i] for i in range(200)]),
+                                         shuffle=False), n_samples_per_prompt=2)
+    rewards = RewardScheduler(no_verdict)
+    mgr = RolloutManager(buf, FakeEngines(lambda s: 4), SyncPolicy(),
+                         SamplingConfig(max_new_tokens=1000), rewards)
+    with pytest.raises(RewardFailure, match=r"groups dropped for failing rewards.*no verdict"):
+        await asyncio.wait_for(mgr.run_step(target=3, version=0), 20)
+    assert rewards.failures["error"] > 4 * 3 and buf.stats()["balanced"]
