@@ -88,9 +88,13 @@ CONFIGS: dict[str, list[str]] = {
     # the teacher's get a core each.
     "opd": ["mode=sync", "rollout.policy=sync", f"{CORRECTION}=none", *_teacher(0.0)],
     "opd_reward": ["mode=sync", "rollout.policy=sync", f"{CORRECTION}=none", *_teacher(1.0)],
+    # where the teacher's scoring hides: partial rollouts (samples complete throughout the step)
+    # and stream mode (training starts on the first complete groups)
+    "opd_partial": ["mode=sync", "rollout.policy=partial", f"{CORRECTION}=none", *_teacher(0.0)],
+    "opd_stream": ["mode=stream", "rollout.policy=sync", f"{CORRECTION}=none", *_teacher(0.0)],
 }
 # Configurations that need --teacher; 'all' leaves them out without one.
-TEACHER_CONFIGS = ("opd", "opd_reward")
+TEACHER_CONFIGS = ("opd", "opd_reward", "opd_partial", "opd_stream")
 
 # The task, and a split of it with at least 200 held-out problems: with max_operand 20 (the
 # default recipe's difficulty) there are ~670 distinct problems; holding out 35% leaves 232 of

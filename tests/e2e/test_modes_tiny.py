@@ -119,8 +119,10 @@ def test_async_partial_resumed_mid_run_continues_and_trains_nothing_twice(tmp_pa
     """With LoRA (train.lora, adapter sync): each update sends the adapter alone, loaded on the
     engines as policy@v<version> beside the ones requests in flight still name; the checkpoint
     holds the adapters and the resumed run loads its version's adapter before generating.
-    Distilled from a frozen teacher (the initial model; tests/e2e/test_train_tiny.py's
-    check_distillation): its logprobs come with every complete sample, across the resume."""
+    Distilled from a frozen teacher group (rollout.frozen_engines; the initial model, so step
+    1's reverse KL is zero but for the engine/trainer mismatch), with partial rollouts (the
+    recipe's policy): every complete sample carries its teacher logprobs and a parked one none,
+    through the checkpoint and the resume; the teacher's engine never gets an update."""
     monkeypatch.setenv("RLKIT_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "runs"
     base = [f"run.output_dir={out}", "tracking.progress=false", "checkpoint.every_steps=1",

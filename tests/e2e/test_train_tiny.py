@@ -37,6 +37,7 @@ def rows(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
 
 
 # On-policy distillation from a frozen teacher: the tiny model itself, on one engine of its own
+# (tests/e2e/test_modes_tiny.py's async run with partial rollouts, LoRA and a resume)
 TEACHER = ["rollout.frozen_engines={teacher: {role: teacher, model: tiny, "
            "engine: {num_engines: 1, cpu_threads: 1}}}", "train.algorithm.distill_coef=1.0"]
 
@@ -60,17 +61,12 @@ def check_distillation(metrics: list[dict], buffer_file: Path, first_step: bool 
 
 
 def test_grpo_with_partial_rollouts_end_to_end_and_resume(tmp_path, monkeypatch):
-    """Also on-policy distillation from a frozen teacher group (rollout.frozen_engines): the
-    teacher is the student's own initial model, so step 1's reverse KL is zero but for the
-    engine/trainer mismatch; every complete sample carries its teacher logprobs, a parked one
-    none, through the checkpoint and the resume; the teacher's engine never gets an update."""
     monkeypatch.setenv("RLKIT_CACHE", str(tmp_path / "cache"))  # a model path unique to this test
     out = tmp_path / "runs"
     overrides = [f"run.output_dir={out}", "tracking.progress=false", "checkpoint.every_steps=1",
                  # held-out evaluation of the initial policy and every 2 steps, on the same engines
                  "eval.datasets=[{name: arith, path: 'builtin:arithmetic?split=test&rows=4'}]",
-                 "eval.every_steps=2", "eval.before_first_step=true", "eval.n_samples=3", "eval.k=2",
-                 *TEACHER]
+                 "eval.every_steps=2", "eval.before_first_step=true", "eval.n_samples=3", "eval.k=2"]
     recipe = load_recipe(ROOT / "recipes" / "grpo_tiny_ci.yaml", overrides + ["run.num_steps=3"])
     state = train(recipe)
     run_dir = out / recipe.run.name
@@ -100,7 +96,6 @@ def test_grpo_with_partial_rollouts_end_to_end_and_resume(tmp_path, monkeypatch)
         assert 1 <= e["eval/arith/greedy/mean_response_length"] <= 24
         assert e["eval/arith/greedy/failures/engine"] == e["eval/arith/sampled/failures/reward"] == 0
     assert not any(k.startswith("eval/") for r in metrics for k in r)  # the buffer's rows: its own
-    check_distillation(metrics, latest_checkpoint(run_dir).buffer_file)
 
     # parameters changed: the trained weights differ from the initial model's
     model_dir = Path(os.environ["RLKIT_CACHE"]) / "models" / "tiny"
@@ -122,7 +117,6 @@ def test_grpo_with_partial_rollouts_end_to_end_and_resume(tmp_path, monkeypatch)
     last = rows(run_dir)[-1]
     assert last["step"] == 4 and last["buffer/balanced"]
     assert [e["step"] for e in rows(run_dir, "eval.jsonl")] == [0, 2, 4]  # not step 3's again
-    check_distillation([last], latest_checkpoint(run_dir).buffer_file, first_step=False)
     # The parked groups go out first: each is trained in step 4, finished and queued ready, or
     # parked again with at least the tokens it had (one aborted before its first token has
     # none, so is not "resumed").
