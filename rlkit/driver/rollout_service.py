@@ -157,7 +157,9 @@ class RolloutService:
         return RolloutResult(
             metrics={**report.metrics(), **by_kind, **(episodes.metrics() if episodes else {}),
                      **prefix, **own, **self._frozen_metrics(frozen_before)},
-            timeline=[s.to_json() for s in report.timeline],
+            # the frozen groups' tries (a teacher's scoring, a judge's verdicts): lanes frozen:<name>
+            timeline=[s.to_json() for s in [*report.timeline,
+                                            *(x for g in self.frozen.values() for x in g.take_spans())]],
             completed=report.completed,
             buffer=self.stats(),
             header={"policy": report.policy, "round": report.round, "start": report.started,
@@ -493,6 +495,7 @@ def teacher_scorer(cfg: RolloutConfig, frozen: "dict[str, FrozenGroup]") -> Teac
     group, temperature = frozen[name], cfg.sampling.temperature
 
     async def teacher(sample: Sample) -> list[float]:
-        return await group.score(sample.input_ids(), len(sample.prompt_ids), temperature=temperature)
+        return await group.score(sample.input_ids(), len(sample.prompt_ids), temperature=temperature,
+                                 sample=(sample.group_id, sample.index))
 
     return teacher

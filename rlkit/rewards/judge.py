@@ -50,4 +50,4 @@ async def judge(sample: RewardInput, *, group: str = "judge", template: str = DE
                              label="" if sample.label is None else sample.label)
     return await engine_group(group).generate_text(
         prompt, max_new_tokens=max_new_tokens, temperature=temperature,
-        parse=lambda text: parse_verdict(text, table))
+        parse=lambda text: parse_verdict(text, table), sample=(sample.group_id, sample.index))

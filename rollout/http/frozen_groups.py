@@ -33,6 +33,7 @@ from rlkit.rollout.http.protocol import (
     error_message,
     parse_output,
 )
+from rlkit.rollout.timeline import Span
 
 T = TypeVar("T")
 # FrozenGroup.failures' kinds; metrics frozen/<name>/failures/<kind>
@@ -98,13 +99,17 @@ class FrozenGroup:
         # weight versions the group's answers carried: one, ever (frozen), unless something sent
         # its engines a weight update, which nothing in rlkit does (the e2e tests check it)
         self.weight_versions: set[str] = set()
+        self.spans: list[Span] = []  # every try, for the step's timeline (take_spans)
 
     # -- the one request path ---------------------------------------------------------------
-    async def call(self, what: str, fn: Callable[[str], Awaitable[T]]) -> T:
+    async def call(self, what: str, fn: Callable[[str], Awaitable[T]],
+                   sample: tuple[int, int] | None = None, tokens: int = 0) -> T:
         """`fn(router_url)` under the group's limits and retries; `what` names it in errors.
         Before each try the group must route and serve (its monitor waits for a restart; a
         group that cannot come back raises EnginesDown); after a failed try its engines and
-        router are probed at once, so a lost one is found before the retry."""
+        router are probed at once, so a lost one is found before the retry. Each try is a
+        span of the step's timeline (`spans`) on the lane frozen:<name>, for `sample`
+        ((group_id, sample index)) when given, with `tokens`."""
         loop = asyncio.get_running_loop()
         self.waiting += 1
         try:
@@ -124,6 +129,9 @@ class FrozenGroup:
                 t0 = loop.time()
                 try:
                     out = await asyncio.wait_for(fn(url), self.cfg.timeout_s)
+                except asyncio.CancelledError:
+                    self._span(sample, t0, loop.time(), tokens, "cancelled")
+                    raise
                 except asyncio.TimeoutError:
                     kind, why = "timeout", f"no answer within {self.cfg.timeout_s:g} s"
                 except BadOutput as e:
@@ -133,8 +141,10 @@ class FrozenGroup:
                 else:
                     self.requests += 1
                     self.seconds += loop.time() - t0
+                    self._span(sample, t0, loop.time(), tokens, "scored")
                     return out
                 self.failures[kind] += 1
+                self._span(sample, t0, loop.time(), tokens, kind)
                 if self.monitor is not None and kind != "bad_output":
                     await asyncio.gather(self.monitor.check(), self.monitor.check_router(),
                                          return_exceptions=True)
@@ -144,6 +154,16 @@ class FrozenGroup:
         finally:
             self._slots.release()
 
+    def _span(self, sample: tuple[int, int] | None, start: float, end: float, tokens: int,
+              outcome: str) -> None:
+        group_id, index = sample if sample is not None else (-1, -1)
+        self.spans.append(Span(f"frozen:{self.name}", group_id, index, start, end, tokens, outcome))
+
+    def take_spans(self) -> list[Span]:
+        """The tries since the last call (the rollout service puts them in its step's timeline)."""
+        spans, self.spans = self.spans, []
+        return spans
+
     async def _post(self, url: str, body: dict[str, Any]) -> Any:
         async with self.client.session.post(f"{url}/generate", json=body) as resp:
             payload = await read_body(resp)
@@ -152,7 +172,8 @@ class FrozenGroup:
         return payload
 
     # -- what callers ask ---------------------------------------------------------------------
-    async def score(self, input_ids: Sequence[int], start: int, *, temperature: float) -> list[float]:
+    async def score(self, input_ids: Sequence[int], start: int, *, temperature: float,
+                    sample: tuple[int, int] | None = None) -> list[float]:
         """The group's logprob of each of `input_ids[start:]` given the tokens before it, at
         `temperature` (logits / temperature, as the rollout logprobs): one prefill request
         (SGLang's logprob_start_len = start - 1; SGLang serves it with max_new_tokens 0, the
@@ -176,11 +197,12 @@ class FrozenGroup:
                 raise BadOutput(f"scored {len(values)} of {want} tokens")
             return values
 
-        return await self.call("scoring", once)
+        return await self.call("scoring", once, sample, len(input_ids))
 
     async def generate_text(self, prompt: str, *, max_new_tokens: int = 64,
                             temperature: float = 0.0, stop: Sequence[str] = (),
-                            parse: Callable[[str], Any] | None = None) -> Any:
+                            parse: Callable[[str], Any] | None = None,
+                            sample: tuple[int, int] | None = None) -> Any:
         """The group's completion of `prompt` (text in, text out; a judge's verdict), or what
         `parse` makes of it: a ValueError from `parse` is a bad output, retried and counted."""
         body = GenerateRequest(
@@ -200,7 +222,7 @@ class FrozenGroup:
             except ValueError as e:
                 raise BadOutput(str(e)) from None
 
-        return await self.call("generation", once)
+        return await self.call("generation", once, sample, max_new_tokens)
 
     # -- reporting -----------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:

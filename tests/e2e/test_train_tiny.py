@@ -44,7 +44,11 @@ TEACHER = ["rollout.frozen_engines={teacher: {role: teacher, model: tiny, "
 
 def check_distillation(metrics: list[dict], buffer_file: Path, first_step: bool = True) -> None:
     """The teacher scored every trained sample, never failed, never saw a weight update; its
-    logprobs sit on every complete sample of the checkpoint's buffer, none on a parked one."""
+    logprobs sit on every complete sample of the checkpoint's buffer, none on a parked one; its
+    requests are spans of the run's timeline, on the lane frozen:teacher."""
+    timeline = [json.loads(x) for x in (buffer_file.parents[2] / "timeline.jsonl").read_text().splitlines()]
+    scored = [x for x in timeline if x.get("worker") == "frozen:teacher"]
+    assert scored and all(x["outcome"] == "scored" and x["end"] >= x["start"] for x in scored)
     for m in metrics:
         assert m["frozen/teacher/requests"] > 0 and m["frozen/teacher/failed_calls"] == 0, m
         assert m["frozen/teacher/weight_versions_seen"] == 1  # frozen: its initial weights only

@@ -111,8 +111,13 @@ async def misbehaving(request):
 async def test_a_failed_try_is_counted_by_kind_and_retried(misbehaving, kind):
     async with EngineClient(None, worker_urls=[misbehaving.url]) as client:
         group = FrozenGroup("judge", group_cfg(timeout_s=0.5, retries=1), client)
-        assert await group.generate_text("is 2 + 2 = 4?") == "yes"
+        assert await group.generate_text("is 2 + 2 = 4?", sample=(3, 7)) == "yes"
     assert dict(group.failures) == {kind: 1} and group.retries == 1 and group.requests == 1
+    # each try is a span of the step's timeline, on the group's lane, for its sample
+    spans = group.take_spans()
+    assert [(x.worker, x.group_id, x.sample_index, x.outcome) for x in spans] == [
+        ("frozen:judge", 3, 7, kind), ("frozen:judge", 3, 7, "scored")]
+    assert spans[0].end <= spans[1].start and group.take_spans() == []
 
 
 @pytest.mark.parametrize("misbehaving", [("error", 10)], indirect=True)
