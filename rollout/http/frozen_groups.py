@@ -215,6 +215,9 @@ class FrozenGroup:
             payload = await self._post(url, body)
             if not isinstance(payload, dict) or not isinstance(payload.get("text"), str):
                 raise BadOutput(f"no text in the answer: {str(payload)[:200]}")
+            version = (payload.get("meta_info") or {}).get("weight_version")
+            if version is not None:
+                self.weight_versions.add(str(version))
             if parse is None:
                 return payload["text"]
             try:
