@@ -8,7 +8,7 @@ import re
 import warnings
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rlkit.buffers.staleness import StalenessPolicy
 from rlkit.rollout.engines.config import EngineConfig, RouterConfig
@@ -650,6 +650,16 @@ class FrozenEnginesConfig(BaseModel):
         "frozen engines never sleep and never share the trainer's GPUs.",
     )
     router: RouterConfig = Field(default_factory=RouterConfig, description="The group's own router.")
+
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _one_engine_unless_said(cls, value: Any) -> Any:
+        """A group's engine section without num_engines means one engine (the policy's default,
+        two, is for the policy)."""
+        if isinstance(value, dict) and "num_engines" not in value:
+            value = {**value, "num_engines": 1}
+        return value
+
     max_concurrency: int = Field(
         32, ge=1, description="Requests to the group in flight at once, from every caller "
         "(teacher scoring, judge rewards); more wait their turn.")

@@ -20,7 +20,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from rlkit.common.errors import ActorDeath, ProcessDied, actor_death, find_user_error
+from rlkit.common.errors import ActorDeath, ProcessDied, UserError, actor_death, find_user_error
 from rlkit.config.modes import OVERLAPS_TRAINING
 from rlkit.config.schema import Recipe
 from rlkit.driver.actors import EngineActor, RolloutActor
@@ -151,6 +151,8 @@ class Cluster:
         # colocated: the engines live in the trainer's bundles, there is no engine group
         groups = [*self.plan.trainer,
                   *([] if self.plan.colocated or self.engineless else [self.plan.engines])]
+        frozen = self._frozen_bundles()
+        check_frozen_fit(groups, frozen, nodes)  # before any placement group is made
         made = []
         for g in groups:  # trainer first: its packing is the strictest constraint
             made.append(placement_group(list(g.bundles), strategy=g.strategy))
@@ -158,20 +160,9 @@ class Cluster:
                 self.engine_group = made[-1]
             else:
                 self.trainer_groups.append(made[-1])
-        frozen = self._frozen_bundles()
-        for res in ("GPU", "CPU"):  # a frozen group that cannot fit is refused now, with numbers
-            need = sum(b.get(res, 0.0) for g in groups for b in g.bundles)
-            extra = sum(b.get(res, 0.0) for _, b in frozen)
-            have = sum(n.get(res, 0.0) for n in nodes)
-            if extra and need + extra > have:
-                raise PlacementError(
-                    f"rollout.frozen_engines need {extra:g} {res}s beside the {need:g} of the "
-                    f"trainer and the policy's engines, but the cluster has {have:g}: fewer or "
-                    "smaller frozen engines, or a bigger cluster (frozen engines never share "
-                    "the trainer's GPUs)")
         if frozen:  # beside the others in both placements: frozen engines never sleep
-            groups.append(GroupPlan("frozen", "PACK", tuple(b for _, b in frozen)))
-            made.append(placement_group([b for _, b in frozen], strategy="PACK"))
+            groups.append(GroupPlan("frozen", "PACK", tuple(frozen)))
+            made.append(placement_group(list(frozen), strategy="PACK"))
             self.frozen_group = made[-1]
         for g, pg in zip(groups, made):
             if not pg.wait(timeout_seconds=r.cluster.placement_timeout_s):
@@ -181,16 +172,16 @@ class Cluster:
                     f"{r.cluster.placement_timeout_s:.0f} s (cluster.placement_timeout_s); the "
                     f"cluster has {ray.cluster_resources()}, available {ray.available_resources()}")
 
-    def _frozen_bundles(self) -> list[tuple[str, dict[str, float]]]:
-        """(group name, bundle) of every frozen engine (rollout.frozen_engines), in order: its
-        CPUs, and its GPUs as the policy's engines get them."""
+    def _frozen_bundles(self) -> list[dict[str, float]]:
+        """The bundle of every frozen engine (rollout.frozen_engines), group by group: its CPUs,
+        and its GPUs as the policy's engines get them."""
         if self.engineless:
             return []
         out = []
-        for name, g in self.recipe.rollout.frozen_engines.items():
+        for g in self.recipe.rollout.frozen_engines.values():
             e = g.engine
             gpus = e.gpus_per_engine if e.kind == "sglang" else (1 if e.device == "cuda" else 0)
-            out += [(name, bundle(self.recipe.cluster.cpus_per_engine, gpus))] * e.num_engines
+            out += [bundle(self.recipe.cluster.cpus_per_engine, gpus)] * e.num_engines
         return out
 
     def _strategy(self, pg: Any, index: int) -> Any:
@@ -321,15 +312,13 @@ class Cluster:
             try:
                 model = resolve_model_path(g.model)
             except Exception as e:  # noqa: BLE001 - named with its key
-                from rlkit.common.errors import UserError
-
                 raise UserError(f"rollout.frozen_engines.{name}.model: {e}") from None
             if g.role == "teacher":
                 _check_same_tokenizer(self.model_path, model, name)
             self.frozen[name] = []
             for i in range(g.engine.num_engines):
                 self.frozen[name].append(engine_cls.options(
-                    num_cpus=bundles[index][1].get("CPU", 0.0), num_gpus=bundles[index][1].get("GPU", 0.0),
+                    num_cpus=bundles[index].get("CPU", 0.0), num_gpus=bundles[index].get("GPU", 0.0),
                     scheduling_strategy=self._strategy(self.frozen_group, index)).remote(
                     model, g.engine.model_dump(), i, str(self.log_dir / name),
                     bind_node_address=self.bind_node_address, control_token=token))
@@ -459,11 +448,25 @@ class Cluster:
             self._connected = False
 
 
+def check_frozen_fit(groups: list[Any], frozen: list[dict[str, float]],
+                     nodes: list[dict[str, float]]) -> None:
+    """Refuse frozen engines (`frozen`: their bundles) the cluster (`nodes`) cannot hold beside
+    the placement groups `groups` (the trainer's and the policy's engines'), with the numbers."""
+    for res in ("GPU", "CPU"):
+        need = sum(b.get(res, 0.0) for g in groups for b in g.bundles)
+        extra = sum(b.get(res, 0.0) for b in frozen)
+        have = sum(n.get(res, 0.0) for n in nodes)
+        if extra and need + extra > have:
+            raise PlacementError(
+                f"rollout.frozen_engines need {extra:g} {res}s beside the {need:g} of the "
+                f"trainer and the policy's engines, but the cluster has {have:g}: fewer or "
+                "smaller frozen engines, or a bigger cluster (frozen engines never share the "
+                "trainer's GPUs)")
+
+
 def _check_same_tokenizer(policy: str, teacher: str, name: str) -> None:
     """A teacher scores the policy's token ids: its vocabulary must be the policy's."""
     from transformers import AutoTokenizer
-
-    from rlkit.common.errors import UserError
 
     mine, theirs = (AutoTokenizer.from_pretrained(p).get_vocab() for p in (policy, teacher))
     if mine != theirs:

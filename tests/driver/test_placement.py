@@ -178,3 +178,28 @@ def test_the_trainer_takes_the_nodes_cores_only_where_the_engines_wait():
     assert trainer_threads(**{**one, "one_node": False}, overlaps=False, ranks=1) == 1
     assert trainer_threads(**{**one, "train_threads": 3}, overlaps=True, ranks=1) == 3
     assert trainer_threads(**{**one, "reserved_cpus": 4.0}, overlaps=False, ranks=1) == 4
+
+
+def test_frozen_engines_get_bundles_of_their_own_or_are_refused_with_the_numbers():
+    """rollout.frozen_engines: one bundle per frozen engine (its CPUs, and GPUs as the policy's
+    engines get them), refused before any placement group is made when the cluster cannot hold
+    them beside the trainer and the policy's engines."""
+    from pathlib import Path
+
+    from rlkit.config import load_recipe
+    from rlkit.driver.cluster import Cluster, check_frozen_fit
+    from rlkit.driver.placement import GroupPlan, PlacementError
+
+    root = Path(__file__).resolve().parents[2]
+    r = load_recipe(root / "recipes" / "grpo_tiny_ci.yaml", [
+        "rollout.frozen_engines={teacher: {role: teacher, model: tiny, engine: {num_engines: 2}}, "
+        "judge: {role: judge, model: tiny, engine: {kind: sglang, gpus_per_engine: 2}}}",
+        "train.algorithm.distill_coef=1"])
+    bundles = Cluster(r, "unused", Path("/tmp/unused"))._frozen_bundles()
+    cpus = r.cluster.cpus_per_engine
+    assert bundles == [{"CPU": cpus}, {"CPU": cpus}, {"CPU": cpus, "GPU": 2.0}]
+    placed = [GroupPlan("trainer", "PACK", ({"CPU": 1.0, "GPU": 1.0},)),
+              GroupPlan("engines", "PACK", ({"CPU": 1.0, "GPU": 1.0},) * 2)]
+    check_frozen_fit(placed, bundles, [{"CPU": 16.0, "GPU": 5.0}])  # 3 + 2 GPUs: fits
+    with pytest.raises(PlacementError, match="need 2 GPUs beside the 3 .* the cluster has 4"):
+        check_frozen_fit(placed, bundles, [{"CPU": 16.0, "GPU": 4.0}])
