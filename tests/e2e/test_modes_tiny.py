@@ -142,7 +142,7 @@ def test_async_partial_resumed_mid_run_continues_and_trains_nothing_twice(tmp_pa
     assert (state.step, state.version) == (3, 3)
     last = rows(run_dir)[-1]
     assert last["step"] == 3 and last["buffer/balanced"] and last["batch/max_staleness"] <= 1
-    check_distillation([last], latest_checkpoint(run_dir).buffer_file, first_step=False)
+    check_distillation(rows(run_dir), latest_checkpoint(run_dir).buffer_file, first_step=False)
     ids = trained_groups(run_dir)
     assert len(ids) == len(set(ids)) == 3 * r.rollout.batch_size  # nothing trained twice
     # every sync sent the adapter alone (A and B of 4 layers x 2 tiny layers, fp32: 32 KiB),

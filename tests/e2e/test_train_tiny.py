@@ -51,10 +51,11 @@ def check_distillation(metrics: list[dict], buffer_file: Path, first_step: bool 
     # (a step's end cancels the scoring of groups that will not complete now: partial rollouts)
     assert {x["outcome"] for x in tries} <= {"scored", "cancelled"}, tries
     assert any(x["outcome"] == "scored" for x in tries) and all(x["end"] >= x["start"] for x in tries)
+    # (a step may score nothing: its batch can be groups scored in the step before)
+    assert sum(m["frozen/teacher/requests"] for m in metrics) > 0
     for m in metrics:
-        assert m["frozen/teacher/requests"] > 0 and m["frozen/teacher/failed_calls"] == 0, m
+        assert m["frozen/teacher/failed_calls"] == m["rollout/reward_failures/teacher"] == 0, m
         assert m["frozen/teacher/weight_versions_seen"] == 1  # frozen: its initial weights only
-        assert m["rollout/reward_failures/teacher"] == 0 and m["frozen/teacher/engines/lost"] == 0
     if first_step:  # the teacher is the initial student: only the engine/trainer mismatch
         assert abs(metrics[0]["train/distill_reverse_kl"]) < 1e-3, metrics[0]
     state = json.loads(__import__("gzip").open(buffer_file).read())
