@@ -177,7 +177,11 @@ def hold_until_restarted(monkeypatch, model_dir: str, folder: Path, held: Path, 
     return releaser
 
 
-@pytest.mark.parametrize("fault", ["kill", "hang"])
+# A hung engine, the harder case to detect (no refused connection: two probes time out without
+# progress). A killed one is found at its first refused probe: the every-engine-down test below
+# and tests/e2e/test_colocated.py kill engines in a run; killing one mid-step, as here, took 24 s
+# of CI (it ran here until 2026-11-29).
+@pytest.mark.parametrize("fault", ["hang"])
 def test_an_engine_lost_mid_step_is_survived_and_restarted(tmp_path, monkeypatch, fault):
     monkeypatch.setenv("RLKIT_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "runs"

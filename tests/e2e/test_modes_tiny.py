@@ -34,7 +34,8 @@ EPISODES = ["rollout.episode.generator=multi_turn", "rollout.episode.environment
 
 @pytest.mark.parametrize("mode,recipe,episodes,router_killed,lora", [
     ("stream", "grpo_tiny_ci.yaml", True, True, False),
-    ("stream", "grpo_tiny_tail_ci.yaml", False, False, True),
+    # (stream with tail batching and LoRA ran here until 2026-11-29: each part rides on another
+    # run, and the 20-minute CI budget needed its 22 s)
     ("async", "grpo_tiny_tail_ci.yaml", True, True, True),
 ])
 def test_a_mode_with_a_policy_end_to_end(tmp_path, monkeypatch, mode, recipe, episodes, router_killed,
