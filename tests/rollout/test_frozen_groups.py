@@ -67,11 +67,16 @@ class Misbehaving:
     def __init__(self, how: str, bad: int) -> None:
         self.how, self.bad, self.calls = how, bad, 0
         self.in_flight = self.most_in_flight = 0
+        # `gate`: requests wait until this many are in flight at once (a condition, not a sleep)
+        self.gate = 0
+        self._gate_open = asyncio.Event()
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         self.calls += 1
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        if self.in_flight >= self.gate:
+            self._gate_open.set()
         try:
             body = await request.json()
             if self.calls <= self.bad:
@@ -80,6 +85,7 @@ class Misbehaving:
                 if self.how == "error":
                     return web.json_response({"error": {"message": "boom"}}, status=500)
                 return web.Response(text="not json at all")
+            await self._gate_open.wait()
             await asyncio.sleep(0.01)
             if "text" in body:
                 return web.json_response({"text": "yes", "meta_info": {}})
@@ -110,7 +116,8 @@ async def misbehaving(request):
     indirect=["misbehaving"])
 async def test_a_failed_try_is_counted_by_kind_and_retried(misbehaving, kind):
     async with EngineClient(None, worker_urls=[misbehaving.url]) as client:
-        group = FrozenGroup("judge", group_cfg(timeout_s=0.5, retries=1), client)
+        # 2 s a try: the hang costs it, and the answer after it never comes near it
+        group = FrozenGroup("judge", group_cfg(timeout_s=2.0, retries=1), client)
         assert await group.generate_text("is 2 + 2 = 4?", sample=(3, 7)) == "yes"
     assert dict(group.failures) == {kind: 1} and group.retries == 1 and group.requests == 1
     # each try is a span of the step's timeline, on the group's lane, for its sample
@@ -146,6 +153,7 @@ async def test_scores_of_the_wrong_length_are_bad_output(misbehaving):
 
 @pytest.mark.parametrize("misbehaving", [("error", 0)], indirect=True)
 async def test_concurrency_is_bounded(misbehaving):
+    misbehaving.gate = 3  # the first requests wait for 3 in flight: the bound is reached, by condition
     async with EngineClient(None, worker_urls=[misbehaving.url]) as client:
         group = FrozenGroup("judge", group_cfg(max_concurrency=3), client)
         assert await asyncio.gather(*(group.generate_text("q") for _ in range(12))) == ["yes"] * 12
@@ -222,7 +230,7 @@ async def test_the_judge_reward_through_a_misbehaving_group(misbehaving, kind):
     from rlkit.rewards.judge import judge
 
     async with EngineClient(None, worker_urls=[misbehaving.url]) as client:
-        group = FrozenGroup("judge", FrozenEnginesConfig(role="judge", model="tiny", timeout_s=0.5,
+        group = FrozenGroup("judge", FrozenEnginesConfig(role="judge", model="tiny", timeout_s=2.0,
                                                          retries=1), client)
         register(group)
         try:
