@@ -1,7 +1,9 @@
 """Run tracking: per-step metrics to JSONL and wandb (offline by default), a live console line
 per step, the rollout timeline (one JSON line per request span) for `rlkit plot timeline`, and
 the groups each step trained (RUN/groups.jsonl: prompt row, epoch, response lengths, the
-ranker's prediction, rewards), which `rlkit bench ranker --run RUN` scores rankers on.
+ranker's prediction, rewards), which `rlkit bench ranker --run RUN` scores rankers on; those it
+dropped (RUN/dropped.jsonl: filtered, failed, stale, and why); and a few trained samples whole
+per step (RUN/samples/, a wandb Table) for `rlkit view`.
 """
 
 from __future__ import annotations
@@ -14,11 +16,11 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from rlkit.config.schema import TrackingConfig
+from rlkit.run_files import (DROPPED_FILE, EVAL_FILE, GROUPS_FILE, METRICS_FILE, SAMPLES_DIR,
+                             sample_file, sample_file_step)
 from rlkit.rollout.timeline import TIMELINE_FILE
 from rlkit.train.algorithms.mismatch import LAG_BUCKETS
 
-GROUPS_FILE = "groups.jsonl"
-EVAL_FILE = "eval.jsonl"  # one row per evaluation (recipe `eval`): step = the version evaluated
 # Into a log that is not a terminal, a progress line at most this often (the live line is
 # redrawn on every poll, about every 0.5 s: one line each would flood the log).
 PLAIN_PROGRESS_EVERY_S = 10.0
@@ -29,7 +31,7 @@ def rewind(run_dir: Path, step: int) -> None:
     trained groups): a run resumed from the checkpoint of `step` does those steps again, and
     each step must be recorded once (a crash can come after a step's rows, before its
     checkpoint). A line cut short by a crash goes too. Each file is rewritten atomically."""
-    for name in ("metrics.jsonl", TIMELINE_FILE, GROUPS_FILE, EVAL_FILE):
+    for name in (METRICS_FILE, TIMELINE_FILE, GROUPS_FILE, DROPPED_FILE, EVAL_FILE):
         path = run_dir / name
         if not path.is_file():
             continue
@@ -40,6 +42,9 @@ def rewind(run_dir: Path, step: int) -> None:
         tmp = path.with_name(f".{name}.tmp")
         tmp.write_text("".join(line + "\n" for line in keep))
         os.replace(tmp, path)
+    for path in (run_dir / SAMPLES_DIR).glob("step_*.json"):
+        if (n := sample_file_step(path)) is not None and n > step:
+            path.unlink()
 
 
 def _step_of(line: str) -> int | None:
@@ -56,9 +61,10 @@ class Tracker:
         self.cfg = cfg
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
-        self._metrics = open(run_dir / "metrics.jsonl", "a") if cfg.jsonl else None
+        self._metrics = open(run_dir / METRICS_FILE, "a") if cfg.jsonl else None
         self._timeline = open(run_dir / TIMELINE_FILE, "a")
         self._groups = open(run_dir / GROUPS_FILE, "a") if cfg.jsonl else None
+        self._dropped = open(run_dir / DROPPED_FILE, "a") if cfg.jsonl else None
         self._eval = open(run_dir / EVAL_FILE, "a") if cfg.jsonl else None
         self._wandb = None
         self._wandb_step = 0
@@ -104,21 +110,43 @@ class Tracker:
         return {"step": step, "time_s": round(self._clock() - self._t0, 3), **json_safe(metrics)}
 
     def log_timeline(self, step: int, spans: Iterable[dict[str, Any]],
-                     header: dict[str, Any] | None = None) -> None:
-        """One step's request spans, after its step line (policy, round, window, workers)."""
+                     header: dict[str, Any] | None = None,
+                     phases: Iterable[dict[str, Any]] = ()) -> None:
+        """One step's request spans, after its step line (policy, round, window, workers),
+        then the trainer phases the driver waited for (rollout/timeline.py)."""
         if header:
             self._timeline.write(json.dumps({"kind": "step", "step": step, **header}) + "\n")
-        for span in spans:
+        for span in [*spans, *phases]:
             self._timeline.write(json.dumps({"step": step, **span}) + "\n")
         self._timeline.flush()
 
-    def log_groups(self, step: int, records: Iterable[dict[str, Any]]) -> None:
-        """One line per trained group (RUN/groups.jsonl), from `group_record`s."""
-        if self._groups is None:
+    def log_groups(self, step: int, records: Iterable[dict[str, Any]],
+                   dropped: Iterable[dict[str, Any]] = ()) -> None:
+        """One line per trained group (RUN/groups.jsonl), from `group_record`s, and one per
+        group the step dropped (RUN/dropped.jsonl, "dropped": why)."""
+        for f, rows in ((self._groups, records), (self._dropped, dropped)):
+            if f is not None:
+                for r in rows:
+                    f.write(json.dumps({"step": step, **json_safe(r)}) + "\n")
+                f.flush()
+
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """The step's picked samples (rollout/sample_rows.py): RUN/samples/step_<N>.json,
+        written whole (a temporary file renamed), and a wandb Table `samples`."""
+        if not rows:
             return
-        for r in records:
-            self._groups.write(json.dumps({"step": step, **r}) + "\n")
-        self._groups.flush()
+        path = sample_file(self.run_dir, step)
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps({"step": step, "samples": json_safe(rows)}))
+        os.replace(tmp, path)
+        if self._wandb is not None:
+            import wandb
+
+            table = wandb.Table(columns=list(SAMPLE_COLUMNS))
+            for r in rows:
+                table.add_data(*sample_table_row(step, r))
+            self._wandb.log({"samples": table}, step=max(self._wandb_step, step))
 
     def progress(self, step: int, done: int, target: int, tokens: int, elapsed: float) -> None:
         """A progress line while a rollout step runs: on a terminal one live line redrawn on
@@ -139,7 +167,7 @@ class Tracker:
             self._progress_last = (step, done, now)
 
     def close(self) -> None:
-        for f in (self._metrics, self._timeline, self._groups, self._eval):
+        for f in (self._metrics, self._timeline, self._groups, self._dropped, self._eval):
             if f is not None:
                 f.close()
         if self._wandb is not None:
@@ -171,6 +199,19 @@ def _wandb_id(run_dir: Path) -> str:
     rid = uuid.uuid4().hex[:12]
     path.write_text(rid)
     return rid
+
+
+# The wandb Table's columns: what a reader scans for "sneaky" engine issues (NeMo-RL #938).
+SAMPLE_COLUMNS = ("step", "group_id", "sample", "reward", "group_rewards", "finish_reason",
+                  "length", "versions", "resumes", "prompt", "response")
+
+
+def sample_table_row(step: int, r: dict[str, Any]) -> list[Any]:
+    versions = sorted(set(r["versions"]))
+    return [step, r["group_id"], r["sample_index"], r["reward"],
+            ", ".join("-" if x is None else f"{x:g}" for x in r["group_rewards"]),
+            r["finish_reason"], len(r["ids"]), ", ".join(map(str, versions)), r["resumes"],
+            r["prompt"], r["response"]]
 
 
 def json_safe(x: Any) -> Any:

@@ -500,6 +500,7 @@ class Step:
             reason = "reward_failed" if reward_failed else "engine_failed"
             self.buffer.drop(g, reason)
             self.report_.dropped[reason] = self.report_.dropped.get(reason, 0) + 1
+            self.report_.record_dropped(g, reason)
             self._emit(EventKind.DROPPED, run, reason)
             if self.report_.engine_failures > max(8, 2 * self.target) and self._error is None:
                 self._error = EnginesFailing(
@@ -536,6 +537,7 @@ class Step:
             self._completed.append(run.group)
             self._emit(EventKind.COMPLETED, run)
         elif self.buffer.place_of(run.group) is None:
+            self.report_.record_dropped(run.group, "stale")
             self._emit(EventKind.DROPPED, run, "stale")
         else:
             self._emit(EventKind.PARKED, run, "stale")
@@ -546,6 +548,7 @@ class Step:
         self.report_.filtered[reason] = self.report_.filtered.get(reason, 0) + 1
         self.report_.filtered_tokens += run.group.tokens
         self.buffer.drop(run.group, f"filtered:{reason}")
+        self.report_.record_dropped(run.group, f"filtered:{reason}")
         self._emit(EventKind.FILTERED, run, reason)
 
     def _restart_surplus(self, run: _GroupRun, finishing: asyncio.Task | None) -> None:

@@ -12,6 +12,9 @@ from rlkit.rollout.rankers.recall import recalls
 from rlkit.rollout.timeline import Span
 
 
+DROPPED_KEPT = 256
+
+
 @dataclass
 class StepReport:
     version: int
@@ -56,6 +59,9 @@ class StepReport:
     turn_predictions: list[tuple[float, float]] = field(default_factory=list)
     dispatch: dict[str, Any] = field(default_factory=dict)  # the dispatcher's plan, if any
     dropped: dict[str, int] = field(default_factory=dict)
+    # the groups dropped (filtered, failed, stale) one by one, at most DROPPED_KEPT: what the
+    # run viewer shows beside the trained ones (RUN/groups.jsonl, "dropped": reason)
+    dropped_groups: list[dict[str, Any]] = field(default_factory=list)
     reward_mean: float = math.nan
     reward_failures: int = 0
     engine_failures: int = 0
@@ -63,6 +69,14 @@ class StepReport:
     relaunched_tokens: int = 0  # tokens those requests had when their engine was lost
     engines: dict[str, float] = field(default_factory=dict)  # the health monitor's counts
     timeline: list[Span] = field(default_factory=list)
+
+    def record_dropped(self, group: Any, reason: str) -> None:
+        """One dropped group's line (its rewards and lengths as they were)."""
+        if len(self.dropped_groups) < DROPPED_KEPT:
+            self.dropped_groups.append({
+                "group_id": group.group_id, "source_index": group.prompt.source_index,
+                "dropped": reason, "lengths": [len(s.response_ids) for s in group.samples],
+                "rewards": [s.reward for s in group.samples]})
 
     @property
     def throughput(self) -> float:

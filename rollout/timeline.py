@@ -21,6 +21,12 @@ Step line (optional; the simulator and the real driver write one per step, befor
      "round": str}                  optional: the policy's kind of step (tail batching: short
                                     | long)
 
+Phase line (optional; one per trainer phase of the step: what the driver waited for after the
+step's rollout; in async mode it overlaps the next step's requests):
+
+    {"step": int, "kind": "phase", "name": "train" | "sync" | "sleep" | "eval_wait",
+     "start": float, "end": float}
+
 Times are seconds on the run's clock (`loop.time()`; virtual in the simulator). `start` is
 when the request was sent (or queued at the engine), `end` when it returned with `tokens`
 generated. `outcome` is stop | length | abort | cancelled | preempt | error. Without
@@ -63,6 +69,24 @@ class Span:
                 "response_before": self.response_before}
 
 
+PHASES = ("train", "sync", "sleep", "eval_wait")  # trainer phases (Run.end_step, Run.to_training)
+
+
+@dataclass
+class Phase:
+    """One trainer phase the driver waited for: train (what training was left once the batch
+    was in, and the optimizer step), sync (the weight push; colocated, the engines' wake),
+    sleep (colocated: the engines release the GPUs), eval_wait (a sync waiting for an
+    evaluation in flight)."""
+
+    name: str
+    start: float
+    end: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "phase", "name": self.name, "start": self.start, "end": self.end}
+
+
 @dataclass
 class StepTimeline:
     step: int
@@ -73,6 +97,7 @@ class StepTimeline:
     source: str = "sim"
     spans: list[Span] = field(default_factory=list)
     round: str = ""
+    phases: list[Phase] = field(default_factory=list)
 
     def header(self) -> dict[str, Any]:
         return {"kind": "step", "step": self.step, "policy": self.policy, "start": self.start,
@@ -88,6 +113,8 @@ def append_step(path: str | Path, timeline: StepTimeline) -> None:
         f.write(json.dumps(timeline.header()) + "\n")
         for s in timeline.spans:
             f.write(json.dumps({"step": timeline.step, **s.to_json()}) + "\n")
+        for p in timeline.phases:
+            f.write(json.dumps({"step": timeline.step, **p.to_json()}) + "\n")
 
 
 def read_timeline(path: str | Path) -> list[StepTimeline]:
@@ -97,9 +124,14 @@ def read_timeline(path: str | Path) -> list[StepTimeline]:
         path = path / TIMELINE_FILE
     if not path.exists():
         raise TimelineError(f"no timeline at {path}")
+    return parse_timeline(path.read_text().splitlines(), str(path))
+
+
+def parse_timeline(lines: list[str], where: str = "timeline") -> list[StepTimeline]:
+    """The steps of a timeline's lines (`where` names the file in errors)."""
     steps: dict[int, StepTimeline] = {}
     declared: set[int] = set()
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
@@ -113,6 +145,11 @@ def read_timeline(path: str | Path) -> list[StepTimeline]:
                 tl.round = str(d.get("round") or "")
                 declared.add(step)
                 continue
+            if d.get("kind") == "phase":
+                step = int(d["step"])
+                phase = Phase(str(d["name"]), float(d["start"]), float(d["end"]))
+                steps.setdefault(step, StepTimeline(step, "", phase.start, phase.end, [])).phases.append(phase)
+                continue
             step = int(d["step"])
             span = Span(
                 d["worker"], int(d["group_id"]), int(d["sample_index"]),
@@ -122,7 +159,7 @@ def read_timeline(path: str | Path) -> list[StepTimeline]:
                 int(d.get("response_before") or 0),
             )
         except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
-            raise TimelineError(f"{path}:{n}: bad line ({type(e).__name__}: {e})") from None
+            raise TimelineError(f"{where}:{n}: bad line ({type(e).__name__}: {e})") from None
         steps.setdefault(step, StepTimeline(step, "", span.start, span.end, [])).spans.append(span)
     for step, tl in steps.items():
         if step not in declared and tl.spans:  # real driver: infer the window and workers

@@ -69,6 +69,18 @@ class TrackingConfig(BaseModel):
     )
     project: str = Field("rlkit", description="wandb project.")
     progress: bool = Field(True, description="Live progress on the console.")
+    samples_per_step: int = Field(
+        4, ge=0,
+        description="Trained samples saved whole each step (tokens, weight versions, loss mask, "
+        "logprobs, the group's rewards), round-robin over the step's groups: "
+        "<run>/samples/step_<N>.json for `rlkit view`, and a wandb Table `samples` per step. "
+        "0 saves none.",
+    )
+    viewer: bool = Field(
+        False,
+        description="Serve `rlkit view` on this run while it trains (loopback, a random port; "
+        "the URL, with its token, is printed at the start).",
+    )
 
 
 class CheckpointConfig(BaseModel):

@@ -80,6 +80,7 @@ class RolloutActor:
         self.model_path = model_path
         self.log_dir = Path(log_dir)
         self.tokenizer: Any = None
+        self.decode: Any = None  # token ids -> text, for the sample rows (tracking)
         self.source: Any = None
         self.score: Any = None
         self.group_filter: Any = None
@@ -109,6 +110,7 @@ class RolloutActor:
         tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.source = load_prompt_source(r.data, tokenizer, seed=r.run.seed)
         self.score = make_score_fn(r.rollout.reward, tokenizer_decode(tokenizer))
+        self.decode = lambda ids: tokenizer.decode(list(ids))  # special tokens shown
         self.group_filter = load_group_filter(r.rollout.filter)
         self.ranker = load_ranker(r.rollout.ranker)
         self.episodes = load_episode_runner(r.rollout.episode, r.rollout.sampling, tokenizer)
@@ -146,6 +148,11 @@ class RolloutActor:
                                                   episodes=self.episodes, updates=updates,
                                                   router=RouterProcessHandle(self.router, self.client),
                                                   frozen={n: g for n, (g, _) in self.frozen.items()})
+        if r.tracking.samples_per_step:  # a few samples whole per step (run viewer, wandb)
+            from rlkit.rollout.sample_rows import SamplePicker
+
+            self.service.sample_picker = SamplePicker(r.tracking.samples_per_step,
+                                                      r.rollout.batch_size, self.decode)
         lora = r.train.lora
         self.service.adapter_sync = lora.rank > 0 and lora.sync == "adapter"
         if self.service.adapter_sync and lora.resume == "own":

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from rlkit.driver.rollout_box import Handed, RolloutBox, RolloutResult, batch_metrics
+from rlkit.rollout.timeline import Phase
 
 if TYPE_CHECKING:
     from rlkit.common.weight_update import WeightPublisher
@@ -33,6 +34,9 @@ class LoopState:
     version: int = 0  # policy version of the trainer's weights (and the engines', after a sync)
     # What the driver is waiting for (a process that dies is reported as dying during it).
     phase: str = "start-up"
+    # The trainer phases of the step just ended, for its timeline (rollout/timeline.py Phase):
+    # what the driver waited for after the rollout, on the run's clock.
+    trainer_phases: list["Phase"] = field(default_factory=list)
 
     def current_step(self) -> int:
         """The step the phase belongs to (1-based): a checkpoint is written after its step."""
@@ -82,6 +86,7 @@ class Run:
     # only): `to_training` before each step's training, the weight push wakes the engines.
     colocated: bool = False
     _turn: dict[str, float] = field(default_factory=dict)  # the step's colocation metrics
+    _phases: list[Phase] = field(default_factory=list)  # the step's trainer phases so far
     _asleep: bool = False  # colocated, from the engines' sleep to the push that wakes them
     _last_end: float | None = None
     _eval: asyncio.Task | None = None
@@ -161,6 +166,7 @@ class Run:
         t0 = self.now()
         metrics = await self.rollout.sleep_engines()
         self._turn = {**metrics, "colocate/sleep_seconds": self.now() - t0}
+        self._phases.append(Phase("sleep", t0, self.now()))
 
     async def restore_engines(self) -> None:
         """Engines restarted in the middle of a step (rollout.health) get the current weights
@@ -182,9 +188,13 @@ class Run:
             t2 = self.now()
             # An evaluation still running (async mode) ends on the weights it began with.
             waited = await self.eval_done()
+            t3 = self.now()
             self.state.phase = "the weight sync"
             await self.push_weights(self.state.version + 1)
         now = self.now()
+        self._phases += [Phase("train", t1, t2), *([Phase("eval_wait", t2, t3)] if t3 > t2 else []),
+                         Phase("sync", t3, now)]
+        self.state.trainer_phases, self._phases = self._phases, []
         self.state.step += 1
         self.state.version += 1
         if waited is not None:  # what the sync waited for the evaluation (async mode)
@@ -214,8 +224,10 @@ def step_recorder(recipe: "Recipe", tracker: "Tracker", rollout: RolloutBox, tra
             "version": state.version,
             **{f"buffer/{k}": v for k, v in result.buffer.items() if isinstance(v, (int, float))},
         })
-        tracker.log_timeline(state.step, result.timeline, header=result.header)
-        tracker.log_groups(state.step, handed.records)
+        tracker.log_timeline(state.step, result.timeline, header=result.header,
+                             phases=[p.to_json() for p in state.trainer_phases])
+        tracker.log_groups(state.step, handed.records, dropped=result.dropped)
+        tracker.log_samples(state.step, handed.samples)
         every = recipe.checkpoint.every_steps
         if state.step == recipe.run.num_steps or (every and state.step % every == 0):
             state.phase = "the checkpoint write"

@@ -34,10 +34,14 @@ class Handed:
 
     refs: list[Any] = field(default_factory=list)
     records: list[dict[str, Any]] = field(default_factory=list)
+    # a few of their samples whole, for the run viewer and wandb (tracking.samples_per_step;
+    # rlkit/rollout/sample_rows.py)
+    samples: list[dict[str, Any]] = field(default_factory=list)
 
     def extend(self, other: "Handed") -> None:
         self.refs += other.refs
         self.records += other.records
+        self.samples += other.samples
 
 
 @dataclass
@@ -51,6 +55,8 @@ class RolloutResult:
     header: dict[str, Any] = field(default_factory=dict)  # the timeline's step line
     report: "StepReport | None" = field(default=None, repr=False)  # in process only
     handed: Handed | None = None  # the groups taken at the step's end (start_step's `take`)
+    # the groups the step dropped (filtered, failed, stale), as RUN/groups.jsonl lines
+    dropped: list[dict[str, Any]] = field(default_factory=list)
 
 
 class RolloutBox(Protocol):
@@ -138,8 +144,11 @@ def batch_metrics(records: Sequence[dict[str, Any]]) -> dict[str, float]:
     if not rewards:
         return lags
     mean = sum(rewards) / len(rewards)
+    scored = [[r for r in g["rewards"] if r is not None] for g in records]
     return {
         **lags,
+        # groups whose rewards are all equal: no GRPO advantage, nothing learnt from them
+        "batch/zero_variance_share": sum(1 for g in scored if len(set(g)) <= 1) / len(records),
         "batch/mixed_version_share": sum(g.get("mixed", 0) for g in records) / len(lengths),
         "batch/reward_mean": mean,
         "batch/reward_max": max(rewards),

@@ -29,6 +29,7 @@ from rlkit.rollout.health import EngineMonitor, Restarter, RouterHandle
 from rlkit.rollout.manager import RolloutManager, batch_target
 from rlkit.rollout.policies import make_policy
 from rlkit.rollout.rankers import LengthRanker
+from rlkit.rollout.sample_rows import SamplePicker
 from rlkit.rollout.reward_scheduler import REWARD_FAILURE_KINDS, RewardScheduler, ScoreFn, TeacherFn
 from rlkit.rollout.step_report import StepReport
 
@@ -58,6 +59,8 @@ class RolloutService:
         # trainer's adapter as `policy@v<version>` and new requests name it; `_adapters` are
         # those loaded and not yet unloaded (an adapter goes once no request names it)
         self.adapter_sync = False
+        # tracking.samples_per_step (set by the driver): a few trained samples whole per step
+        self.sample_picker: SamplePicker | None = None
         self._adapters: list[str] = []
         # train.lora.resume 'own' (set by the driver): adapters unfinished samples began under
         # stay loaded, the newest `keep_versions` at most (the current one included)
@@ -167,6 +170,7 @@ class RolloutService:
                     "source": "real"},
             report=report,
             handed=await self.take(take) if take else None,
+            dropped=report.dropped_groups,
         )
 
     def _frozen_metrics(self, before: dict[str, dict[str, float]]) -> dict[str, float]:
@@ -437,6 +441,8 @@ class RolloutService:
         handed = self.hand(groups)
         for record, group in zip(handed.records, groups):
             record.update(lag_record(group, self.buffer.version))
+        if self.sample_picker is not None:  # a few whole, for the run viewer (tracking)
+            handed.samples = self.sample_picker.pick(groups, self.buffer.version)
         return handed
 
     async def admits(self, for_version: int) -> bool:

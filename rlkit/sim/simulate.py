@@ -307,6 +307,7 @@ async def simulate(
             append_step(timeline_path, StepTimeline(
                 step, policy.name, t0, t1, engines.workers(), "sim",
                 [span(s, min(cap, trace.cap)) for s in segments], round=report.round,
+                phases=list(state.trainer_phases),
             ))
 
     run = Run(box, TimedTrainerBox(train, on_batch, colocation), first_step + steps, batch,
