@@ -21,6 +21,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("eval",), "rlkit.commands.eval", "evaluate a model or checkpoint on held-out prompts (pass@k)"),
     (("plot", "metrics"), "rlkit.commands.plot_metrics", "per-step metric curves of a run as a PNG"),
     (("plot", "timeline"), "rlkit.commands.plot_timeline", "per-engine Gantt chart of a step"),
+    (("view",), "rlkit.commands.view", "a web page over a run (steps, engines, groups, samples, advice); --export-trace"),
     (("plan",), "rlkit.commands.plan", "split GPUs between generation and training (StreamRL Alg. 1), or colocate them"),
     (("bench", "buffer"), "rlkit.bench.buffer", "buffer group operations per second"),
     (("bench", "engine"), "rlkit.bench.engine", "engine tokens/s through the router vs model.generate; PTL profile"),

@@ -51,6 +51,7 @@ STEP_PANELS: list[tuple[str, list[str]]] = [
     ("response length (tokens)", ["batch/response_length_mean", "batch/response_length_max"]),
     ("seconds per step", ["rollout/seconds", "train/seconds", "sync/seconds", "step/seconds"]),
     ("rollout tokens/s", ["rollout/throughput_tok_s"]),
+    ("engines idle (share of the rollout's engine-seconds)", ["timeline/engine_idle_share"]),
     ("zero-variance and mixed-version shares", ["batch/zero_variance_share",
                                                 "batch/mixed_version_share",
                                                 "rollout/resumed_token_share"]),
@@ -176,6 +177,12 @@ class RunData:
         out["outcomes"] = {k: {"colour": c, "label": lab} for k, (c, lab) in OUTCOMES.items()}
         out["phase_colours"] = PHASE_COLOURS
         return out
+
+    # -- advice -----------------------------------------------------------------------
+    def advice(self) -> list[dict[str, Any]]:
+        from rlkit.view.advice import RunFacts, advise
+
+        return advise(RunFacts(self.steps()["rows"], self.recipe(), self.overview()["source"]))
 
     # -- groups and samples -----------------------------------------------------------
     def groups(self, step: int | None = None) -> dict[str, Any]:
