@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Iterable
@@ -77,6 +78,14 @@ class Tracker:
             self._console = Console(stderr=True)
         self._clock = time.monotonic
         self._t0 = self._clock()
+        self.viewer = None
+        if cfg.viewer:  # `rlkit view` on this run while it trains (loopback, a token)
+            from rlkit.view.run_data import RunData
+            from rlkit.view.server import ViewServer
+
+            self.viewer = ViewServer(RunData(run_dir)).start()
+            print(f"rlkit view: {self.viewer.url}  (this run, live; loopback only)", file=sys.stderr,
+                  flush=True)
         self._progress_last: tuple[int, int, float] | None = None  # step, done, when (plain log)
 
     # -- per step ---------------------------------------------------------------------
@@ -173,6 +182,9 @@ class Tracker:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+        if self.viewer is not None:
+            self.viewer.stop()
+            self.viewer = None
 
 
 def _start_wandb(cfg: TrackingConfig, run_dir: Path, run_name: str, config: dict[str, Any]) -> Any:

@@ -192,7 +192,7 @@ class Run:
             self.state.phase = "the weight sync"
             await self.push_weights(self.state.version + 1)
         now = self.now()
-        self._phases += [Phase("train", t1, t2), *([Phase("eval_wait", t2, t3)] if t3 > t2 else []),
+        self._phases += [Phase("train", t1, t2), *([Phase("eval_wait", t2, t3)] if waited is not None else []),
                          Phase("sync", t3, now)]
         self.state.trainer_phases, self._phases = self._phases, []
         self.state.step += 1

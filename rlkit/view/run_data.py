@@ -37,6 +37,7 @@ OUTCOMES: dict[str, tuple[str, str]] = {
     "cancelled": ("#b0b0b0", "cancelled (surplus)"),
     "preempt": ("#9b59b6", "preempted (KV full)"),
     "error": ("#c0392b", "failed"),
+    "lost": ("#555555", "engine or router lost (relaunched with its tokens)"),
     "scored": ("#16a085", "frozen engine: answered"),
     "timeout": ("#e74c3c", "frozen engine: timed out"),
     "bad_output": ("#d35400", "frozen engine: bad output"),

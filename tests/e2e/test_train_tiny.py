@@ -143,13 +143,15 @@ def test_grpo_with_partial_rollouts_end_to_end_and_resume(tmp_path, monkeypatch)
     assert processes_with(str(model_dir)) == []
 
 
-def test_tail_batching_colocated_end_to_end_with_a_long_round_and_dynamic_sampling(tmp_path, monkeypatch):
+def test_tail_batching_colocated_end_to_end_with_a_long_round_and_dynamic_sampling(tmp_path, monkeypatch, capfd):
     """Short rounds defer what does not finish; the run's last step (at the latest) is a long
     round that trains the deferred prompts; zero-variance groups are filtered and replaced;
     everything balances and nothing is left running. Colocated: the rounds are unchanged while
     the engines sleep for every training (tail batching disaggregated: tests/e2e/
     test_modes_tiny.py). The router is SIGKILLed in step 1's rollout once 8 tokens went through
-    it (the rollout actor's test-only switch): restarted, its requests go on with their tokens."""
+    it (the rollout actor's test-only switch): restarted, its requests go on with their tokens.
+    The run serves `rlkit view` (tracking.viewer) and writes wandb offline: the viewer's data
+    and pages are checked against the run's own records at the end."""
     from rlkit.common.fault_switch import ROUTER_FAULT_ENV, read_fired
     from tests.e2e.test_colocated import assert_took_turns
 
@@ -158,9 +160,10 @@ def test_tail_batching_colocated_end_to_end_with_a_long_round_and_dynamic_sampli
     out = tmp_path / "runs"
     recipe = load_recipe(ROOT / "recipes" / "grpo_tiny_tail_ci.yaml", [
         f"run.output_dir={out}", "tracking.progress=false", "run.num_steps=3",
-        "cluster.placement=colocated",
+        "cluster.placement=colocated", "tracking.viewer=true", "tracking.wandb=offline",
     ])
     state = train(recipe)
+    assert "rlkit view: http://127.0.0.1:" in capfd.readouterr().err  # tracking.viewer
     run_dir = out / recipe.run.name
     assert (state.step, state.version) == (3, 3)
     metrics = rows(run_dir)
@@ -188,3 +191,7 @@ def test_tail_batching_colocated_end_to_end_with_a_long_round_and_dynamic_sampli
     assert metrics[0]["rollout/requests_relaunched"] > 0, counts
     model_dir = Path(os.environ["RLKIT_CACHE"]) / "models" / "tiny"
     assert processes_with(str(model_dir)) == []
+    # what `rlkit view` shows of this run (pages in Chromium too), the wandb sample tables
+    from tests.view.view_checks import check_real_run
+
+    check_real_run(run_dir, recipe, metrics)

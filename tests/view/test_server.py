@@ -23,8 +23,8 @@ def get(server: ViewServer, path: str, headers: dict | None = None) -> tuple[int
         conn.close()
 
 
-@pytest.fixture
-def server(sim_run, tmp_path):
+@pytest.fixture(scope="module")
+def server(sim_run):
     folder, _ = sim_run
     s = ViewServer(RunData(folder)).start()
     yield s
