@@ -33,6 +33,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "ranker"), "rlkit.bench.ranker", "length rankers' recall of the long tail"),
     (("bench", "learn"), "rlkit.bench.learn", "held-out accuracy of off-policy modes vs sync, same samples, over seeds"),
     (("bench", "peer"), "rlkit.bench.peer", "the same GRPO job in TRL's GRPOTrainer and in rlkit, side by side"),
+    (("bench", "view"), "rlkit.bench.view", "page load times of `rlkit view` on a large (simulated) run, in headless Chromium"),
     (("bench", "lora"), "rlkit.bench.lora", "LoRA's trainer memory and weight syncs (adapter, merged, full) to an engine"),
 ]
 

@@ -326,6 +326,49 @@ def evaluate(c: Ctx) -> None:
     assert greedy["prompts"] == 4 and greedy["failures"] == 0 and 0 <= greedy["pass@1"] <= 1
 
 
+def view(c: Ctx) -> None:
+    """`rlkit view RUN` serves until Ctrl-C: started as a process, its printed URL answers with
+    the page and the run's data, SIGINT stops it cleanly; --export-trace writes a valid trace."""
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+
+    from rlkit.view.trace_export import validate_trace
+
+    run = c.request.getfixturevalue("tiny_run")
+    proc = subprocess.Popen([sys.executable, "-m", "rlkit.cli", "view", str(run.path)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        url = line.split()[2]
+        assert url.startswith("http://127.0.0.1:") and "token=" in url, line
+        with urllib.request.urlopen(url, timeout=30) as r:
+            assert b"rlkit view" in r.read()
+        base, token = url.split("/?")
+        with urllib.request.urlopen(f"{base}/api/overview?{token}", timeout=30) as r:
+            overview = json.loads(r.read())
+        assert overview["name"] == "grpo-tiny" and overview["steps"] == 1
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+    out = c.tmp / "trace.json"
+    c.run("view", "--export-trace", str(run.path), str(out))
+    trace = json.loads(out.read_text())
+    assert validate_trace(trace) == [] and any(e.get("cat") == "request" for e in trace["traceEvents"])
+
+
+def bench_view(c: Ctx) -> None:
+    out = c.tmp / "bench-view"
+    c.run("bench", "view", "--requests", "200", "--repeats", "1", "--out", str(out))
+    r = c.report(out, "view")
+    assert r["requests"] >= 200 and r["engines"] == 8
+    assert set(r["page_load_s"]) == {"steps", "engines", "groups", "advice"}
+    assert all(s > 0 for s in r["page_load_s"].values()) and r["timeline_redraw_s"] > 0
+
+
 # command words -> (row, marks); fast rows first, the heavy ones share one tiny run
 SMOKE: dict[tuple[str, ...], tuple[Callable[[Ctx], None], tuple]] = {
     ("config", "show"): (config_show, ()),
@@ -349,6 +392,8 @@ SMOKE: dict[tuple[str, ...], tuple[Callable[[Ctx], None], tuple]] = {
     ("bench", "learn"): (bench_learn, HEAVY),
     ("bench", "peer"): (bench_peer, HEAVY),
     ("bench", "lora"): (bench_lora, HEAVY),
+    ("view",): (view, HEAVY),
+    ("bench", "view"): (bench_view, (pytest.mark.integration,)),
 }
 
 

@@ -20,3 +20,4 @@ def test_every_page_of_a_simulator_run_loads_in_chromium(sim_run, tmp_path):
     for name in ("steps", "engines", "groups", "advice", "recipe"):
         png = (tmp_path / "shots" / f"{name}.png").read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
