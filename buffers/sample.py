@@ -15,6 +15,14 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 
+# Sample.metadata key of a sample picked for the run viewer (rollout/sample_rows.py): the
+# trainer reports its own logprobs of its tokens with the step's metrics.
+TRACE_KEY = "rlkit/trace"
+# The key of the training metrics that holds them ("<group>/<index>" -> logprobs); not a number,
+# the driver takes it out of the step's row.
+TRACED_LOGPROBS = "trace/trainer_logprobs"
+
+
 class SampleStatus(str, enum.Enum):
     PENDING = "pending"  # nothing generated yet
     RUNNING = "running"  # a request is in flight

@@ -215,15 +215,17 @@ def _wandb_id(run_dir: Path) -> str:
 
 # The wandb Table's columns: what a reader scans for "sneaky" engine issues (NeMo-RL #938).
 SAMPLE_COLUMNS = ("step", "group_id", "sample", "reward", "group_rewards", "finish_reason",
-                  "length", "versions", "resumes", "prompt", "response")
+                  "length", "versions", "resumes", "max_abs_logprob_diff", "prompt", "response")
 
 
 def sample_table_row(step: int, r: dict[str, Any]) -> list[Any]:
     versions = sorted(set(r["versions"]))
+    trainer = r.get("trainer_logprobs")  # the largest |rollout - trainer| over its tokens
+    diff = max((abs(a - b) for a, b in zip(r["logprobs"], trainer)), default=0.0) if trainer else None
     return [step, r["group_id"], r["sample_index"], r["reward"],
             ", ".join("-" if x is None else f"{x:g}" for x in r["group_rewards"]),
             r["finish_reason"], len(r["ids"]), ", ".join(map(str, versions)), r["resumes"],
-            r["prompt"], r["response"]]
+            diff, r["prompt"], r["response"]]
 
 
 def json_safe(x: Any) -> Any:

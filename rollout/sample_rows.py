@@ -8,12 +8,17 @@ Which response of a group rotates with the version, so a run shows every slot in
 
 A row holds each response token's text, id, weight version, loss mask (1: the model's token;
 0: an observation of a multi-turn episode), rollout logprob and, under distillation, the
-teacher's; the group's rewards, so the viewer can step through the group.
+teacher's; the group's rewards, so the viewer can step through the group. A picked sample is
+marked (Sample.metadata[TRACE_KEY]) before it leaves: the trainer computes its own logprobs of
+its tokens with the weights the batch trains from (train/stream.py), which come back with the
+step's training metrics and join the row as `trainer_logprobs` (rlkit/driver/loop.py).
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
+
+from rlkit.buffers.sample import TRACE_KEY
 
 Decode = Callable[[Sequence[int]], str]
 PROMPT_CHARS = 4000  # the prompt's tail kept in a row: what the response continues
@@ -42,7 +47,9 @@ class SamplePicker:
             for j, _ in enumerate(picks):
                 if j >= len(samples):
                     break
-                rows.append(sample_row(g, samples[(j + version) % len(samples)], self.decode))
+                s = samples[(j + version) % len(samples)]
+                s.metadata[TRACE_KEY] = True  # the trainer's logprobs of it come back too
+                rows.append(sample_row(g, s, self.decode))
         return rows
 
 

@@ -22,7 +22,7 @@ from typing import Iterable, Sequence
 import torch
 
 from rlkit.buffers.group import Group
-from rlkit.buffers.sample import SampleStatus
+from rlkit.buffers.sample import TRACE_KEY, SampleStatus
 from rlkit.train.algorithms.advantages import group_advantages
 
 
@@ -50,6 +50,9 @@ class TrainSample:
     # float32 [response]: the teacher's logprob of each response token (Sample.teacher_logprobs,
     # on-policy distillation); None without a teacher. Mask-0 positions may hold anything.
     teacher_logprobs: torch.Tensor | None = None
+    # picked for the run viewer (rollout/sample_rows.py): the trainer reports its own logprobs
+    # of these tokens (RolloutBatchStep.traced), beside the rollout's
+    traced: bool = False
 
     @property
     def response_length(self) -> int:
@@ -193,6 +196,7 @@ def build_batch(
                     versions=torch.tensor(s.versions, dtype=torch.int32),
                     resumed=s.resumes > 0,
                     teacher_logprobs=teacher,
+                    traced=bool(s.metadata.get(TRACE_KEY)),
                 )
             )
     batch = TrainBatch(samples, policy_version)

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from rlkit.buffers.group import Group
+from rlkit.buffers.sample import TRACED_LOGPROBS
 from rlkit.train.batch import TrainBatch, build_batch_from_config
 from rlkit.train.microbatch_plan import (
     ReplicaAssigner, micro_batches, pad_to_equal, stream_micro_batches, warn_over_budget,
@@ -128,6 +129,9 @@ class RolloutBatchStep:
         self.groups = 0
         self.off_policy_samples = 0
         self.finished = False
+        # samples picked for the run viewer: "<group>/<index>" -> the trainer's logprob of each
+        # response token, with the weights this batch trains from (before its optimizer step)
+        self.traced: dict[str, list[float]] = {}
 
     @classmethod
     def for_config(cls, trainer: Trainer, cfg, *, policy_version: int, rollout_samples: int,
@@ -169,11 +173,26 @@ class RolloutBatchStep:
             own = own.with_logprobs(old=self.trainer.logprobs(own))
         if self.need_ref:
             own = own.with_logprobs(ref=self.trainer.logprobs(own, policy="reference"))
+        self._trace(own)
         for (part, _), s in zip(mine, own.samples):
             while len(self._parts) <= part:
                 self._parts.append(TrainBatch([], self.policy_version))
             self._parts[part].samples.append(s)
         self._accumulate_first_part(full_only=True)
+
+    def _trace(self, own: TrainBatch) -> None:
+        """The trainer's own logprobs of the samples picked for the viewer (a few a step): pi_old
+        where it was computed anyway, else one forward over them. Every TP rank of a replica
+        holds the same samples, so the forward's collectives line up as pi_old's do."""
+        picked = [s for s in own.samples if s.traced]
+        if not picked:
+            return
+        if self.need_old:
+            values = [s.old_logprobs for s in picked]
+        else:
+            values = self.trainer.logprobs(TrainBatch(picked, self.policy_version))
+        for s, lp in zip(picked, values):
+            self.traced[f"{s.group_id}/{s.index}"] = [round(float(x), 5) for x in lp]
 
     def add_all(self, groups: Iterable[Group]) -> None:
         for g in groups:
@@ -194,6 +213,8 @@ class RolloutBatchStep:
             metrics = self.trainer.step()
         metrics["train/optimizer_steps"] = float(steps)
         metrics["train/off_policy_samples"] = float(self.off_policy_samples)
+        if self.traced:  # not a number: the driver takes it out of the row (TRACED_LOGPROBS)
+            metrics[TRACED_LOGPROBS] = self.traced  # type: ignore[assignment]
         return metrics
 
     def _own(self, part: int) -> list:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
+from rlkit.buffers.sample import TRACED_LOGPROBS
 from rlkit.driver.rollout_box import Handed, RolloutBox, RolloutResult, batch_metrics
 from rlkit.rollout.timeline import Phase
 
@@ -216,6 +217,10 @@ def step_recorder(recipe: "Recipe", tracker: "Tracker", rollout: RolloutBox, tra
 
     def on_step(state: LoopState, result: RolloutResult, handed: Handed,
                 row: dict[str, float]) -> None:
+        # the trainer's logprobs of the samples saved for the viewer join their rows
+        traced: dict = row.pop(TRACED_LOGPROBS, None) or {}  # type: ignore[assignment]
+        for s in handed.samples:
+            s["trainer_logprobs"] = traced.get(f"{s['group_id']}/{s['sample_index']}")
         tracker.log(state.step, {
             **result.metrics,
             **batch_metrics(handed.records),

@@ -12,6 +12,7 @@ import asyncio
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
+from rlkit.buffers.sample import TRACED_LOGPROBS
 from rlkit.common.errors import ProcessDied, actor_death
 from rlkit.common.weight_update import PublisherFailed
 from rlkit.config.schema import Recipe
@@ -98,7 +99,12 @@ class RayTrainerBox:
         answers = await self._wait(self.group.finish_batch(self.colocated), "the optimizer step")
         # each replica counted its own samples (it received only its share): the batch's sum
         off = [a.get("train/off_policy_samples", 0.0) for a in answers[:: self.group.tp]]
-        return {**(moved or {}), **answers[0], "train/off_policy_samples": float(sum(off))}
+        metrics = {**(moved or {}), **answers[0], "train/off_policy_samples": float(sum(off))}
+        # the samples picked for the viewer: each replica scored its own (rlkit/view)
+        traced = {k: v for a in answers[:: self.group.tp] for k, v in a.get(TRACED_LOGPROBS, {}).items()}
+        if traced:
+            metrics[TRACED_LOGPROBS] = traced
+        return metrics
 
     def publisher(self) -> Any:
         """The ranks' publisher (train.ray_group.RayPublisher), handed to the rollout actor."""

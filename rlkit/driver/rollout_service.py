@@ -438,11 +438,12 @@ class RolloutService:
         """The groups to the trainer, each record with the lag of its trained tokens behind
         the version they are trained at: the consumer's, which the buffer has at hand-out
         (every mode's trainer trains the batch it takes at the version it takes it at)."""
+        # a few whole, for the run viewer (tracking): picked, and marked, before they leave
+        picked = self.sample_picker.pick(groups, self.buffer.version) if self.sample_picker else []
         handed = self.hand(groups)
         for record, group in zip(handed.records, groups):
             record.update(lag_record(group, self.buffer.version))
-        if self.sample_picker is not None:  # a few whole, for the run viewer (tracking)
-            handed.samples = self.sample_picker.pick(groups, self.buffer.version)
+        handed.samples = picked
         return handed
 
     async def admits(self, for_version: int) -> bool:

@@ -255,14 +255,19 @@ def test_a_batch_streamed_in_any_order_trains_as_the_synchronous_step(tiny_qwen2
     """Stream mode's path (groups one by one, in arrival order) against the plain synchronous
     computation on the whole batch: the same metrics, gradients and weights."""
     from tests.train.helpers import random_groups
-    from rlkit.train.batch import build_batch_from_config
+    from rlkit.buffers.sample import TRACE_KEY, TRACED_LOGPROBS
+    from rlkit.train.batch import TrainBatch, build_batch_from_config
     from rlkit.train.stream import RolloutBatchStep
 
     algo = {"advantage": "grpo", "kl_coef": 0.05, "off_policy_correction": "tis"}
     a, b = make_trainer(tiny_qwen2_dir, algorithm=algo), make_trainer(tiny_qwen2_dir, algorithm=algo)
     groups = random_groups(5, 3, seed=21)
+    picked = groups[order[0]].samples[1]  # saved for the viewer: the trainer scores it too
+    picked.metadata[TRACE_KEY] = True
 
     batch = build_batch_from_config(groups, a.config.algorithm, policy_version=0)
+    [traced] = [s for s in batch.samples if s.traced]
+    before = a.logprobs(TrainBatch([traced], 0))[0]  # the weights the batch trains from
     batch = batch.with_logprobs(ref=a.logprobs(batch, policy="reference"))
     a.accumulate(batch)
     sync = a.step()
@@ -275,6 +280,9 @@ def test_a_batch_streamed_in_any_order_trains_as_the_synchronous_step(tiny_qwen2
     streamed = stream.finish()
     for key in ("train/loss", "train/grad_norm", "train/kl", "train/is_weight", "train/samples"):
         assert streamed[key] == pytest.approx(sync[key], rel=1e-5), key
+    [(key, lp)] = streamed[TRACED_LOGPROBS].items()
+    assert key == f"{picked.group_id}/{picked.index}"
+    assert lp == pytest.approx(before.tolist(), abs=1e-4)
     wa, wb = weights(a), weights(b)
     assert all(float((wa[k] - wb[k]).abs().max()) <= 1e-6 for k in wa)
     with pytest.raises(RuntimeError, match="add after finish"):

@@ -73,7 +73,7 @@ def check_pages(folder: Path, screenshots: Path | None = None, compare: Path | N
                     if groups["samples"]:
                         first = groups["samples"][0]
                         assert page.locator("#sample-tokens span").count() == len(first["ids"])
-                        for mode in ("mask", "logprob", "teacher", "version"):
+                        for mode in ("mask", "logprob", "trainer", "teacher", "version"):
                             page.select_option("#sample-colour", mode)
                         if len(groups["samples"]) > 1:
                             page.click("#sample-next")

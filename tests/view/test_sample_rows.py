@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlkit.buffers.group import Group, PromptRecord
+from rlkit.buffers.sample import TRACE_KEY
 from rlkit.config.schema import TrackingConfig
 from rlkit.rollout.sample_rows import SamplePicker, sample_row
 from rlkit.tracking import Tracker, rewind
@@ -37,6 +38,8 @@ def test_round_robin_over_the_steps_groups_however_handed(per_step, batch, size,
     want = sum(min(len(range(i, per_step, batch)), size) for i in range(len(groups)))
     assert len(rows) == want
     assert len({(r["group_id"], r["sample_index"]) for r in rows}) == len(rows)
+    marked = {(g.group_id, s.index) for g in groups for s in g.samples if s.metadata.get(TRACE_KEY)}
+    assert marked == {(r["group_id"], r["sample_index"]) for r in rows}  # the trainer scores them
     if rows:  # the first pick of each group handed before the count runs out
         assert sorted({r["group_id"] for r in rows}) == list(range(min(per_step, len(groups))))
     # a new consumer version is a new step: counting starts again

@@ -47,6 +47,11 @@ def check_real_run(run_dir: Path, recipe: Any, metrics: list[dict[str, Any]]) ->
             assert n > 0 and len(s["tokens"]) == len(s["versions"]) == len(s["loss_mask"]) == len(s["logprobs"]) == n
             assert s["group_id"] in rewards and s["group_rewards"] == rewards[s["group_id"]]
             assert s["reward"] in s["group_rewards"] and max(s["versions"]) <= m["step"] - 1
+            # the trainer's logprobs of the same tokens, from the weights the step trained from:
+            # on-policy tokens agree with the engine's to numerics (fp32 on CPU)
+            assert len(s["trainer_logprobs"]) == n
+            if set(s["versions"]) == {m["step"] - 1}:
+                assert max(abs(a - b) for a, b in zip(s["logprobs"], s["trainer_logprobs"])) < 1e-2
     assert validate_trace(chrome_trace(run)) == []
     if recipe.tracking.wandb != "disabled":  # the same rows as a wandb Table per step
         tables = sorted(run_dir.glob("wandb/offline-run-*/files/media/table/samples_*.table.json"))

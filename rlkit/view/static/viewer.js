@@ -340,6 +340,16 @@ function drawSample() {
   } else if (mode === "logprob") {
     colour = (i) => heat(Math.min(1, -s.logprobs[i] / 5));
     legend.append(el("span", {}, el("i", { style: `background:${heat(0)}` }), "logprob 0"), el("span", {}, el("i", { style: `background:${heat(1)}` }), "logprob ≤ -5"));
+  } else if (mode === "trainer") {
+    // the engine's against the trainer's logprob of the same token: numerics, or a bug
+    const t = s.trainer_logprobs;
+    const scale = (d) => Math.max(0, Math.min(1, (Math.log10(Math.max(d, 1e-9)) + 6) / 5));
+    colour = t ? (i) => heat(scale(Math.abs(s.logprobs[i] - t[i]))) : () => "transparent";
+    if (t) {
+      const worst = Math.max(...s.logprobs.map((x, i) => Math.abs(x - t[i])));
+      legend.append(el("span", {}, el("i", { style: `background:${heat(0)}` }), "|Δ| ≤ 1e-6"),
+        el("span", {}, el("i", { style: `background:${heat(1)}` }), "|Δ| ≥ 0.1"), el("span", {}, `max |Δ| ${worst.toExponential(1)}`));
+    } else legend.append(el("span", {}, "no trainer logprobs for this sample"));
   } else {
     const t = s.teacher_logprobs;
     colour = t ? (i) => heat(Math.min(1, Math.abs(s.logprobs[i] - t[i]) / 2)) : () => "transparent";
@@ -348,6 +358,7 @@ function drawSample() {
   const frag = document.createDocumentFragment();
   s.tokens.forEach((text, i) => {
     frag.append(el("span", { style: `background:${colour(i)}`, title: `#${i} id ${s.ids[i]} · v${s.versions[i]} · logprob ${fmt(s.logprobs[i])}` +
+      (s.trainer_logprobs ? ` · trainer ${fmt(s.trainer_logprobs[i], 6)}` : "") +
       (s.teacher_logprobs ? ` · teacher ${fmt(s.teacher_logprobs[i])}` : "") + (s.loss_mask[i] ? "" : " · observation") }, text));
   });
   box.replaceChildren(frag);
