@@ -69,6 +69,19 @@ class Span:
                 "response_before": self.response_before}
 
 
+# How a request span ended: its colour and label in `rlkit plot timeline` and `rlkit view`.
+OUTCOMES: dict[str, tuple[str, str]] = {
+    "stop": ("#4c9a2a", "finished (stop)"),
+    "length": ("#e08e0b", "truncated at the cap"),
+    "abort": ("#5b7db8", "aborted, parked with its tokens"),
+    "cancelled": ("#b0b0b0", "cancelled (surplus)"),
+    "preempt": ("#9b59b6", "preempted (KV full)"),
+    "error": ("#c0392b", "failed"),
+    "lost": ("#555555", "engine or router lost (relaunched with its tokens)"),
+    "scored": ("#16a085", "frozen engine: answered"),
+    "timeout": ("#e74c3c", "frozen engine: timed out"),
+    "bad_output": ("#d35400", "frozen engine: bad output"),
+}
 PHASES = ("train", "sync", "sleep", "eval_wait")  # trainer phases (Run.end_step, Run.to_training)
 
 
@@ -168,3 +181,25 @@ def parse_timeline(lines: list[str], where: str = "timeline") -> list[StepTimeli
             tl.workers = sorted({s.worker for s in tl.spans if s.worker is not None})
             tl.source = "real"
     return [steps[k] for k in sorted(steps)]
+
+
+def assign_lanes(intervals: list[tuple[float, float]]) -> list[int]:
+    """Greedy interval packing: the lowest free lane for each interval (sorted by start)."""
+    import heapq
+
+    order = sorted(range(len(intervals)), key=lambda i: (intervals[i][0], intervals[i][1]))
+    lanes = [0] * len(intervals)
+    busy: list[tuple[float, int]] = []  # (end, lane)
+    free: list[int] = []
+    n_lanes = 0
+    for i in order:
+        start, end = intervals[i]
+        while busy and busy[0][0] <= start:
+            heapq.heappush(free, heapq.heappop(busy)[1])
+        if free:
+            lane = heapq.heappop(free)
+        else:
+            lane, n_lanes = n_lanes, n_lanes + 1
+        lanes[i] = lane
+        heapq.heappush(busy, (end, lane))
+    return lanes

@@ -16,22 +16,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-COLOURS = {
-    "stop": "#4c9a2a",
-    "length": "#e08e0b",
-    "abort": "#5b7db8",
-    "cancelled": "#b0b0b0",
-    "preempt": "#9b59b6",
-    "error": "#c0392b",
-}
-LABELS = {
-    "stop": "finished (stop)",
-    "length": "truncated at the cap",
-    "abort": "aborted, parked with its tokens",
-    "cancelled": "cancelled (surplus)",
-    "preempt": "preempted (KV full)",
-    "error": "failed",
-}
+from rlkit.rollout.timeline import OUTCOMES, assign_lanes  # noqa: F401 (assign_lanes: re-exported)
+
+# how a request ended: colour and label (rollout/timeline.py OUTCOMES, shared with rlkit view)
+COLOURS = {k: colour for k, (colour, _) in OUTCOMES.items()}
+LABELS = {k: label for k, (_, label) in OUTCOMES.items()}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -129,28 +118,6 @@ def plot_rounds(steps, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
-
-
-def assign_lanes(intervals: list[tuple[float, float]]) -> list[int]:
-    """Greedy interval packing: the lowest free lane for each interval (sorted by start)."""
-    import heapq
-
-    order = sorted(range(len(intervals)), key=lambda i: (intervals[i][0], intervals[i][1]))
-    lanes = [0] * len(intervals)
-    busy: list[tuple[float, int]] = []  # (end, lane)
-    free: list[int] = []
-    n_lanes = 0
-    for i in order:
-        start, end = intervals[i]
-        while busy and busy[0][0] <= start:
-            heapq.heappush(free, heapq.heappop(busy)[1])
-        if free:
-            lane = heapq.heappop(free)
-        else:
-            lane, n_lanes = n_lanes, n_lanes + 1
-        lanes[i] = lane
-        heapq.heappush(busy, (end, lane))
-    return lanes
 
 
 def plot_step(tl, out: Path, *, max_engines: int = 16) -> None:

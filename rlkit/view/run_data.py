@@ -16,32 +16,18 @@ writing may end a file in a half line, which is skipped, and a missing file is a
 
 from __future__ import annotations
 
-import heapq
 import json
 import math
 from pathlib import Path
 from typing import Any, Iterable
 
-from rlkit.rollout.timeline import (TIMELINE_FILE, StepTimeline, TimelineError, parse_timeline,
-                                    read_timeline)
+from rlkit.rollout.timeline import (OUTCOMES, TIMELINE_FILE, StepTimeline, TimelineError,
+                                    assign_lanes, parse_timeline, read_timeline)
 from rlkit.run_files import (DROPPED_FILE, EVAL_FILE, GROUPS_FILE, METRICS_FILE, RECIPE_FILE,
                              SAMPLES_DIR, sample_file)
 
 RUN_FILES = (METRICS_FILE, TIMELINE_FILE, GROUPS_FILE)  # any one makes a folder a run
 
-# How a request span ended (rollout/timeline.py), in the legend's order: colour and label.
-OUTCOMES: dict[str, tuple[str, str]] = {
-    "stop": ("#4c9a2a", "finished"),
-    "length": ("#e08e0b", "truncated at the cap"),
-    "abort": ("#5b7db8", "aborted, parked with its tokens"),
-    "cancelled": ("#b0b0b0", "cancelled (surplus)"),
-    "preempt": ("#9b59b6", "preempted (KV full)"),
-    "error": ("#c0392b", "failed"),
-    "lost": ("#555555", "engine or router lost (relaunched with its tokens)"),
-    "scored": ("#16a085", "frozen engine: answered"),
-    "timeout": ("#e74c3c", "frozen engine: timed out"),
-    "bad_output": ("#d35400", "frozen engine: bad output"),
-}
 PHASE_COLOURS = {"train": "#f4a261", "sync": "#e76f51", "sleep": "#8d99ae", "eval_wait": "#bdb2ff"}
 
 # The Steps page's panels: a title and its series (metric keys; `eval/*/pass@1` stands for
@@ -262,25 +248,6 @@ def union_length(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def assign_rows(starts: list[float], ends: list[float]) -> list[int]:
-    """Greedy interval packing: each interval (by start) on the lowest row free at its start."""
-    order = sorted(range(len(starts)), key=lambda i: (starts[i], ends[i]))
-    rows = [0] * len(starts)
-    busy: list[tuple[float, int]] = []  # (end, row)
-    free: list[int] = []
-    n = 0
-    for i in order:
-        while busy and busy[0][0] <= starts[i]:
-            heapq.heappush(free, heapq.heappop(busy)[1])
-        if free:
-            row = heapq.heappop(free)
-        else:
-            row, n = n, n + 1
-        rows[i] = row
-        heapq.heappush(busy, (ends[i], row))
-    return rows
-
-
 def timeline_columns(steps: list[StepTimeline]) -> dict[str, Any]:
     workers: list[str] = []
     for tl in steps:
@@ -312,7 +279,7 @@ def timeline_columns(steps: list[StepTimeline]) -> dict[str, Any]:
     rows_per_lane = [0] * len(workers)
     for lane in range(len(workers)):
         mine = [i for i, x in enumerate(cols["lane"]) if x == lane]
-        packed = assign_rows([cols["start"][i] for i in mine], [cols["end"][i] for i in mine])
+        packed = assign_lanes([(cols["start"][i], cols["end"][i]) for i in mine])
         for i, r in zip(mine, packed):
             row[i] = r
         rows_per_lane[lane] = max(packed, default=-1) + 1

@@ -9,8 +9,9 @@ import math
 import pytest
 
 from rlkit.rollout.timeline import StepTimeline, Span
-from rlkit.view.run_data import (RunData, ViewError, assign_rows, idle_share, panels,
-                                 union_length, zero_variance_share)
+from rlkit.rollout.timeline import assign_lanes
+from rlkit.view.run_data import (RunData, ViewError, idle_share, panels, union_length,
+                                 zero_variance_share)
 
 
 def test_a_simulator_folder_gives_every_page(sim_run):
@@ -91,7 +92,7 @@ def test_not_a_run_folder_is_said(tmp_path):
 
 
 def test_pieces():
-    assert assign_rows([0, 1, 2, 2.5], [3, 2, 4, 3]) == [0, 1, 1, 2]
+    assert assign_lanes([(0, 3), (1, 2), (2, 4), (2.5, 3)]) == [0, 1, 1, 2]
     assert union_length([(0, 2), (1, 3), (5, 6), (6, 6)]) == 4
     assert zero_variance_share([{"rewards": [1, 1]}, {"rewards": [0, 1]}, {"rewards": [None, 1]}]) == 2 / 3
     assert math.isnan(zero_variance_share([]))
