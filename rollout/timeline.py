@@ -24,7 +24,7 @@ Step line (optional; the simulator and the real driver write one per step, befor
 Phase line (optional; one per trainer phase of the step: what the driver waited for after the
 step's rollout; in async mode it overlaps the next step's requests):
 
-    {"step": int, "kind": "phase", "name": "train" | "sync" | "sleep" | "eval_wait",
+    {"step": int, "kind": "phase", "name": "train" | "sync" | "sleep" | "eval" | "eval_wait",
      "start": float, "end": float}
 
 Times are seconds on the run's clock (`loop.time()`; virtual in the simulator). `start` is
@@ -82,15 +82,16 @@ OUTCOMES: dict[str, tuple[str, str]] = {
     "timeout": ("#e74c3c", "frozen engine: timed out"),
     "bad_output": ("#d35400", "frozen engine: bad output"),
 }
-PHASES = ("train", "sync", "sleep", "eval_wait")  # trainer phases (Run.end_step, Run.to_training)
+PHASES = ("train", "sync", "sleep", "eval", "eval_wait")  # trainer phases (Run.end_step, Run.to_training)
 
 
 @dataclass
 class Phase:
     """One trainer phase the driver waited for: train (what training was left once the batch
     was in, and the optimizer step), sync (the weight push; colocated, the engines' wake),
-    sleep (colocated: the engines release the GPUs), eval_wait (a sync waiting for an
-    evaluation in flight)."""
+    sleep (colocated: the engines release the GPUs), eval (sync and stream modes: the held-out
+    evaluation between two steps, on the engines; with the next step's phases), eval_wait (a
+    sync waiting for an evaluation in flight, async mode)."""
 
     name: str
     start: float

@@ -137,6 +137,8 @@ class Run:
         phase, self.state.phase = self.state.phase, "evaluation"
         waited = await self.eval_done()
         self.state.phase = phase
+        if waited is not None:  # on the next step's timeline: the engines served it
+            self._phases.append(Phase("eval", self.now() - waited, self.now()))
         if waited is not None and self._last_end is not None:
             self._last_end += waited
 

@@ -125,14 +125,21 @@ def stale_mismatch(f: RunFacts) -> Advice | None:
         return None
     correction = f.key("train", "algorithm", "off_policy_correction", "estimator", default=None)
     correction = None if correction in ("none", "unset") else correction
+    mode, policy = f.key("run", "mode", default="sync"), f.key("rollout", "policy", default="sync")
+    where = []  # where stale tokens come from in this recipe
+    if policy in ("partial", "tail_batching"):
+        where.append("partial responses resumed after a sync: bound their age with "
+                     "rollout.max_token_lag")
+    if mode == "async":
+        where.append("async staleness: lower rollout.max_staleness")
+    fix = "; ".join(where) or "lower rollout.max_staleness"
     return Advice("stale_mismatch", "warn",
                   f"Tokens generated one or more versions ago are far from the trainer's policy "
-                  f"(KL {stale:.1e} against {fresh:.1e} on-policy). "
-                  + ("Lower rollout.max_staleness, or correct for it "
-                     "(train.algorithm.off_policy_correction: tis, mis or icepop)."
-                     if not correction else "Lower rollout.max_staleness, or bound the "
-                     "correction harder."),
-                  f"mismatch/lag*/kl_k3 worst {stale:.2e}, lag0 {fresh:.2e}")
+                  f"(KL {stale:.1e} against {fresh:.1e} on-policy). They come from {fix}. "
+                  + ("Or correct for them (train.algorithm.off_policy_correction: tis, mis or "
+                     "icepop)." if not correction else f"The correction ({correction}) weights "
+                     "them; bound it harder if the reward stalls."),
+                  f"mismatch/lag*/kl_k3 worst {stale:.2e}, lag0 {fresh:.2e} (policy {policy}, mode {mode})")
 
 
 def failures(f: RunFacts) -> Advice | None:

@@ -28,7 +28,8 @@ from rlkit.run_files import (DROPPED_FILE, EVAL_FILE, GROUPS_FILE, METRICS_FILE,
 
 RUN_FILES = (METRICS_FILE, TIMELINE_FILE, GROUPS_FILE)  # any one makes a folder a run
 
-PHASE_COLOURS = {"train": "#f4a261", "sync": "#e76f51", "sleep": "#8d99ae", "eval_wait": "#bdb2ff"}
+PHASE_COLOURS = {"train": "#f4a261", "sync": "#e76f51", "sleep": "#8d99ae", "eval": "#9bc53d",
+                 "eval_wait": "#bdb2ff"}
 
 # The Steps page's panels: a title and its series (metric keys; `eval/*/pass@1` stands for
 # every eval pass's pass@1; `mismatch/lag*/kl_k3` every version lag's). A panel whose keys the run lacks is left out.

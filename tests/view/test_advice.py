@@ -51,10 +51,12 @@ def test_train_bound_only_in_sync_mode():
 
 def test_stale_mismatch_against_the_on_policy_tokens():
     rows = [{"mismatch/lag0/kl_k3": 1e-4, "mismatch/lag1/kl_k3": 5e-3}] * 2
-    [a] = advise(facts(rows))
+    [a] = advise(facts(rows, run={"mode": "async"}))
     assert a["rule"] == "stale_mismatch" and "off_policy_correction" in a["message"]
-    [a] = advise(facts(rows, train={"algorithm": {"off_policy_correction": {"estimator": "icepop"}}}))
-    assert "bound the correction harder" in a["message"]
+    assert "rollout.max_staleness" in a["message"] and "max_token_lag" not in a["message"]
+    [a] = advise(facts(rows, rollout={"policy": "partial"},
+                       train={"algorithm": {"off_policy_correction": {"estimator": "icepop"}}}))
+    assert "rollout.max_token_lag" in a["message"] and "(icepop)" in a["message"]
     assert rules_of(facts([{"mismatch/lag0/kl_k3": 1e-4, "mismatch/lag1/kl_k3": 2e-4}] * 2)) == []
 
 
