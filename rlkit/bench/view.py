@@ -49,7 +49,8 @@ def simulated_run(folder: Path, requests: int) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "timeline.jsonl").unlink(missing_ok=True)
     batch, group = 64, 8
-    steps = max(1, -(-requests // (batch * group)))
+    per_step = batch * group * 7 // 4  # over-provisioned 2x, less the groups parked early
+    steps = max(1, -(-requests // per_step))
     trace = generate_trace(TraceSpec(rows=max(256, 2 * steps * batch), epochs=2, cap=4096,
                                      group_size=group, batch_size=batch))
     run_simulation(SimConfig(8, constant_profile([0.01, 0.02, 0.04], [1, 64, 256],

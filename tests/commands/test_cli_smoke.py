@@ -337,8 +337,10 @@ def view(c: Ctx) -> None:
     from rlkit.view.trace_export import validate_trace
 
     run = c.request.getfixturevalue("tiny_run")
+    # SIGINT as a terminal's Ctrl-C: a child of a background job (CI) starts with it ignored
     proc = subprocess.Popen([sys.executable, "-m", "rlkit.cli", "view", str(run.path)],
-                            stdout=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         line = proc.stdout.readline()
         url = line.split()[2]

@@ -99,7 +99,7 @@ def test_ctrl_c_stops_every_process_and_the_run_resumes(tmp_path, ray_tmp):
     metrics = out / "grpo-tiny" / "metrics.jsonl"
     deadline = time.monotonic() + 400
     while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 1:  # every process is up
             break
         time.sleep(0.5)
     assert proc.poll() is None, proc.stdout.read()

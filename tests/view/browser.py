@@ -103,3 +103,42 @@ INKED = """(id) => {
   for (let i = 0; i < d.length; i += 4) if (d[i] < 240 || d[i + 1] < 240 || d[i + 2] < 240) inked++;
   return inked / (d.length / 4);
 }"""
+
+
+def docs_screenshots(folder: Path, out: Path) -> None:
+    """The pages of a run as docs/viewer/ shows them: every page checked (check_pages), then the
+    Engines page zoomed on the step of the first saved sample that spans two weight versions,
+    and that sample on the Groups page, coloured by version."""
+    check_pages(folder, screenshots=out)
+    run = RunData(folder)
+    step, index = next(((s, i) for s in run.sample_steps() for i, x in enumerate(run.samples(s))
+                        if len(set(x["versions"])) > 1), (None, 0))
+    if step is None:
+        return
+    sync_playwright = browser_or_skip()
+    server = ViewServer(run).start()
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page.goto(server.url)  # the token's cookie
+            page.goto(server.url.split("?")[0] + "#engines")
+            page.wait_for_selector("#engine-canvas[data-drawn]")
+            page.select_option("#engine-step", str(step))
+            page.screenshot(path=str(out / f"engines-step{step}.png"), full_page=True)
+            page.goto(server.url.split("?")[0] + "#groups")
+            page.wait_for_selector("#group-summary:not(:empty)")
+            page.select_option("#group-step", str(step))
+            page.wait_for_timeout(500)  # the step's groups: drawn once fetched (docs only)
+            for _ in range(index):
+                page.click("#sample-next")
+            page.screenshot(path=str(out / f"groups-step{step}.png"), full_page=True)
+            browser.close()
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":  # python -m tests.view.browser RUN OUT: docs/viewer's screenshots
+    import sys
+
+    docs_screenshots(Path(sys.argv[1]), Path(sys.argv[2]))
