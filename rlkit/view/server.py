@@ -161,8 +161,9 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._file(STATIC / "index.html", set_cookie)
             if path.startswith("/static/"):
                 return self._file(inside(STATIC, path[len("/static/"):]), set_cookie)
-            if path.startswith("/run/"):
-                return self._file(inside(self.view.run.folder, path[len("/run/"):]), set_cookie)
+            if path.startswith("/run/"):  # as text (an image as itself): never a page of ours
+                return self._file(inside(self.view.run.folder, path[len("/run/"):]), set_cookie,
+                                  as_text=True)
             if path.startswith("/api/"):
                 body = self.view.api(path[len("/api/"):], query)
                 if body is None:
@@ -180,11 +181,11 @@ class _Handler(BaseHTTPRequestHandler):
         port = self.view.port
         return host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}")
 
-    def _file(self, path: Path | None, set_cookie: bool = False) -> None:
+    def _file(self, path: Path | None, set_cookie: bool = False, as_text: bool = False) -> None:
         if path is None:
             return self._send(HTTPStatus.NOT_FOUND, b"not found", "text/plain")
         kind = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
-        if path.suffix in (".jsonl", ".yaml", ".log"):
+        if as_text and not kind.startswith("image/"):
             kind = "text/plain"
         self._send(HTTPStatus.OK, path.read_bytes(), kind, set_cookie)
 

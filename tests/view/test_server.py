@@ -53,7 +53,8 @@ def test_token_cookie_and_pages(server):
     assert get(server, "/api/nothing", {"Cookie": cookie})[0] == 404
     assert get(server, "/static/viewer.js", {"Cookie": cookie})[0] == 200
     assert get(server, "/static/vendor/uPlot.iife.min.js", {"Cookie": cookie})[0] == 200
-    assert get(server, "/run/timeline.jsonl", {"Cookie": cookie})[0] == 200
+    status, _, headers = get(server, "/run/timeline.jsonl", {"Cookie": cookie})
+    assert status == 200 and headers["Content-Type"].startswith("text/plain")
     # a DNS-rebinding page reaches the port under another name: refused
     assert get(server, f"/?token={t}", {"Host": "evil.example:80"})[0] == 403
 
@@ -75,6 +76,18 @@ def test_a_link_out_of_the_run_folder_is_not_followed(tmp_path):
     (run / "out.txt").symlink_to(tmp_path / "secret.txt")
     assert inside(run, "out.txt") is None
     assert inside(run, "timeline.jsonl") == (run / "timeline.jsonl").resolve()
+
+
+def test_run_files_are_served_as_text_never_as_a_page(tmp_path):
+    (tmp_path / "timeline.jsonl").write_text("")
+    (tmp_path / "page.html").write_text("<script>fetch('/api/steps')</script>")
+    (tmp_path / "chart.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    s = ViewServer(RunData(tmp_path)).start()
+    try:
+        kinds = {f: get(s, f"/run/{f}?token={s.token}")[2]["Content-Type"] for f in ("page.html", "chart.png")}
+    finally:
+        s.stop()
+    assert kinds["page.html"].startswith("text/plain") and kinds["chart.png"] == "image/png"
 
 
 def own_address() -> str | None:
