@@ -6,7 +6,8 @@ loads each page `--repeats` times in Debian's Chromium (driven by Playwright, th
 timing the navigation until the page is drawn (the charts' canvases, the timeline's canvas
 with every request in view, the group table). It also times one redraw of the whole timeline
 (a zoom or pan), and the server's answer for each page's data, cold and cached, with its size.
-Reported as medians; nothing here is asserted (tests/view/test_browser.py runs it small).
+Reported as medians, with any console error the page logged; nothing here is asserted (the
+CLI smoke test runs it small and checks the pages loaded clean).
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ def measure(folder: Path, repeats: int, chromium: str = CHROMIUM) -> dict[str, A
         server.api(what, {})
         api[what] = {"cold_s": cold, "cached_s": time.perf_counter() - t0, "bytes": len(body or b"")}
     loads: dict[str, list[float]] = {name: [] for name in READY}
+    errors: list[str] = []  # what the page said went wrong (reported: a bench asserts nothing)
     redraw: list[float] = []
     try:
         with sync_playwright() as p:
@@ -88,6 +90,9 @@ def measure(folder: Path, repeats: int, chromium: str = CHROMIUM) -> dict[str, A
                 "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                 "--disable-background-networking", "--disable-component-update", "--disable-sync"])
             page = browser.new_page(viewport={"width": 1600, "height": 1000})
+            page.on("console", lambda m: errors.append(f"console {m.type}: {m.text}")
+                    if m.type in ("error", "warning") else None)
+            page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
             page.goto(server.url)  # the token's cookie, once
             for _ in range(repeats):
                 for name, ready in READY.items():
@@ -104,7 +109,8 @@ def measure(folder: Path, repeats: int, chromium: str = CHROMIUM) -> dict[str, A
     return {"run": str(folder), "requests": len(run.timeline()["spans"]["lane"]),
             "engines": len([w for w in run.timeline()["workers"] if not w.startswith("frozen:")]),
             "page_load_s": {k: statistics.median(v) for k, v in loads.items()},
-            "timeline_redraw_s": statistics.median(redraw), "api": api, "repeats": repeats}
+            "timeline_redraw_s": statistics.median(redraw), "api": api, "repeats": repeats,
+            "page_errors": errors}
 
 
 def table(r: dict[str, Any]) -> str:
@@ -117,6 +123,8 @@ def table(r: dict[str, Any]) -> str:
         lines.append(f"| {name} | {s:.2f} | {a.get('bytes', 0):,} | {a.get('cold_s', 0):.3f} | "
                      f"{a.get('cached_s', 0):.4f} |")
     lines += ["", f"Timeline redraw (a zoom or pan, every request): {r['timeline_redraw_s'] * 1e3:.1f} ms"]
+    if r["page_errors"]:
+        lines += ["", "Errors the page reported: " + "; ".join(r["page_errors"][:5])]
     return "\n".join(lines)
 
 

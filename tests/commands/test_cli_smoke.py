@@ -369,6 +369,7 @@ def bench_view(c: Ctx) -> None:
     assert r["requests"] >= 200 and r["engines"] == 8
     assert set(r["page_load_s"]) == {"steps", "engines", "groups", "advice"}
     assert all(s > 0 for s in r["page_load_s"].values()) and r["timeline_redraw_s"] > 0
+    assert r["page_errors"] == []  # a simulator run's pages load clean (a real run's: tests/e2e)
 
 
 # command words -> (row, marks); fast rows first, the heavy ones share one tiny run

